@@ -1,0 +1,137 @@
+"""One typed configuration for a FedBiP run, validated at the edge.
+
+Flower delivers the run config as a flat ``dict[str, bool | int | float | str]`` with
+kebab-case keys (``concept-lr``); :meth:`FedBiPConfig.from_flat` turns it into this model and
+rejects unknown keys and bad values with one readable message. Defaults are the paper's
+(FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONCEPT_SLOT_S = "{S}"
+CONCEPT_SLOT_V = "{V}"
+SD_V1_4 = "CompVis/stable-diffusion-v1-4"
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message says which key and why."""
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+class FedBiPConfig(BaseModel):
+    """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=_kebab, populate_by_name=True, frozen=True
+    )
+
+    # --- base latent diffusion model -------------------------------------------------------
+    model: str = Field(
+        "models/miniature-ldm",
+        description="Hub id (e.g. CompVis/stable-diffusion-v1-4) or a local diffusers folder.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    half_precision: bool = Field(
+        True, description="fp16 for the frozen LDM on CUDA; CPU always runs float32."
+    )
+
+    # --- data --------------------------------------------------------------------------------
+    dataset: Literal["shapes"] = "shapes"
+    data_root: str = Field("", description="Dataset folder; empty = generated in memory.")
+    domains: str = Field(
+        "sketch,quickdraw,painting",
+        description="Comma-separated domains; partition p gets domains[p % len(domains)].",
+    )
+    shots_per_class: int = Field(16, ge=2, description="k real images per class per client.")
+    test_per_class: int = Field(50, ge=1, description="Real test images per class per domain.")
+    image_size: int = Field(64, ge=8, description="Side of the images the LDM sees.")
+
+    # --- instance level (eq. 3) --------------------------------------------------------------
+    gamma_mean: float = Field(0.5, ge=0.0, le=1.0)
+    gamma_std: float = Field(0.1, ge=0.0)
+    start_timestep: int = Field(
+        0,
+        ge=0,
+        description="T for z(T); 0 = the first timestep of the synthesis schedule (paper).",
+    )
+    latent_dtype: Literal["float32", "float16"] = "float32"
+
+    # --- concept level (eq. 4) ---------------------------------------------------------------
+    prompt_template: str = Field(
+        "a {S} style of a {V}", description="Must contain {S} (domain) and {V} (class)."
+    )
+    n_s: int = Field(1, ge=1, le=8, description="Token vectors in the domain concept S.")
+    n_v: int = Field(1, ge=1, le=8, description="Token vectors per class concept V_y.")
+    concept_space: Literal["token", "hidden"] = Field(
+        "token",
+        description="token = input token embeddings (paper); "
+        "hidden = text-encoder output states (authors' code).",
+    )
+    concept_lr: float = Field(0.1, gt=0.0)
+    concept_epochs: int = Field(50, ge=0)
+    concept_batch_size: int = Field(8, ge=1)
+
+    # --- payload -----------------------------------------------------------------------------
+    max_payload_mb: float = Field(512.0, gt=0.0, description="Replies above this are refused.")
+
+    # --- server synthesis (eq. 5) ------------------------------------------------------------
+    multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")
+    num_inference_steps: int = Field(50, ge=1)
+    guidance_scale: float = Field(7.5, ge=1.0, description="1.0 disables guidance.")
+    eta_std: float = Field(0.1, ge=0.0, description="sigma of the perturbation S + eta.")
+    synthesis_batch_size: int = Field(32, ge=1)
+
+    # --- classifier (eq. 6) ------------------------------------------------------------------
+    classifier_init: Literal["imagenet", "random"] = "imagenet"
+    classifier_epochs: int = Field(50, ge=1)
+    classifier_lr: float = Field(0.01, gt=0.0)
+    classifier_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    classifier_batch_size: int = Field(64, ge=1)
+    classifier_image_size: int = Field(64, ge=16)
+
+    # --- federation --------------------------------------------------------------------------
+    min_clients: int = Field(2, ge=1, description="Fewer valid payloads than this fail the run.")
+    wait_for_clients_s: float = Field(300.0, gt=0.0)
+    reply_timeout_s: float = Field(3600.0, gt=0.0)
+    output_dir: str = "outputs"
+    run_name: str = Field(
+        "", description="Folder under output-dir; reuse one to resume an interrupted server."
+    )
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_template(self) -> FedBiPConfig:
+        for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
+            if self.prompt_template.count(slot) != 1:
+                raise ValueError(f"prompt-template must contain {slot} exactly once")
+        if not self.domain_list:
+            raise ValueError("domains must name at least one domain")
+        return self
+
+    @property
+    def domain_list(self) -> list[str]:
+        return [d.strip() for d in self.domains.split(",") if d.strip()]
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> FedBiPConfig:
+        """Build from Flower's flat run config; raise :class:`ConfigError` with one sentence."""
+        try:
+            return cls.model_validate(dict(flat))
+        except ValidationError as err:
+            problems = "; ".join(
+                f"'{'.'.join(str(p) for p in e['loc']) or 'config'}': {e['msg']}"
+                for e in err.errors()
+            )
+            raise ConfigError(f"Invalid FedBiP run config: {problems}.") from None
+
+    def to_flat(self) -> dict[str, Any]:
+        """The kebab-case dict form, as written to metrics.json and accepted by from_flat."""
+        return self.model_dump(by_alias=True)

@@ -1,0 +1,131 @@
+"""Instance-level personalization (paper eq. 3): where z(T) is computed.
+
+    z_i(0)   = VAE(x_i) * scaling_factor                 (each image encoded once)
+    zbar_i   = gamma * z_i(0) + (1 - gamma) * z_i'(0),  y_i' = y_i, i' != i, gamma ~ N(0.5, 0.1^2)
+    z_i(T)   = sqrt(abar_T) * zbar_i + sqrt(1 - abar_T) * eps     (the scheduler's add_noise)
+
+T is the first timestep the server denoises from, so the server continues exactly where the
+client's forward process stopped. A class with a single image has no partner: that image is
+its own partner (zbar = z(0)); the noise at T is the only thing hiding it, so a warning is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from diffusers import AutoencoderKL, PNDMScheduler
+
+log = logging.getLogger(__name__)
+
+
+def schedule_grid(scheduler: PNDMScheduler, num_inference_steps: int) -> torch.Tensor:
+    """The distinct timesteps of a ``num_inference_steps`` schedule, descending (981, 961, ...)."""
+    scheduler.set_timesteps(num_inference_steps)
+    return torch.unique(scheduler.timesteps).flip(0)
+
+
+def start_timestep(scheduler: PNDMScheduler, num_inference_steps: int, requested: int = 0) -> int:
+    """T: the schedule's first timestep (paper default, ``requested=0``), else the latest
+    schedule timestep <= ``requested`` (an earlier T keeps more of the image: privacy dial)."""
+    grid = schedule_grid(scheduler, num_inference_steps)
+    if requested == 0:
+        return int(grid[0])
+    eligible = grid[grid <= requested]
+    if len(eligible) == 0:
+        raise ValueError(
+            f"start-timestep {requested} is below the schedule's last timestep {int(grid[-1])}"
+        )
+    return int(eligible[0])
+
+
+def denoising_timesteps(
+    scheduler: PNDMScheduler, num_inference_steps: int, timestep: int
+) -> torch.Tensor:
+    """The PLMS timesteps from T down, with PNDM's warm-up repeat of the second one.
+
+    ``set_timesteps`` yields [981, 961, 961, 941, ...]: the repeated 961 is PNDM's second-order
+    warm-up step. Starting at an earlier T rebuilds that pattern from T instead of slicing it off.
+    """
+    grid = schedule_grid(scheduler, num_inference_steps)
+    if timestep not in grid.tolist():
+        raise ValueError(f"T={timestep} is not a timestep of the {num_inference_steps}-step schedule")
+    tail = grid[grid <= timestep]
+    if len(tail) < 2:
+        return tail
+    return torch.cat([tail[:2], tail[1:]])
+
+
+@torch.no_grad()
+def encode_images(vae: AutoencoderKL, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """z(0) = E(x) * scaling_factor for images in [-1, 1]; the posterior mean (deterministic)."""
+    chunks = []
+    for batch in images.split(batch_size):
+        batch = batch.to(vae.device, vae.dtype)
+        chunks.append(vae.encode(batch).latent_dist.mean.float().cpu())
+    return torch.cat(chunks) * float(vae.config.scaling_factor)
+
+
+def pick_partners(labels: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """For each i a uniformly random i' != i with the same label (i itself if it is alone)."""
+    partners = torch.empty_like(labels)
+    for label in labels.unique():
+        members = (labels == label).nonzero().flatten()
+        if len(members) == 1:
+            log.warning("class %d has a single image: it is interpolated with itself", label)
+            partners[members] = members
+            continue
+        # offset in 1..n-1 picks uniformly among the other members
+        offsets = torch.randint(1, len(members), (len(members),), generator=generator)
+        partners[members] = members[(torch.arange(len(members)) + offsets) % len(members)]
+    return partners
+
+
+def sample_gammas(
+    n: int, mean: float, std: float, generator: torch.Generator
+) -> torch.Tensor:
+    """gamma ~ N(mean, std^2) clipped to [0, 1]."""
+    return (mean + std * torch.randn(n, generator=generator)).clamp(0.0, 1.0)
+
+
+def forward_noise(
+    scheduler: PNDMScheduler, zbar: torch.Tensor, timestep: int, noise: torch.Tensor
+) -> torch.Tensor:
+    """delta(T, zbar) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps, via the scheduler itself."""
+    t = torch.full((zbar.shape[0],), timestep, dtype=torch.long)
+    return scheduler.add_noise(zbar, noise, t)
+
+
+@dataclass(frozen=True)
+class InstanceLatents:
+    """What instance-level personalization produces; z0 is kept for concept learning."""
+
+    z0: torch.Tensor
+    zT: torch.Tensor
+    labels: torch.Tensor
+    partners: torch.Tensor
+    gammas: torch.Tensor
+    timestep: int
+
+
+def personalize_instances(
+    vae: AutoencoderKL,
+    scheduler: PNDMScheduler,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    timestep: int,
+    *,
+    gamma_mean: float = 0.5,
+    gamma_std: float = 0.1,
+    generator: torch.Generator,
+) -> InstanceLatents:
+    """Encode once, mix each latent with a same-class partner, forward-noise to T."""
+    z0 = encode_images(vae, images)
+    partners = pick_partners(labels, generator)
+    gammas = sample_gammas(len(labels), gamma_mean, gamma_std, generator)
+    g = gammas.view(-1, 1, 1, 1)
+    zbar = g * z0 + (1 - g) * z0[partners]
+    noise = torch.randn(z0.shape, generator=generator)
+    zT = forward_noise(scheduler, zbar, timestep, noise)
+    return InstanceLatents(z0, zT, labels.clone(), partners, gammas, timestep)

@@ -1,0 +1,308 @@
+"""The frozen latent diffusion model: loading (hub id or diffusers folder) and tiny builds.
+
+Every run, from the 2-core CPU tests to Stable Diffusion v1-4 on a GPU, loads its model through
+:func:`load_ldm`. Small models are *built* here (random init) and saved in the diffusers folder
+layout, so tests exercise exactly the path that real weights take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from .paths import resolve
+
+# Stable Diffusion v1-x scheduler settings: the noise schedule that z(T) and synthesis share.
+SD_SCHEDULER_CONFIG = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    skip_prk_steps=True,
+    steps_offset=1,
+    set_alpha_to_one=False,
+)
+SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
+
+
+class ModelLoadError(RuntimeError):
+    """The base model cannot be loaded; the message says what to set or install."""
+
+
+@dataclass
+class LDM:
+    """The four frozen parts of a latent diffusion model plus its noise scheduler."""
+
+    vae: AutoencoderKL
+    unet: UNet2DConditionModel
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    scheduler: PNDMScheduler
+    fingerprint: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.unet.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.unet.dtype
+
+    @property
+    def concept_dim(self) -> int:
+        """d_w: width of a token embedding (= text hidden size for CLIP)."""
+        return int(self.text_encoder.config.hidden_size)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.vae.config.sample_size)
+
+    def latent_shape(self, image_size: int | None = None) -> tuple[int, int, int]:
+        """(C, H, W) of z for an image of ``image_size`` pixels (VAE downsampling factor)."""
+        size = image_size or self.image_size
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return (int(self.vae.config.latent_channels), size // factor, size // factor)
+
+    def freeze(self) -> LDM:
+        """FedBiP never updates the LDM: no gradients, eval mode."""
+        for module in (self.vae, self.unet, self.text_encoder):
+            module.requires_grad_(False)
+            module.eval()
+        return self
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LDM:
+        for module in (self.vae, self.unet, self.text_encoder):
+            module.to(device=device, dtype=dtype)
+        return self
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the diffusers folder layout (safetensors weights) that :func:`load_ldm` reads."""
+        folder = Path(folder)
+        self.vae.save_pretrained(folder / "vae")
+        self.unet.save_pretrained(folder / "unet")
+        self.text_encoder.save_pretrained(folder / "text_encoder")
+        self.tokenizer.save_pretrained(folder / "tokenizer")
+        self.scheduler.save_pretrained(folder / "scheduler")
+        _write_model_index(folder)
+        return folder
+
+
+def _write_model_index(folder: Path) -> None:
+    """model_index.json lets ``StableDiffusionPipeline.from_pretrained(folder)`` load it too."""
+    index = {
+        "_class_name": "StableDiffusionPipeline",
+        "_diffusers_version": "0.42.1",
+        "feature_extractor": [None, None],
+        "requires_safety_checker": False,
+        "safety_checker": [None, None],
+        "image_encoder": [None, None],
+        "scheduler": ["diffusers", "PNDMScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "unet": ["diffusers", "UNet2DConditionModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def fingerprint(parts: Iterable[torch.Tensor]) -> str:
+    """Short hash of identifying weights: client and server must share one base model.
+
+    Concepts learned against one text encoder are meaningless under another, so the payload
+    carries this and the server refuses a mismatch. Hashing all of SD's 1B parameters would take
+    seconds; the token-embedding table, the outer UNet/VAE convs and the noise schedule
+    (alphas_cumprod) identify a checkpoint. Configs are left out on purpose: saving and loading
+    adds bookkeeping keys to them without changing the model.
+    """
+    digest = hashlib.sha256()
+    for tensor in parts:
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _fingerprint_of(
+    vae: AutoencoderKL, unet: UNet2DConditionModel, text: CLIPTextModel, sched: PNDMScheduler
+) -> str:
+    modules = [text.get_input_embeddings(), unet.conv_in, unet.conv_out, vae.decoder.conv_out]
+    tensors = [p for m in modules for p in m.parameters()] + [sched.alphas_cumprod]
+    return fingerprint(tensors)
+
+
+def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
+    """Load VAE, UNet, CLIP text encoder, tokenizer and PNDM scheduler (float32, frozen).
+
+    ``source`` is a hub id (``CompVis/stable-diffusion-v1-4``) or a local diffusers folder.
+    The scheduler is always PNDM (the paper's sampler) built from the model's scheduler config.
+    """
+    source = str(source)
+    local = Path(source).expanduser()
+    if local.exists() and not (local / "model_index.json").exists() and not (local / "unet").is_dir():
+        raise ModelLoadError(
+            f"'{source}' is a folder but not a diffusers model folder (no unet/ or "
+            "model_index.json); point run config 'model' at one."
+        )
+    path = str(local) if local.exists() else source
+    kwargs = {"local_files_only": not allow_download} if not local.exists() else {}
+    try:
+        vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
+        unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **kwargs)
+        text = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs)
+        tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
+        sched_cfg = PNDMScheduler.load_config(path, subfolder="scheduler", **kwargs)
+    except (OSError, ValueError, EnvironmentError) as err:
+        raise ModelLoadError(
+            f"Could not load the base model '{source}': it is not a local diffusers folder "
+            "and is not in the Hugging Face cache (or the hub is unreachable). Set run config "
+            "'model' to a local folder, or download it once with network access "
+            f"({type(err).__name__}: {str(err).splitlines()[0][:200]})."
+        ) from None
+    sched = PNDMScheduler.from_config({**sched_cfg, "skip_prk_steps": True})
+    ldm = LDM(vae, unet, text, tokenizer, sched, _fingerprint_of(vae, unet, text, sched))
+    return ldm.freeze()
+
+
+# --- tiny models for tests and CPU runs ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LDMSpec:
+    """Architecture of a small Stable-Diffusion-family model (all parts diffusers classes)."""
+
+    image_size: int = 32
+    vae_channels: tuple[int, ...] = (8, 16)
+    unet_channels: tuple[int, ...] = (16, 32)
+    text_hidden: int = 32
+    text_layers: int = 1
+    text_heads: int = 2
+    max_length: int = 16
+    attention_head_dim: int = 8
+
+
+TINY = LDMSpec()
+MINIATURE = LDMSpec(
+    image_size=64,
+    vae_channels=(16, 32, 64),
+    unet_channels=(32, 64, 128),
+    text_hidden=64,
+    text_layers=2,
+    text_heads=2,
+    max_length=16,
+    attention_head_dim=16,
+)
+
+
+def build_tokenizer(words: Iterable[str], max_length: int) -> CLIPTokenizer:
+    """A word-level CLIP BPE tokenizer: each word is one token, any other text still encodes.
+
+    Letters stay in the vocabulary, so unknown words split into characters instead of failing.
+    Merges are chained per word; a merge from one word can pre-empt another word's chain, so
+    extra merges are appended until every word tokenizes to exactly one token.
+    """
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab: dict[str, int] = {}
+    for token in [*SPECIAL_TOKENS, *letters, *(c + "</w>" for c in letters)]:
+        vocab.setdefault(token, len(vocab))
+    merges: list[tuple[str, str]] = []
+    words = sorted({w.lower() for w in words if w.isalpha() and w.isascii() and len(w) > 1})
+    for word in words:
+        pieces = [*word[:-1], word[-1] + "</w>"]
+        while len(pieces) > 1:
+            pair = (pieces[0], pieces[1])
+            if pair not in merges:
+                merges.append(pair)
+                vocab.setdefault("".join(pair), len(vocab))
+            pieces = ["".join(pair), *pieces[2:]]
+    for _ in range(8):
+        tokenizer = _clip_tokenizer(vocab, merges, max_length)
+        broken = {w: tokenizer.tokenize(w) for w in words if len(tokenizer.tokenize(w)) > 1}
+        if not broken:
+            return tokenizer
+        for pieces in broken.values():
+            while len(pieces) > 1:
+                pair = (pieces[0], pieces[1])
+                merges.append(pair)
+                vocab.setdefault("".join(pair), len(vocab))
+                pieces = ["".join(pair), *pieces[2:]]
+    raise RuntimeError(f"could not make single-token words of {sorted(broken)}")
+
+
+def _clip_tokenizer(vocab: dict[str, int], merges: list, max_length: int) -> CLIPTokenizer:
+    return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=max_length)
+
+
+def build_ldm(spec: LDMSpec, words: Iterable[str], seed: int = 0) -> LDM:
+    """A randomly initialised LDM of the SD architecture family (for tests and pretraining)."""
+    torch.manual_seed(seed)
+    n_vae = len(spec.vae_channels)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * n_vae,
+        up_block_types=("UpDecoderBlock2D",) * n_vae,
+        block_out_channels=spec.vae_channels,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=min(8, spec.vae_channels[0]),
+        sample_size=spec.image_size,
+        mid_block_add_attention=False,
+    )
+    n_unet = len(spec.unet_channels)
+    unet = UNet2DConditionModel(
+        sample_size=spec.image_size // 2 ** (n_vae - 1),
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (n_unet - 1),
+        up_block_types=("CrossAttnUpBlock2D",) * (n_unet - 1) + ("UpBlock2D",),
+        block_out_channels=spec.unet_channels,
+        layers_per_block=1,
+        cross_attention_dim=spec.text_hidden,
+        attention_head_dim=spec.attention_head_dim,
+        norm_num_groups=min(8, spec.unet_channels[0]),
+    )
+    tokenizer = build_tokenizer(words, spec.max_length)
+    text = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=spec.text_hidden,
+            intermediate_size=spec.text_hidden * 4,
+            num_hidden_layers=spec.text_layers,
+            num_attention_heads=spec.text_heads,
+            max_position_embeddings=spec.max_length,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    sched = PNDMScheduler(**SD_SCHEDULER_CONFIG)
+    return LDM(vae, unet, text, tokenizer, sched, _fingerprint_of(vae, unet, text, sched)).freeze()
+
+
+# --- runtime --------------------------------------------------------------------------------
+
+
+def select_device(choice: str) -> torch.device:
+    """``auto`` takes CUDA when present; asking for CUDA without one is an error, not a fallback."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("run config device = \"cuda\" but no CUDA device is visible")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def load_for_run(model: str, device_choice: str, half_precision: bool) -> LDM:
+    """Resolve the run config's model (local folder or hub id) and place it on the device.
+
+    On CUDA the frozen LDM runs in fp16 when ``half_precision``; on CPU always float32.
+    """
+    local = resolve(model)
+    ldm = load_ldm(local if local.exists() else model)
+    device = select_device(device_choice)
+    dtype = torch.float16 if device.type == "cuda" and half_precision else torch.float32
+    return ldm.to(device, dtype)

@@ -1,0 +1,17 @@
+"""Log lines from the library reach the Flower log stream (``flwr run --stream`` / ``flwr log``)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Attach one stderr handler to the library's logger (idempotent)."""
+    logger = logging.getLogger("fedbip_flwr")
+    logger.setLevel(level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False

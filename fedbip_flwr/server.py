@@ -1,0 +1,222 @@
+"""The server's whole job after the one round: payloads -> synthetic set -> classifier -> metrics.
+
+Plain library code over a run folder; the Flower strategy only collects the replies and calls
+:func:`accept_payload` for each, then :func:`synthesize_all` and :func:`train_and_evaluate`.
+Everything accepted is on disk before any heavy work, synthesis is written in shards (one per
+client and pass), and a restart over the same folder resumes from what is there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .classifier import TrainSettings, build_classifier, evaluate, save_classifier, train_classifier
+from .config import FedBiPConfig
+from .instance import start_timestep
+from .ldm import LDM
+from .payload import Expectations, Payload, PayloadError, decode_payload
+from .storage import atomic_write, read_tensors, write_tensors
+from .synthesis import SynthesisSettings, draw_etas, synthesize_pass
+from .viz import image_grid
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Where one run keeps everything: payloads/, shards/, metrics.json, classifier, PNGs."""
+
+    root: Path
+
+    @property
+    def payloads(self) -> Path:
+        return self.root / "payloads"
+
+    @property
+    def shards(self) -> Path:
+        return self.root / "shards"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def clients(self) -> Path:
+        """Outcome of the one round; its presence means the round is complete."""
+        return self.root / "clients.json"
+
+    @property
+    def classifier(self) -> Path:
+        return self.root / "classifier.safetensors"
+
+    def payload_path(self, client_id: str) -> Path:
+        return self.payloads / f"{client_id}.safetensors"
+
+    def shard_path(self, client_id: str, pass_index: int) -> Path:
+        return self.shards / f"{client_id}-pass{pass_index}.safetensors"
+
+    def grid_path(self, client_id: str) -> Path:
+        return self.root / f"grid-{client_id}.png"
+
+    def persisted_payloads(self) -> dict[str, Path]:
+        """Payloads already accepted by an earlier (interrupted) run, by client id."""
+        return {p.stem: p for p in sorted(self.payloads.glob("*.safetensors"))}
+
+
+def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
+    """What every payload must agree with: the server's config and its base model."""
+    return Expectations(
+        max_bytes=int(cfg.max_payload_mb * 2**20),
+        base_model=ldm.fingerprint,
+        latent_shape=ldm.latent_shape(cfg.image_size),
+        concept_dim=ldm.concept_dim,
+        timestep=start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep),
+        num_inference_steps=cfg.num_inference_steps,
+        scheduler=type(ldm.scheduler).__name__,
+        n_s=cfg.n_s,
+        n_v=cfg.n_v,
+        concept_space=cfg.concept_space,
+        class_names=tuple(class_names),
+        prompt_template=cfg.prompt_template,
+    )
+
+
+def accept_payload(
+    blob: bytes, expect: Expectations, folder: RunFolder, taken: set[str]
+) -> Payload:
+    """Validate an upload and persist it durably; raise PayloadError with the reason if not."""
+    payload = decode_payload(blob, expect)
+    client_id = payload.meta.client_id
+    if not client_id.replace("-", "").replace("_", "").isalnum():
+        raise PayloadError(f"payload rejected: client_id '{client_id}' must be alphanumeric, - or _")
+    if client_id in taken:
+        raise PayloadError(f"payload rejected: a payload from '{client_id}' was already accepted")
+    atomic_write(folder.payload_path(client_id), blob)
+    taken.add(client_id)
+    return payload
+
+
+def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
+    return SynthesisSettings(
+        multiplier=cfg.multiplier,
+        num_inference_steps=cfg.num_inference_steps,
+        guidance_scale=cfg.guidance_scale,
+        eta_std=cfg.eta_std,
+        batch_size=cfg.synthesis_batch_size,
+    )
+
+
+def client_seed(seed: int, client_id: str) -> int:
+    """A per-client seed that survives restarts (Python's hash() is salted per process)."""
+    return (seed * 1_000_003 + zlib.crc32(client_id.encode())) % 2**31
+
+
+def _to_uint8(images: torch.Tensor) -> torch.Tensor:
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def _from_uint8(images: torch.Tensor) -> torch.Tensor:
+    return images.float() / 127.5 - 1.0
+
+
+def synthesize_all(
+    ldm: LDM, payloads: Mapping[str, Payload], cfg: FedBiPConfig, folder: RunFolder
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Synthetic (images, labels) per client; shards on disk are reused, missing ones made.
+
+    Images are stored as uint8 (what a PNG holds) and always read back from the shard, so a
+    resumed run trains on exactly the bytes an uninterrupted one would.
+    """
+    settings = synthesis_settings(cfg)
+    total = sum(len(p.labels) for p in payloads.values()) * settings.multiplier
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    with tqdm(total=total, desc="synthesis", unit="img", mininterval=5) as bar:
+        for client_id, payload in sorted(payloads.items()):
+            etas = draw_etas(payload, settings, client_seed(cfg.seed, client_id))
+            images, labels = [], []
+            for index, eta in enumerate(etas):
+                path = folder.shard_path(client_id, index)
+                if not path.exists():
+                    made = synthesize_pass(ldm, payload, settings, eta, on_batch=bar.update)
+                    write_tensors(path, {"images": _to_uint8(made), "labels": payload.labels})
+                    log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
+                else:
+                    bar.update(len(payload.labels))
+                    log.info("synthesis: %s pass %d reused from %s", client_id, index, path.name)
+                shard = read_tensors(path)
+                images.append(_from_uint8(shard["images"]))
+                labels.append(shard["labels"])
+            out[client_id] = (torch.cat(images), torch.cat(labels))
+    return out
+
+
+def train_and_evaluate(
+    cfg: FedBiPConfig,
+    synthetic: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    test_sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    class_names: list[str],
+    folder: RunFolder,
+    device: torch.device | str,
+) -> dict:
+    """Train ResNet-18 on the pooled synthetic set; accuracy per domain and their mean."""
+    images = torch.cat([x for x, _ in synthetic.values()])
+    labels = torch.cat([y for _, y in synthetic.values()])
+    settings = TrainSettings(
+        epochs=cfg.classifier_epochs,
+        lr=cfg.classifier_lr,
+        momentum=cfg.classifier_momentum,
+        batch_size=cfg.classifier_batch_size,
+        image_size=cfg.classifier_image_size,
+    )
+    started = time.perf_counter()
+    model = build_classifier(len(class_names), cfg.classifier_init)
+    with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
+        train_classifier(
+            model,
+            images,
+            labels,
+            settings,
+            seed=cfg.seed,
+            device=device,
+            on_epoch=lambda _e, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update()),
+        )
+    train_seconds = time.perf_counter() - started
+    save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
+    per_domain = {}
+    for domain, (x, y) in sorted(test_sets.items()):
+        result = evaluate(model, x, y, settings.image_size, device=device)
+        per_domain[domain] = result.accuracy
+        log.info("accuracy on %s: %.3f", domain, result.accuracy)
+        if result.predictions.unique().numel() == 1:
+            log.warning("the classifier predicts one class for every %s image", domain)
+    return {
+        "per_domain": per_domain,
+        "mean": sum(per_domain.values()) / len(per_domain) if per_domain else float("nan"),
+        "num_synthetic_images": len(labels),
+        "classifier_seconds": train_seconds,
+    }
+
+
+def load_persisted(folder: RunFolder, expect: Expectations) -> dict[str, Payload]:
+    """Re-read payloads accepted before a restart (they were validated when they arrived)."""
+    loaded = {}
+    for client_id, path in folder.persisted_payloads().items():
+        loaded[client_id] = decode_payload(path.read_bytes(), expect)
+    return loaded
+
+
+def save_grid(
+    folder: RunFolder, client_id: str, real: torch.Tensor, synthetic: torch.Tensor
+) -> Path:
+    """PNG for a person: real images of the client's domain above its synthetic ones."""
+    return image_grid(
+        [real, synthetic], folder.grid_path(client_id), row_labels=["real", "synthetic"]
+    )

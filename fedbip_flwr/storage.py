@@ -1,0 +1,55 @@
+"""Durable files: an upload happens once, so nothing the server accepted may be lost.
+
+Every write goes to a temporary file in the same folder, is fsynced, then renamed over the
+target (atomic on POSIX), and the folder entry is fsynced too. A crash leaves either the old
+file or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+
+def atomic_write(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    return atomic_write(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_tensors(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> Path:
+    """A safetensors file of our own making (shards, the classifier), written atomically."""
+    contiguous = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    return atomic_write(path, save(contiguous, metadata=metadata))
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))

@@ -1,0 +1,135 @@
+"""Server-side synthesis (paper eq. 5): denoise each uploaded z(T) with the client's concepts.
+
+    S_hat = S + eta,  eta ~ N(0, sigma^2)
+    x~_i  = D( PNDM-denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
+
+Generation starts from z(T) itself, never from fresh noise, at exactly the payload's T. With a
+multiplier m (FedBiP-S/M/L = 2/5/10) every z(T) is denoised m times, each pass with its own eta:
+PNDM is deterministic, so eta is what makes the m images differ. A prompt embedding is computed
+once per (client, pass, class) and shared by the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .concepts import encode_prompts, prompt_layout, unconditional_embedding
+from .instance import denoising_timesteps
+from .ldm import LDM
+from .payload import Payload
+
+
+@torch.no_grad()
+def denoise(
+    ldm: LDM,
+    z_t: torch.Tensor,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    timesteps: torch.Tensor,
+    num_inference_steps: int,
+    guidance_scale: float,
+) -> torch.Tensor:
+    """Run PNDM from z(T) over ``timesteps`` with classifier-free guidance; returns z(0)."""
+    scheduler = copy.deepcopy(ldm.scheduler)  # PNDM keeps per-run state (its eps history)
+    scheduler.set_timesteps(num_inference_steps)
+    scheduler.timesteps = timesteps
+    z = z_t.to(ldm.device, ldm.dtype)
+    guided = guidance_scale > 1.0
+    context = torch.cat([uncond.expand_as(cond), cond]) if guided else cond
+    for t in timesteps:
+        model_in = scheduler.scale_model_input(torch.cat([z, z]) if guided else z, t)
+        eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
+        if guided:
+            eps_uncond, eps_cond = eps.chunk(2)
+            eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
+        z = scheduler.step(eps, t, z).prev_sample
+    return z
+
+
+@torch.no_grad()
+def decode_latents(ldm: LDM, z0: torch.Tensor) -> torch.Tensor:
+    """Images in [-1, 1] (float32, CPU) from latents z(0)."""
+    scale = float(ldm.vae.config.scaling_factor)
+    images = ldm.vae.decode(z0.to(ldm.vae.dtype) / scale).sample
+    return images.float().clamp(-1.0, 1.0).cpu()
+
+
+@dataclass(frozen=True)
+class SynthesisSettings:
+    multiplier: int
+    num_inference_steps: int
+    guidance_scale: float
+    eta_std: float
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class SyntheticImages:
+    images: torch.Tensor  # (N * m, 3, H, W) in [-1, 1]
+    labels: torch.Tensor  # (N * m,)
+    source: torch.Tensor  # (N * m,) index of the z(T) each image was denoised from
+
+
+def synthesize_pass(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    eta: torch.Tensor,
+    on_batch: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """One pass over a client's z(T) with the domain concept shifted by ``eta`` (n_s, d)."""
+    meta = payload.meta
+    layout = prompt_layout(
+        ldm.tokenizer, meta.prompt_template, meta.n_s, meta.n_v, meta.domain, meta.class_names
+    )
+    classes = torch.arange(len(meta.class_names))
+    cond_per_class = encode_prompts(
+        ldm, layout, meta.concept_space, payload.domain_concept + eta, payload.class_concepts, classes
+    )
+    uncond = unconditional_embedding(ldm)
+    timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, meta.timestep)
+    images = []
+    for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
+        cond = cond_per_class[payload.labels[batch].to(cond_per_class.device)]
+        z0 = denoise(
+            ldm,
+            payload.latents[batch].float(),
+            cond,
+            uncond,
+            timesteps,
+            settings.num_inference_steps,
+            settings.guidance_scale,
+        )
+        images.append(decode_latents(ldm, z0))
+        if on_batch is not None:
+            on_batch(len(batch))
+    return torch.cat(images)
+
+
+def draw_etas(payload: Payload, settings: SynthesisSettings, seed: int) -> torch.Tensor:
+    """(m, n_s, d) perturbations, reproducible from the seed alone."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (settings.multiplier, *payload.domain_concept.shape)
+    return settings.eta_std * torch.randn(shape, generator=generator)
+
+
+def synthesize_client(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    seed: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> SyntheticImages:
+    """All m passes for one client; deterministic for a given payload and seed."""
+    etas = draw_etas(payload, settings, seed)
+    images = [synthesize_pass(ldm, payload, settings, eta, on_batch) for eta in etas]
+    n = len(payload.labels)
+    return SyntheticImages(
+        torch.cat(images),
+        payload.labels.repeat(settings.multiplier),
+        torch.arange(n).repeat(settings.multiplier),
+    )

@@ -1,0 +1,27 @@
+"""Shared fixtures: a tiny random-init LDM saved in the diffusers layout (a few MB, < 1 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedbip_flwr import dataset
+from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
+
+WORDS = [*dataset.CLASSES, *dataset.DOMAINS, "a", "style", "of"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-ldm")
+    build_ldm(TINY, WORDS, seed=0).save(folder)
+    return folder
+
+
+@pytest.fixture()
+def tiny_ldm(tiny_model_dir: Path) -> LDM:
+    """Loaded through the same function as CompVis/stable-diffusion-v1-4."""
+    torch.manual_seed(0)
+    return load_ldm(tiny_model_dir)

@@ -1,0 +1,91 @@
+"""Instance-level personalization against eq. 3 of the paper."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedbip_flwr.instance import (
+    denoising_timesteps,
+    encode_images,
+    forward_noise,
+    personalize_instances,
+    pick_partners,
+    sample_gammas,
+    start_timestep,
+)
+from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
+from diffusers import PNDMScheduler
+
+
+def sd_scheduler() -> PNDMScheduler:
+    return PNDMScheduler(**SD_SCHEDULER_CONFIG)
+
+
+def test_T_is_first_synthesis_timestep_of_sd_schedule():
+    sched = sd_scheduler()
+    assert start_timestep(sched, 50) == 981
+    assert math.isclose(float(sched.alphas_cumprod[981]), 0.00578, rel_tol=0.01)
+    assert math.isclose(float(sched.alphas_cumprod[981]) ** 0.5, 0.076, rel_tol=0.01)
+
+
+def test_earlier_T_snaps_to_schedule_and_keeps_pndm_warmup():
+    sched = sd_scheduler()
+    assert start_timestep(sched, 50, 801) == 801
+    assert start_timestep(sched, 50, 800) == 781
+    steps = denoising_timesteps(sched, 50, 601)
+    assert steps[:4].tolist() == [601, 581, 581, 561]
+    sched.set_timesteps(50)
+    assert torch.equal(denoising_timesteps(sched, 50, 981), sched.timesteps)
+
+
+def test_forward_noise_matches_equation():
+    sched = sd_scheduler()
+    zbar = torch.randn(5, 4, 8, 8)
+    eps = torch.randn(5, 4, 8, 8)
+    abar = sched.alphas_cumprod[981]
+    expected = abar.sqrt() * zbar + (1 - abar).sqrt() * eps
+    assert torch.allclose(forward_noise(sched, zbar, 981, eps), expected, atol=1e-6)
+
+
+def test_gamma_distribution_and_clipping():
+    g = torch.Generator().manual_seed(0)
+    gammas = sample_gammas(20000, 0.5, 0.1, g)
+    assert abs(gammas.mean().item() - 0.5) < 0.005
+    assert abs(gammas.std().item() - 0.1) < 0.005
+    wide = sample_gammas(20000, 0.5, 1.0, g)
+    assert wide.min() == 0.0 and wide.max() == 1.0
+    assert 0.2 < (wide == 0).float().mean() < 0.4  # P(N(0.5,1) < 0) ~ 0.31
+
+
+def test_partners_same_class_and_different_index():
+    labels = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        partners = pick_partners(labels, g)
+        assert torch.equal(labels[partners], labels)
+        alone = labels == 3
+        assert torch.all(partners[~alone] != torch.arange(len(labels))[~alone])
+        assert partners[alone].item() == 9  # a lone image is its own partner
+    # every other member of a class is picked sometimes (uniform choice)
+    picks = torch.stack([pick_partners(labels, g) for _ in range(300)])
+    assert set(picks[:, 5].tolist()) == {6, 7, 8}
+
+
+def test_personalize_instances_equation_and_statistics(tiny_ldm):
+    images = torch.rand(16, 3, 32, 32) * 2 - 1
+    labels = torch.arange(16) % 4
+    z0 = encode_images(tiny_ldm.vae, images)
+    out = personalize_instances(
+        tiny_ldm.vae, tiny_ldm.scheduler, images, labels, 981, generator=torch.Generator().manual_seed(3)
+    )
+    assert torch.allclose(out.z0, z0)
+    g = out.gammas.view(-1, 1, 1, 1)
+    zbar = g * z0 + (1 - g) * z0[out.partners]
+    abar = tiny_ldm.scheduler.alphas_cumprod[981]
+    eps = (out.zT - abar.sqrt() * zbar) / (1 - abar).sqrt()
+    # recovered noise is standard normal: z(T) is close to N(0, I)
+    assert abs(eps.mean().item()) < 0.05 and abs(eps.std().item() - 1) < 0.05
+    assert abs(out.zT.std().item() - 1) < 0.1
+    assert out.zT.shape == (16, *tiny_ldm.latent_shape())
