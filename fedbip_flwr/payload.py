@@ -1,0 +1,522 @@
+"""The one upload of a FedBiP client: a single safetensors blob, and its strict validation.
+
+A client sends ``{z_i(T), y_i}`` for all local images plus the learned concepts ``S`` and ``V``
+exactly once. The server treats those bytes as untrusted network input, so they are:
+
+* safetensors only: loading it cannot execute code (unlike pickle / ``torch.load``);
+* size-capped before anything is parsed, with the header length checked against our own limit
+  before safetensors sees it;
+* schema-checked (tensor names, dtypes, byte layout, metadata, shapes, finiteness, labels) and,
+  when the server passes :class:`Expectations`, checked against the server's base model and run
+  config.
+
+Every rejection is a :class:`PayloadError` whose message says what is wrong and what to change;
+no other exception escapes :func:`decode_payload`, whatever the bytes. See ``docs/payload.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import safetensors.torch
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, FedBiPConfig
+from fedbip_flwr.storage import atomic_write
+
+SCHEMA_VERSION = 1
+META_PREFIX = "fedbip."
+# The server's default cap (run config max-payload-mb), so tools and server agree out of the box.
+DEFAULT_MAX_BYTES = int(FedBiPConfig.model_fields["max_payload_mb"].default * 2**20)
+MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 100 MB
+TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
+
+# Bytes per element of every dtype a payload may use; anything else is refused at the header.
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "I64": 8}
+_LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_TENSOR_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+_MAX_RANK = 8
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be accepted; ``reason`` says what is wrong and what to change."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"payload rejected: {reason}")
+
+    def __reduce__(self) -> tuple[type[PayloadError], tuple[str]]:
+        # Rebuild from the reason so the prefix is not doubled when the error crosses processes.
+        return (type(self), (self.reason,))
+
+
+class PayloadMeta(BaseModel):
+    """Everything the server needs to denoise a client's z(T) exactly as the client meant."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int
+    client_id: str = Field(min_length=1)
+    domain: str = Field(min_length=1)
+    timestep: int = Field(ge=0)
+    scheduler: str = Field(min_length=1)
+    num_inference_steps: int = Field(ge=1)
+    n_s: int = Field(ge=1)
+    n_v: int = Field(ge=1)
+    concept_space: Literal["token", "hidden"]
+    class_names: list[str] = Field(min_length=1)
+    prompt_template: str
+    base_model: str = Field(min_length=1)
+    latent_shape: list[int] = Field(min_length=3, max_length=3)
+    latent_dtype: Literal["float32", "float16"]
+    num_examples: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> PayloadMeta:
+        if any(not name for name in self.class_names):
+            raise ValueError("class_names must not contain empty names")
+        if len(set(self.class_names)) != len(self.class_names):
+            raise ValueError("class_names must be unique")
+        for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
+            if self.prompt_template.count(slot) != 1:
+                raise ValueError(f"prompt_template must contain {slot} exactly once")
+        if any(size < 1 for size in self.latent_shape):
+            raise ValueError("latent_shape entries must be >= 1")
+        return self
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing tensors with == is not a bool
+class Payload:
+    """One client's upload. Clients build it; :func:`decode_payload` returns it validated, on CPU."""
+
+    latents: torch.Tensor  # z(T): (N, C, H, W), dtype per meta.latent_dtype
+    labels: torch.Tensor  # (N,) int64 in [0, len(class_names))
+    domain_concept: torch.Tensor  # S: (n_s, d) float32
+    class_concepts: torch.Tensor  # V: (len(class_names), n_v, d) float32
+    meta: PayloadMeta
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The four tensors under their file names, in :data:`TENSOR_NAMES` order."""
+        return {name: getattr(self, name) for name in TENSOR_NAMES}
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What the server's run config and loaded base model demand of every payload."""
+
+    max_bytes: int
+    base_model: str
+    latent_shape: tuple[int, int, int]
+    concept_dim: int
+    timestep: int
+    num_inference_steps: int
+    scheduler: str
+    n_s: int
+    n_v: int
+    concept_space: str
+    class_names: tuple[str, ...]
+    prompt_template: str
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def encode_payload(p: Payload) -> bytes:
+    """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway."""
+    check_payload(p)
+    tensors = {
+        name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        for name, t in p.tensors().items()
+    }
+    return safetensors.torch.save(tensors, metadata=_meta_to_strings(p.meta))
+
+
+def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
+    """safetensors metadata is str -> str; JSON values keep types and stay human-readable."""
+    return {META_PREFIX + key: json.dumps(value) for key, value in meta.model_dump().items()}
+
+
+def save_payload(p_or_blob: Payload | bytes, path: str | os.PathLike[str]) -> Path:
+    """Write atomically: readers see the old file or the complete new one, never a torn one.
+
+    A :class:`Payload` is encoded (and so validated) first; bytes are written as given, so a
+    server can keep exactly what it received. The file is owner-only (0600, from ``mkstemp``):
+    it holds a client's data.
+    """
+    blob = encode_payload(p_or_blob) if isinstance(p_or_blob, Payload) else bytes(p_or_blob)
+    return atomic_write(path, blob)
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+def load_payload(
+    path: str | os.PathLike[str],
+    expect: Expectations | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Payload:
+    """Decode a payload file, checking its size before reading it into memory.
+
+    I/O failures (missing file, permissions) raise ``OSError``; bad content raises
+    :class:`PayloadError`. The cap is ``expect.max_bytes`` when given, else ``max_bytes``.
+    """
+    limit = expect.max_bytes if expect is not None else max_bytes
+    _check_size(os.stat(path).st_size, limit)
+    return decode_payload(Path(path).read_bytes(), expect, max_bytes=limit)
+
+
+def decode_payload(
+    blob: bytes, expect: Expectations | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
+) -> Payload:
+    """Parse and validate untrusted bytes; raise :class:`PayloadError` and nothing else.
+
+    The cap is ``expect.max_bytes`` when expectations are given, else ``max_bytes``.
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
+    _check_size(memoryview(blob).nbytes, expect.max_bytes if expect is not None else max_bytes)
+    blob = bytes(blob)
+    entries, metadata = read_header(blob)
+    _check_layout(entries, data_len=len(blob) - 8 - _header_len(blob))
+    meta = parse_meta(metadata)
+    payload = Payload(**_load_tensors(blob), meta=meta)
+    check_payload(payload)
+    if expect is not None:
+        check_expectations(payload, expect)
+    return payload
+
+
+def _check_size(size: int, limit: int) -> None:
+    """Refuse oversize input before parsing it, so a huge upload costs no parsing work."""
+    if size > limit:
+        raise PayloadError(
+            f"payload is {size} bytes, above the cap of {limit} bytes (raise run config "
+            "max-payload-mb if this client legitimately holds that many images, "
+            "or upload float16 latents)"
+        )
+
+
+def _header_len(blob: bytes) -> int:
+    return struct.unpack("<Q", blob[:8])[0]
+
+
+def read_header(
+    blob: bytes, max_header_bytes: int = MAX_HEADER_BYTES
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Parse the safetensors header ourselves, under our own limits, for clear error messages.
+
+    Returns ``(tensor entries, metadata)``: each entry is the header's
+    ``{"dtype", "shape", "data_offsets"}`` object, already type-checked; metadata is
+    ``__metadata__`` (str -> str, empty when absent). Offsets are not checked against the data
+    here; :func:`decode_payload` does that.
+    """
+    if len(blob) < 8:
+        raise PayloadError(
+            f"only {len(blob)} bytes; a safetensors file starts with an 8-byte header length "
+            "(empty or truncated upload)"
+        )
+    size = _header_len(blob)
+    if size > max_header_bytes:
+        raise PayloadError(
+            f"declared header length {size} bytes exceeds the {max_header_bytes}-byte limit "
+            "(not a FedBiP payload, or corrupted)"
+        )
+    if size > len(blob) - 8:
+        raise PayloadError(
+            f"declared header length {size} bytes runs past the end of the {len(blob)}-byte "
+            "blob (truncated upload?)"
+        )
+    header = _parse_json_object(blob[8 : 8 + size])
+    metadata = header.pop("__metadata__", {})
+    _check_metadata_types(metadata)
+    for name, entry in header.items():
+        _check_entry(name, entry)
+    return header, metadata
+
+
+def _parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_unique_keys,
+            parse_constant=_reject_constant,
+        )
+    except UnicodeDecodeError:
+        raise PayloadError("header is not valid UTF-8 (not a safetensors file?)") from None
+    except (ValueError, RecursionError) as err:
+        raise PayloadError(f"header is not valid JSON ({_short(err)})") from None
+    if not isinstance(header, dict):
+        raise PayloadError(f"header is a JSON {_json_type(header)}, expected an object")
+    return header
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Duplicate keys would let our view of the header differ from the loader's."""
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_metadata_types(metadata: Any) -> None:
+    if not isinstance(metadata, dict):
+        raise PayloadError(f"__metadata__ is a JSON {_json_type(metadata)}, expected an object")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
+            raise PayloadError(
+                f"__metadata__ value of {key!r} is a JSON {_json_type(value)}; "
+                "safetensors metadata values are strings"
+            )
+
+
+def _check_entry(name: str, entry: Any) -> None:
+    """Type-check one header entry so the layout arithmetic below cannot fail."""
+    if not isinstance(entry, dict) or set(entry) != _TENSOR_ENTRY_KEYS:
+        raise PayloadError(
+            f"header entry {name!r} must be an object with exactly dtype, shape, data_offsets"
+        )
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        raise PayloadError(
+            f"tensor {name!r} has dtype {dtype!r}; payload tensors are F32, F16 or I64"
+        )
+    if not _is_int_list(shape) or len(shape) > _MAX_RANK or any(s < 0 for s in shape):
+        raise PayloadError(f"tensor {name!r} has an invalid shape {shape!r}")
+    if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
+        raise PayloadError(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
+
+
+def _check_layout(entries: dict[str, dict[str, Any]], data_len: int) -> None:
+    """Exact tensor names, and byte ranges that tile the data section with no gap or overlap."""
+    names = set(entries)
+    if missing := sorted(set(TENSOR_NAMES) - names):
+        raise PayloadError(f"missing tensor(s) {missing}; a payload holds {list(TENSOR_NAMES)}")
+    if extra := sorted(names - set(TENSOR_NAMES)):
+        raise PayloadError(f"unexpected tensor(s) {extra}; a payload holds {list(TENSOR_NAMES)}")
+    for name, entry in entries.items():
+        begin, end = entry["data_offsets"]
+        nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]
+        if end - begin != nbytes:
+            raise PayloadError(
+                f"tensor {name!r} of shape {entry['shape']} and dtype {entry['dtype']} needs "
+                f"{nbytes} bytes but its data_offsets span {end - begin}"
+            )
+    cursor = 0
+    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
+        begin, end = entry["data_offsets"]
+        if begin != cursor:
+            where = "overlaps the previous tensor" if begin < cursor else "leaves a gap"
+            raise PayloadError(f"tensor {name!r} starts at data byte {begin} and {where}")
+        cursor = end
+    if cursor != data_len:
+        raise PayloadError(
+            f"tensor data ends at byte {cursor} but the blob carries {data_len} data bytes "
+            "(truncated or padded upload)"
+        )
+
+
+def parse_meta(metadata: dict[str, str]) -> PayloadMeta:
+    """Turn ``fedbip.*`` metadata strings into a :class:`PayloadMeta`, version first.
+
+    The version is checked before anything else so that a payload from a newer schema gets a
+    "version" message rather than a confusing one about fields it added.
+    """
+    _check_schema_version(_meta_value(metadata, "schema_version"))
+    expected = {META_PREFIX + field for field in PayloadMeta.model_fields}
+    if missing := sorted(expected - set(metadata)):
+        raise PayloadError(f"metadata is missing {missing} (written by an incomplete encoder?)")
+    if unknown := sorted(set(metadata) - expected):
+        raise PayloadError(f"metadata has unknown key(s) {unknown}")
+    values = {field: _meta_value(metadata, field) for field in PayloadMeta.model_fields}
+    try:
+        return PayloadMeta.model_validate(values, strict=True)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(part) for part in first["loc"])
+        where = f"metadata field '{META_PREFIX}{loc}'" if loc else "metadata"
+        raise PayloadError(f"{where} is invalid: {first['msg']}") from None
+
+
+def _meta_value(metadata: dict[str, str], field: str) -> Any:
+    key = META_PREFIX + field
+    if key not in metadata:
+        raise PayloadError(f"metadata is missing '{key}' (not a FedBiP payload?)")
+    try:
+        return json.loads(metadata[key], parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        raise PayloadError(f"metadata '{key}' is not valid JSON ({_short(err)})") from None
+
+
+def _check_schema_version(version: Any) -> None:
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise PayloadError(
+            f"schema version {version!r} is not supported (this side reads version "
+            f"{SCHEMA_VERSION}); run the same fedbip-flwr release on clients and server"
+        )
+
+
+def _load_tensors(blob: bytes) -> dict[str, torch.Tensor]:
+    """Let safetensors do the real load, wrapping whatever it raises.
+
+    Our header checks should already have caught every problem; catching broadly here is
+    deliberate, so that no loader edge case can escape as anything but a PayloadError.
+    """
+    try:
+        return safetensors.torch.load(blob)
+    except Exception as err:  # noqa: BLE001 - untrusted input: one error type, always
+        raise PayloadError(f"safetensors could not load it ({_short(err)})") from None
+
+
+# --- validation shared by encode and decode ---------------------------------------------------
+
+
+def check_payload(p: Payload) -> None:
+    """Check that tensors agree with the metadata and with each other; raise PayloadError."""
+    meta = p.meta
+    _check_schema_version(meta.schema_version)
+    for name, tensor in p.tensors().items():
+        if not isinstance(tensor, torch.Tensor):
+            raise PayloadError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    _check_dtypes(p)
+    _check_shapes(p)
+    for name in ("latents", "domain_concept", "class_concepts"):
+        if not bool(torch.isfinite(getattr(p, name)).all()):
+            raise PayloadError(f"{name} contain NaN or Inf")
+    _check_labels(p.labels, len(meta.class_names))
+
+
+def _check_dtypes(p: Payload) -> None:
+    latent_dtype = _LATENT_DTYPES[p.meta.latent_dtype]
+    if p.latents.dtype != latent_dtype:
+        raise PayloadError(
+            f"latents are {_dtype_name(p.latents.dtype)} but metadata says latent_dtype "
+            f"'{p.meta.latent_dtype}' (latents must be float32 or float16, as declared)"
+        )
+    wanted = {"labels": torch.int64, "domain_concept": torch.float32,
+              "class_concepts": torch.float32}
+    for name, dtype in wanted.items():
+        got = getattr(p, name).dtype
+        if got != dtype:
+            raise PayloadError(f"{name} must be {_dtype_name(dtype)}, got {_dtype_name(got)}")
+
+
+def _check_shapes(p: Payload) -> None:
+    meta = p.meta
+    n, d = meta.num_examples, _concept_dim(p)
+    shapes = {
+        "latents": (n, *meta.latent_shape),
+        "labels": (n,),
+        "domain_concept": (meta.n_s, d),
+        "class_concepts": (len(meta.class_names), meta.n_v, d),
+    }
+    for name, want in shapes.items():
+        got = tuple(getattr(p, name).shape)
+        if got != want:
+            raise PayloadError(
+                f"{name} has shape {list(got)}, expected {list(want)} from the metadata "
+                f"(num_examples={n}, latent_shape={meta.latent_shape}, n_s={meta.n_s}, "
+                f"n_v={meta.n_v}, {len(meta.class_names)} classes, concept dim {d})"
+            )
+
+
+def _concept_dim(p: Payload) -> int:
+    """d, the concept width, read from S; V must agree and the server checks it against d_w."""
+    if p.domain_concept.dim() != 2 or p.domain_concept.shape[1] < 1:
+        raise PayloadError(
+            f"domain_concept has shape {list(p.domain_concept.shape)}, expected (n_s, d)"
+        )
+    return int(p.domain_concept.shape[1])
+
+
+def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
+    low, high = int(labels.min()), int(labels.max())
+    if low < 0 or high >= num_classes:
+        bad = low if low < 0 else high
+        raise PayloadError(
+            f"labels must lie in [0, {num_classes}) (one per class name); found {bad}"
+        )
+
+
+def check_expectations(p: Payload, expect: Expectations) -> None:
+    """Refuse a valid payload that does not fit this server's base model and run config."""
+    meta = p.meta
+    checks: list[tuple[str, Any, Any, str]] = [
+        ("base model fingerprint", meta.base_model, expect.base_model,
+         "client and server must load the same LDM"),
+        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
+         "clients must encode images at the server's image size with the same VAE"),
+        ("concept dimension", _concept_dim(p), expect.concept_dim,
+         "concepts must come from the server's text encoder"),
+        ("timestep", meta.timestep, expect.timestep,
+         "z(T) must be noised to the first timestep the server denoises from"),
+        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
+         "clients and server must share run config num-inference-steps"),
+        ("scheduler", meta.scheduler, expect.scheduler,
+         "z(T) only matches the scheduler it was noised for"),
+        ("n_s", meta.n_s, expect.n_s, "clients and server must share run config n-s"),
+        ("n_v", meta.n_v, expect.n_v, "clients and server must share run config n-v"),
+        ("concept space", meta.concept_space, expect.concept_space,
+         "clients and server must share run config concept-space"),
+        ("class names", tuple(meta.class_names), tuple(expect.class_names),
+         "labels index the class list, so order matters"),
+        ("prompt template", meta.prompt_template, expect.prompt_template,
+         "concepts were learned in this exact prompt"),
+    ]
+    for label, got, want, why in checks:
+        if got != want:
+            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def summarize(p: Payload) -> list[dict[str, Any]]:
+    """Per-tensor name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
+    return [_tensor_summary(name, t) for name, t in p.tensors().items()]
+
+
+def _tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    values = tensor.detach().to("cpu", torch.float64)
+    return {
+        "name": name,
+        "shape": list(tensor.shape),
+        "dtype": _dtype_name(tensor.dtype),
+        "mean": float(values.mean()),
+        "std": float(values.std(correction=0)),  # population std: defined for one element
+    }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _short(err: BaseException) -> str:
+    """First line of an exception, bounded: messages end up in logs and terminals."""
+    lines = str(err).splitlines() or [type(err).__name__]
+    return lines[0][:200]
+

@@ -1,0 +1,71 @@
+"""Running the real `flwr run` in tests: own FLWR_HOME and port, every process stopped by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+FLWR = str(Path(sys.executable).with_name("flwr"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flwr_env(home: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FEDBIP_PROJECT_DIR": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def run_simulation(home: Path, run_config: str, supernodes: int, timeout: float) -> tuple[int, str]:
+    """`flwr run . --stream` on the local simulation SuperLink; returns (run id, output)."""
+    home.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [FLWR, "run", str(ROOT), "--stream", "--run-config", run_config,
+         "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"],
+        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=timeout,
+    )
+    output = proc.stdout + proc.stderr
+    match = re.search(r"Successfully started run (\d+)", output)
+    assert match, f"flwr run did not start a run:\n{output[-4000:]}"
+    return int(match.group(1)), output
+
+
+def run_status(home: Path, run_id: int) -> str:
+    proc = subprocess.run(
+        [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
+        cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
+        timeout=60,
+    )
+    runs = json.loads(proc.stdout)["runs"]
+    return runs[0]["status"]
+
+
+def stop_local_superlink(home: Path) -> list[int]:
+    """Kill the SuperLink that `flwr run` auto-started for this FLWR_HOME, and its children."""
+    database = str(home / "local-superlink" / "state.db")
+    stopped = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if database in " ".join(proc.info["cmdline"] or []):
+            family = [proc, *proc.children(recursive=True)]
+            for member in family:
+                member.kill()
+            psutil.wait_procs(family, timeout=20)
+            stopped += [p.pid for p in family]
+    return stopped

@@ -1,0 +1,134 @@
+"""``fedbip inspect``: audit output for a valid payload, one clean line and exit 1 otherwise.
+
+The real command runs in subprocesses (as a user would run it); they are started together
+because each one pays the torch import on its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_payload import N, make_payload, meta_strings, raw_blob, with_header
+
+from fedbip_flwr.cli import main
+from fedbip_flwr.payload import encode_payload, save_payload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _truncated() -> bytes:
+    blob = encode_payload(make_payload())
+    return blob[: len(blob) // 2]
+
+
+# name -> (bytes to write, or None for a missing file; text expected on stderr)
+INVALID: dict[str, tuple[Callable[[], bytes] | None, str]] = {
+    "truncated": (_truncated, "invalid payload: tensor data ends"),
+    "garbage": (lambda: b"\x89PNG\r\n\x1a\n" + bytes(range(256)), "invalid payload: declared header"),
+    "missing file": (None, "No such file or directory"),
+}
+# Checked in-process through main(): same handler, without paying a torch import per case.
+INVALID_IN_PROCESS: dict[str, tuple[Callable[[], bytes], str]] = {
+    "nan latents": (
+        lambda: raw_blob(latents=torch.full((N, 4, 8, 8), float("nan"))),
+        "invalid payload: latents contain NaN or Inf",
+    ),
+    "header is a list": (lambda: with_header([1, 2]), "invalid payload: header is a JSON array"),
+    "wrong schema version": (
+        lambda: raw_blob(meta_strings(schema_version=2)),
+        "invalid payload: schema version 2",
+    ),
+    "empty": (lambda: b"", "invalid payload: only 0 bytes"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Run ``python -m fedbip_flwr.cli inspect`` once per case, all processes concurrently."""
+    folder = tmp_path_factory.mktemp("cli")
+    paths = {"valid": save_payload(make_payload(), folder / "valid.safetensors")}
+    for name, (build, _) in INVALID.items():
+        paths[name] = folder / f"{name.replace(' ', '-')}.safetensors"
+        if build is not None:
+            paths[name].write_bytes(build())
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "fedbip_flwr.cli", "inspect", str(path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, path in paths.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return results
+
+
+def test_inspect_valid_payload_prints_metadata_and_tensors(
+    runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    result = runs["valid"]
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "client_id: partition-0" in lines
+    assert "domain: sketch" in lines
+    assert "timestep: 981" in lines
+    assert 'class_names: ["cat", "dog", "fish"]' in lines
+    assert "latent_shape: [4, 8, 8]" in lines
+    assert lines[-5].split() == ["name", "shape", "dtype", "mean", "std"]
+    table = {line.split()[0]: line for line in lines[-4:]}
+    assert list(table) == ["latents", "labels", "domain_concept", "class_concepts"]
+    assert "[6, 4, 8, 8]" in table["latents"] and "float32" in table["latents"]
+    assert "int64" in table["labels"]
+
+
+@pytest.mark.parametrize("case", INVALID, ids=list(INVALID))
+def test_inspect_invalid_input_exits_1_without_traceback(
+    runs: dict[str, subprocess.CompletedProcess[str]], case: str
+) -> None:
+    result = runs[case]
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert INVALID[case][1] in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("case", INVALID_IN_PROCESS, ids=list(INVALID_IN_PROCESS))
+def test_inspect_reports_reason_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    build, reason = INVALID_IN_PROCESS[case]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(build())
+    assert main(["inspect", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [captured.err.strip()]
+    assert captured.err.startswith(reason)
+
+
+def test_inspect_in_process_respects_max_mb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = save_payload(make_payload(latent_dtype="float16"), tmp_path / "p.safetensors")
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "latent_dtype: float16" in out
+    assert "n_s: 1" in out.splitlines()
+    assert main(["inspect", str(path), "--max-mb", "0.001"]) == 1
+    assert "above the cap of 1048 bytes" in capsys.readouterr().err
+
+
+def test_cli_requires_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "inspect" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+"""Loading: the tiny folder and SD v1-4 go through one function; failures are one sentence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline
+
+from fedbip_flwr.ldm import ModelLoadError, TINY, build_ldm, build_tokenizer, load_for_run, load_ldm
+from tests.conftest import WORDS
+
+
+def test_saved_tiny_model_loads_like_sd(tiny_model_dir):
+    built = build_ldm(TINY, WORDS, seed=0)
+    loaded = load_ldm(tiny_model_dir)
+    assert loaded.fingerprint == built.fingerprint
+    assert loaded.latent_shape() == (4, 16, 16)
+    assert all(not p.requires_grad for p in loaded.unet.parameters())
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model_dir, safety_checker=None)
+    assert type(pipe.scheduler).__name__ == "PNDMScheduler"
+
+
+def test_run_loader_resolves_local_folder(tiny_model_dir):
+    ldm = load_for_run(str(tiny_model_dir), "cpu", half_precision=True)
+    assert ldm.dtype == torch.float32  # CPU never runs half precision
+
+
+def test_uncached_hub_id_offline_is_one_clear_sentence(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="Set run config 'model' to a local folder"):
+        load_ldm("CompVis/stable-diffusion-v1-4", allow_download=False)
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    (tmp_path / "readme.txt").write_text("not a model")
+    with pytest.raises(ModelLoadError, match="not a diffusers model folder"):
+        load_ldm(tmp_path)
+
+
+def test_different_weights_different_fingerprint():
+    assert build_ldm(TINY, WORDS, seed=0).fingerprint != build_ldm(TINY, WORDS, seed=1).fingerprint
+
+
+def test_tokenizer_keeps_words_whole_and_spells_unknown_ones():
+    tok = build_tokenizer(["star", "stars", "sketch", "square", "quickdraw", "style"], 16)
+    for word in ["star", "stars", "sketch", "square", "quickdraw", "style"]:
+        assert len(tok.tokenize(word)) == 1, word
+    assert len(tok.tokenize("zebra")) == 5
