@@ -148,6 +148,8 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
             f"'{source}' is a folder but not a diffusers model folder (no unet/ or "
             "model_index.json); point run config 'model' at one."
         )
+    if not local.exists() and (local.is_absolute() or source.startswith((".", "~"))):
+        raise ModelLoadError(f"The model folder '{source}' does not exist; set run config 'model'.")
     path = str(local) if local.exists() else source
     kwargs = {"local_files_only": not allow_download} if not local.exists() else {}
     try:

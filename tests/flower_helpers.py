@@ -33,11 +33,13 @@ def flwr_env(home: Path) -> dict[str, str]:
     }
 
 
-def run_simulation(home: Path, run_config: str, supernodes: int, timeout: float) -> tuple[int, str]:
-    """`flwr run . --stream` on the local simulation SuperLink; returns (run id, output)."""
+def run_simulation(
+    home: Path, run_config: str, supernodes: int, timeout: float, app: Path = ROOT
+) -> tuple[int, str]:
+    """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
     home.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        [FLWR, "run", str(ROOT), "--stream", "--run-config", run_config,
+        [FLWR, "run", str(app), "--stream", "--run-config", run_config,
          "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"],
         cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=timeout,
     )
