@@ -158,7 +158,7 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
         text = CLIPTextModel.from_pretrained(path, subfolder="text_encoder", **kwargs)
         tokenizer = CLIPTokenizer.from_pretrained(path, subfolder="tokenizer", **kwargs)
         sched_cfg = PNDMScheduler.load_config(path, subfolder="scheduler", **kwargs)
-    except (OSError, ValueError, EnvironmentError) as err:
+    except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"Could not load the base model '{source}': it is not a local diffusers folder "
             "and is not in the Hugging Face cache (or the hub is unreachable). Set run config "

@@ -18,14 +18,20 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .classifier import TrainSettings, build_classifier, evaluate, save_classifier, train_classifier
+from .classifier import (
+    TrainSettings,
+    build_classifier,
+    evaluate,
+    save_classifier,
+    train_classifier,
+)
 from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
 from .payload import Expectations, Payload, PayloadError, decode_payload
 from .storage import atomic_write, read_tensors, write_tensors
 from .synthesis import SynthesisSettings, draw_etas, synthesize_pass
-from .viz import image_grid
+from .viz import dequantize, image_grid, quantize
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +125,6 @@ def client_seed(seed: int, client_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(client_id.encode())) % 2**31
 
 
-def _to_uint8(images: torch.Tensor) -> torch.Tensor:
-    return ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-
-
-def _from_uint8(images: torch.Tensor) -> torch.Tensor:
-    return images.float() / 127.5 - 1.0
-
-
 def synthesize_all(
     ldm: LDM, payloads: Mapping[str, Payload], cfg: FedBiPConfig, folder: RunFolder
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -146,13 +144,13 @@ def synthesize_all(
                 path = folder.shard_path(client_id, index)
                 if not path.exists():
                     made = synthesize_pass(ldm, payload, settings, eta, on_batch=bar.update)
-                    write_tensors(path, {"images": _to_uint8(made), "labels": payload.labels})
+                    write_tensors(path, {"images": quantize(made), "labels": payload.labels})
                     log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
                 else:
                     bar.update(len(payload.labels))
                     log.info("synthesis: %s pass %d reused from %s", client_id, index, path.name)
                 shard = read_tensors(path)
-                images.append(_from_uint8(shard["images"]))
+                images.append(dequantize(shard["images"]))
                 labels.append(shard["labels"])
             out[client_id] = (torch.cat(images), torch.cat(labels))
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .concepts import encode_prompts, prompt_layout, unconditional_embedding
-from .instance import denoising_timesteps
+from .instance import denoising_timesteps, start_timestep
 from .ldm import LDM
 from .payload import Payload
 
@@ -133,3 +133,33 @@ def synthesize_client(
         payload.labels.repeat(settings.multiplier),
         torch.arange(n).repeat(settings.multiplier),
     )
+
+
+@torch.no_grad()
+def sample_from_prompts(
+    ldm: LDM,
+    prompts: list[str],
+    settings: SynthesisSettings,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """The Prompts-only baseline: plain text, fresh Gaussian noise, full schedule.
+
+    What a server could do with a pretrained LDM and no personalization at all; also how the
+    miniature model's class fidelity is measured.
+    """
+    tok = ldm.tokenizer
+    uncond = unconditional_embedding(ldm)
+    grid = denoising_timesteps(
+        ldm.scheduler, settings.num_inference_steps, start_timestep(ldm.scheduler, settings.num_inference_steps)
+    )
+    shape = ldm.latent_shape()
+    images = []
+    for start in range(0, len(prompts), settings.batch_size):
+        batch = prompts[start : start + settings.batch_size]
+        ids = tok(batch, padding="max_length", max_length=tok.model_max_length,
+                  truncation=True, return_tensors="pt").input_ids
+        cond = ldm.text_encoder(ids.to(ldm.device)).last_hidden_state
+        z_t = torch.randn((len(batch), *shape), generator=generator)
+        z0 = denoise(ldm, z_t, cond, uncond, grid, settings.num_inference_steps, settings.guidance_scale)
+        images.append(decode_latents(ldm, z0))
+    return torch.cat(images)

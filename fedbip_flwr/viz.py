@@ -13,10 +13,25 @@ from PIL import Image, ImageDraw
 from .storage import atomic_write
 
 
+def quantize(images: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats -> uint8 in the same layout (how synthetic shards are stored)."""
+    return images.detach().float().clamp(-1.0, 1.0).add(1.0).mul(127.5).round().to(torch.uint8)
+
+
+def dequantize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 -> [-1, 1] float32: the inverse of :func:`quantize` up to rounding."""
+    return images.float() / 127.5 - 1.0
+
+
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(N, 3, H, W) in [-1, 1] -> (N, H, W, 3) uint8."""
-    scaled = ((images.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return scaled.permute(0, 2, 3, 1).cpu().numpy()
+    """``(N, 3, H, W)`` or ``(3, H, W)`` in [-1, 1] -> channels-last uint8 numpy, for PNGs.
+
+    Values outside [-1, 1] (decoder overshoot) are clipped.
+    """
+    if images.ndim not in (3, 4) or images.shape[-3] != 3:
+        raise ValueError(f"expected (N, 3, H, W) or (3, H, W), got shape {tuple(images.shape)}")
+    pixels = quantize(images).cpu()
+    return pixels.movedim(-3, -1).contiguous().numpy()
 
 
 def image_grid(

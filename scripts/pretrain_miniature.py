@@ -136,8 +136,11 @@ def main() -> None:
     parser.add_argument("--unet-minutes", type=float, default=60.0)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.time()
     images, captions = corpus(args.per_class, args.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from diffusers import PNDMScheduler
 
 from fedbip_flwr.instance import (
     denoising_timesteps,
@@ -16,7 +17,6 @@ from fedbip_flwr.instance import (
     start_timestep,
 )
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
-from diffusers import PNDMScheduler
 
 
 def sd_scheduler() -> PNDMScheduler:

@@ -6,7 +6,14 @@ import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 
-from fedbip_flwr.ldm import ModelLoadError, TINY, build_ldm, build_tokenizer, load_for_run, load_ldm
+from fedbip_flwr.ldm import (
+    TINY,
+    ModelLoadError,
+    build_ldm,
+    build_tokenizer,
+    load_for_run,
+    load_ldm,
+)
 from tests.conftest import WORDS
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.client import personalize
-from fedbip_flwr.synthesis import SynthesisSettings, synthesize_client, synthesize_pass
+from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts, synthesize_client, synthesize_pass
 
 CLASSES = ["circle", "square", "star"]
 
@@ -67,3 +67,21 @@ def test_synthesis_starts_from_uploaded_latents(tiny_ldm, payload):
     # an image depends only on its own z(T): batching does not mix them
     alone = synthesize_pass(tiny_ldm, payload, settings(batch_size=1), eta)
     assert torch.allclose(alone, base, atol=1e-4)
+
+
+def test_prompts_only_baseline_starts_from_fresh_noise_at_T(tiny_ldm):
+    """The baseline uses the same schedule from T, but fresh noise: seeds change the images."""
+    seen: list[int] = []
+    hook = tiny_ldm.unet.register_forward_pre_hook(
+        lambda _m, args: seen.append(int(args[1].flatten()[0]))
+    )
+    prompts = ["a sketch of a circle", "a photo of a star", "a photo of a star"]
+    try:
+        a = sample_from_prompts(tiny_ldm, prompts, settings(), torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    assert seen[0] == 901
+    assert a.shape == (3, 3, 32, 32) and a.min() >= -1 and a.max() <= 1
+    assert (a[1] - a[2]).abs().mean() > 1e-4  # same prompt, different noise
+    again = sample_from_prompts(tiny_ldm, prompts, settings(), torch.Generator().manual_seed(0))
+    assert torch.equal(a, again)

@@ -1,0 +1,488 @@
+"""The built-in miniature multi-domain dataset ("shapes"), generated in memory.
+
+FedBiP's setting is *feature heterogeneity*: every client holds a few labelled images of the
+same classes, but each client's images come from one visual domain (DomainNet's photo, clipart,
+painting, sketch, quickdraw). This module is a small, download-free stand-in for that world:
+6 geometric shape classes drawn in 5 visually distinct styles, 64x64 RGB by default, so the
+whole pipeline (miniature LDM, clients, server, classifier) runs on a CPU.
+
+Design choices, and why:
+
+* **Deterministic per image.** Every image gets its own RNG derived from
+  ``(seed, split, domain, client_index, class, i)`` via :class:`numpy.random.SeedSequence`, so an
+  image never depends on how many other images were generated before it, client shards are
+  reproducible on any machine, and client / test / pretraining splits never share an image.
+* **Every domain is learnable.** Styles change colour, texture, line quality and background but
+  never hide the silhouette: a ResNet-18 trained on one client's 16 shots per class must reach
+  >= 80 % on that domain's test split (``tests/test_dataset.py`` checks it for every domain).
+  A style made of random brush-stroke noise was measured to be unlearnable, so the painting
+  strokes here are clipped to the shape and the canvas strokes are low-contrast.
+* **Antialiased and fast.** Shapes are drawn with PIL at 4x resolution and box-downsampled;
+  one 64x64 image costs a few milliseconds, so thousands of images take seconds, not minutes.
+* **Tensor layout matches the VAE.** :class:`ImageSet` holds ``(N, 3, H, W)`` float32 in
+  ``[-1, 1]``; :func:`fedbip_flwr.viz.to_uint8` undoes the scaling for saving PNGs.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageChops, ImageDraw, ImageFilter
+
+CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "heart")
+DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting", "sketch", "quickdraw")
+COMMON_DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting")
+RARE_DOMAINS: tuple[str, ...] = ("sketch", "quickdraw")
+
+# Split codes enter the per-image seed, which keeps the splits disjoint.
+_SPLITS: dict[str, int] = {"train": 0, "test": 1, "pretrain": 2}
+_SUPERSAMPLE = 4  # draw at 4x, then box-downsample: cheap antialiasing
+
+Point = tuple[float, float]
+RGB = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ImageSet:
+    """A labelled set of images from one domain, in the layout the VAE expects.
+
+    ``images`` is ``(N, 3, H, W)`` float32 in ``[-1, 1]``; ``labels`` is ``(N,)`` int64 indexing
+    ``classes`` (so a subset of :data:`CLASSES` is relabelled ``0..len(classes)-1``).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    classes: tuple[str, ...]
+    domain: str
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _check_domain(domain: str) -> str:
+    """Exact-match a domain name; a typo must fail loudly, not silently pick another domain."""
+    if not isinstance(domain, str) or domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; valid domains: {', '.join(DOMAINS)}")
+    return domain
+
+
+def _check_classes(classes: Sequence[str]) -> tuple[str, ...]:
+    """Exact-match class names (no duplicates, at least one)."""
+    if isinstance(classes, str):
+        raise ValueError(f"classes must be a sequence of names, got the string {classes!r}")
+    out = tuple(classes)
+    if not out:
+        raise ValueError(f"classes must not be empty; valid classes: {', '.join(CLASSES)}")
+    for c in out:
+        if not isinstance(c, str) or c not in CLASSES:
+            raise ValueError(f"unknown class {c!r}; valid classes: {', '.join(CLASSES)}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"duplicate class names in {out}")
+    return out
+
+
+def _check_nonneg(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------
+# geometry: shapes as polygons in unit coordinates (y up, centred, radius ~1)
+# --------------------------------------------------------------------------------------------
+def _regular(n: int, radius: float, phase: float = math.pi / 2) -> list[Point]:
+    return [
+        (radius * math.cos(phase + 2 * math.pi * k / n), radius * math.sin(phase + 2 * math.pi * k / n))
+        for k in range(n)
+    ]
+
+
+def _unit_shape(cls: str) -> list[Point]:
+    """Outline of a class in unit coordinates; sizes are balanced so areas look comparable."""
+    if cls == "circle":
+        return _regular(48, 0.85)
+    if cls == "square":
+        return _regular(4, 1.0, math.pi / 4)  # half-side ~0.71
+    if cls == "triangle":
+        pts = _regular(3, 1.1)
+        return [(x, y - 0.12) for x, y in pts]  # centre the bounding box, not the centroid
+    if cls == "star":
+        return [
+            (r * math.cos(math.pi / 2 + math.pi * k / 5), r * math.sin(math.pi / 2 + math.pi * k / 5))
+            for k in range(10)
+            for r in ((1.05 if k % 2 == 0 else 0.45),)
+        ]
+    if cls == "cross":
+        a, b = 0.3, 0.92  # arm half-width, arm length
+        return [(a, b), (-a, b), (-a, a), (-b, a), (-b, -a), (-a, -a),
+                (-a, -b), (a, -b), (a, -a), (b, -a), (b, a), (a, a)]  # fmt: skip
+    if cls == "heart":
+        pts = []
+        for k in range(48):
+            t = 2 * math.pi * k / 48
+            x = 16 * math.sin(t) ** 3
+            y = 13 * math.cos(t) - 5 * math.cos(2 * t) - 2 * math.cos(3 * t) - math.cos(4 * t)
+            pts.append((x / 16.5, (y + 2.5) / 15.5))
+        return pts
+    raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(CLASSES)}")
+
+
+@dataclass(frozen=True)
+class _Pose:
+    """Where a shape sits in the (supersampled) canvas."""
+
+    cx: float
+    cy: float
+    radius: float
+    angle: float  # radians
+
+    def place(self, pts: Sequence[Point]) -> list[Point]:
+        c, s = math.cos(self.angle), math.sin(self.angle)
+        return [
+            (self.cx + self.radius * (c * x - s * y), self.cy - self.radius * (s * x + c * y))
+            for x, y in pts
+        ]
+
+
+def _random_pose(rng: np.random.Generator, canvas: int) -> _Pose:
+    """Random scale, rotation and position, keeping the whole shape inside the frame."""
+    radius = canvas * rng.uniform(0.24, 0.38)
+    margin = radius * 1.08 + canvas * 0.03
+    cx = rng.uniform(margin, canvas - margin)
+    cy = rng.uniform(margin, canvas - margin)
+    angle = math.radians(rng.uniform(-45.0, 45.0))
+    return _Pose(cx, cy, radius, angle)
+
+
+def _densify(pts: Sequence[Point], spacing: float) -> list[Point]:
+    """Closed outline resampled every ~``spacing`` units, keeping the corners (sharp stars)."""
+    out: list[Point] = []
+    n = len(pts)
+    for k in range(n):
+        (x0, y0), (x1, y1) = pts[k], pts[(k + 1) % n]
+        steps = max(1, int(math.hypot(x1 - x0, y1 - y0) / spacing))
+        out.extend((x0 + (x1 - x0) * j / steps, y0 + (y1 - y0) * j / steps) for j in range(steps))
+    return out
+
+
+def _wobble(pts: list[Point], rng: np.random.Generator, amplitude: float, jitter: float) -> np.ndarray:
+    """Hand-drawn line: a smooth low-frequency drift plus small per-point jitter."""
+    arr = np.asarray(pts, dtype=np.float64)
+    n = len(arr)
+    t = np.linspace(0.0, 2 * math.pi, n, endpoint=False)
+    drift = np.zeros_like(arr)
+    for freq in (1, 2, 3):
+        ph = rng.uniform(0, 2 * math.pi, size=2)
+        amp = rng.normal(0, amplitude / freq, size=2)
+        drift += amp * np.sin(freq * t[:, None] + ph)
+    return arr + drift + rng.normal(0.0, jitter, size=arr.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# colour and texture helpers
+#
+# Geometry (polygons, lines, strokes) is drawn at ``_SUPERSAMPLE`` x resolution and box-reduced
+# with PIL (antialiasing, in C); smooth colour fields are computed at the output resolution,
+# where they cost 16x less.
+# --------------------------------------------------------------------------------------------
+def _hsv(h: float, s: float, v: float) -> np.ndarray:
+    return np.array(colorsys.hsv_to_rgb(h % 1.0, s, v), dtype=np.float32) * 255.0
+
+
+def _rgb(colour: np.ndarray) -> RGB:
+    c = np.clip(np.rint(colour), 0, 255).astype(int)
+    return int(c[0]), int(c[1]), int(c[2])
+
+
+def _poly_layer(canvas: int, polys: Sequence[Sequence[Point]]) -> Image.Image:
+    """Filled polygon(s) as a supersampled ``L`` image (255 inside)."""
+    img = Image.new("L", (canvas, canvas), 0)
+    draw = ImageDraw.Draw(img)
+    for p in polys:
+        draw.polygon([(float(x), float(y)) for x, y in p], fill=255)
+    return img
+
+
+def _down(img: Image.Image) -> np.ndarray:
+    """Box-reduce a supersampled layer to the output size; ``L`` -> [0, 1], ``RGB`` -> 0..255."""
+    arr = np.asarray(img.reduce(_SUPERSAMPLE), dtype=np.float32)
+    return arr / 255.0 if img.mode == "L" else arr
+
+
+def _smooth_noise(rng: np.random.Generator, size: int, cells: int) -> np.ndarray:
+    """Low-frequency noise in roughly [-1, 1]: bicubic upsampling of a cells x cells grid."""
+    grid = rng.standard_normal((cells, cells)).astype(np.float32)
+    img = Image.fromarray(grid, mode="F").resize((size, size), Image.BICUBIC)
+    return np.asarray(img, dtype=np.float32)
+
+
+def _blend(base: np.ndarray, colour: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    a = alpha[..., None]
+    return base * (1.0 - a) + colour * a
+
+
+def _coords(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Output-pixel centres in supersampled canvas units (where poses live)."""
+    c = (np.arange(size, dtype=np.float32) + 0.5) * _SUPERSAMPLE
+    return c[None, :].repeat(size, 0), c[:, None].repeat(size, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# domains: each returns an (size, size, 3) float array in 0..255 (clipped later)
+# --------------------------------------------------------------------------------------------
+def _photo(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Shaded, lit object with a soft shadow on a gradient, lightly textured background."""
+    canvas = size * _SUPERSAMPLE
+    xs, ys = _coords(size)
+    # a lit object in front of a darker, muted backdrop (one polarity: a few shots must suffice)
+    h_obj = rng.random()
+    h_bg = h_obj + rng.uniform(0.25, 0.75)
+    v_obj, v_bg = rng.uniform(0.75, 1.0), rng.uniform(0.2, 0.5)
+    c1 = _hsv(h_bg, rng.uniform(0.15, 0.5), v_bg)
+    c2 = _hsv(h_bg + rng.uniform(-0.08, 0.08), rng.uniform(0.15, 0.5), v_bg * rng.uniform(0.6, 0.9))
+    g_ang = rng.uniform(0, 2 * math.pi)
+    g = (xs - canvas / 2) * math.cos(g_ang) + (ys - canvas / 2) * math.sin(g_ang)
+    g = np.clip(g / (canvas * 0.71) * 0.5 + 0.5, 0.0, 1.0)[..., None]
+    img = c1 * (1 - g) + c2 * g
+    texture = 8.0 * _smooth_noise(rng, size, 12) + 3.0 * _smooth_noise(rng, size, 40)
+    img = img + texture[..., None]
+
+    # soft shadow, cast away from a light that comes from the upper half
+    light = rng.uniform(math.radians(200), math.radians(340))  # image coords: y down
+    off = pose.radius * rng.uniform(0.1, 0.18)
+    shadow_pts = [(x - off * math.cos(light), y - off * math.sin(light)) for x, y in outline]
+    sh = _poly_layer(canvas, [shadow_pts]).reduce(_SUPERSAMPLE)
+    sh = sh.filter(ImageFilter.GaussianBlur(pose.radius * 0.12 / _SUPERSAMPLE))
+    img = img * (1.0 - 0.45 * np.asarray(sh, dtype=np.float32)[..., None] / 255.0)
+
+    # object: colour shaded linearly along the light direction, plus a radial highlight
+    base = _hsv(h_obj, rng.uniform(0.45, 0.9), v_obj)
+    d = ((xs - pose.cx) * math.cos(light) + (ys - pose.cy) * math.sin(light)) / pose.radius
+    shade = np.clip(1.0 + 0.35 * d, 0.45, 1.5)[..., None]
+    hx = pose.cx + 0.4 * pose.radius * math.cos(light)
+    hy = pose.cy + 0.4 * pose.radius * math.sin(light)
+    hl = np.exp(-(((xs - hx) ** 2 + (ys - hy) ** 2) / (2 * (0.35 * pose.radius) ** 2)))[..., None]
+    obj = base * shade + 70.0 * hl
+    return _blend(img, obj, _down(_poly_layer(canvas, [outline])))
+
+
+def _clipart(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Flat saturated fill, thick dark outline, plain light background."""
+    canvas = size * _SUPERSAMPLE
+    bg = _hsv(rng.random(), rng.uniform(0.0, 0.12), rng.uniform(0.94, 1.0))
+    fill = _hsv(rng.random(), rng.uniform(0.8, 1.0), rng.uniform(0.85, 1.0))
+    ink = _hsv(rng.random(), rng.uniform(0.0, 0.6), rng.uniform(0.0, 0.18))
+    img = np.broadcast_to(bg, (size, size, 3))
+    img = _blend(img, fill, _down(_poly_layer(canvas, [outline])))
+    line = Image.new("L", (canvas, canvas), 0)
+    width = max(2, int(round(pose.radius * rng.uniform(0.1, 0.14))))
+    ImageDraw.Draw(line).line(outline + outline[:1], fill=255, width=width, joint="curve")
+    return _blend(img, ink, _down(line))
+
+
+def _painting(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Broad brush strokes on a tinted canvas; strokes follow the shape, never cross its edge."""
+    canvas = size * _SUPERSAMPLE
+    h_bg = rng.random()
+    canvas_col = _hsv(h_bg, rng.uniform(0.12, 0.3), rng.uniform(0.82, 0.95))
+    layer = Image.new("RGB", (canvas, canvas), _rgb(canvas_col))
+    draw = ImageDraw.Draw(layer)
+    # low-contrast background strokes: visible texture that does not compete with the shape
+    stroke_ang = rng.uniform(0, math.pi)
+    for _ in range(14):
+        col = canvas_col + rng.normal(0, 9, size=3)
+        _stroke(draw, rng, stroke_ang, canvas * rng.uniform(0.2, 0.45),
+                int(canvas * rng.uniform(0.06, 0.12)), col, (0, 0, canvas, canvas))
+    bg = _down(layer)
+
+    # the shape: a saturated base colour, then broad strokes of nearby colours inside it
+    h_obj = h_bg + rng.uniform(0.3, 0.7)
+    base = _hsv(h_obj, rng.uniform(0.6, 0.95), rng.uniform(0.45, 0.75))
+    obj_layer = Image.new("RGB", (canvas, canvas), _rgb(base))
+    draw = ImageDraw.Draw(obj_layer)
+    xs_, ys_ = zip(*outline)
+    box = (min(xs_), min(ys_), max(xs_), max(ys_))
+    obj_ang = rng.uniform(0, math.pi)
+    for _ in range(18):
+        col = _hsv(h_obj + rng.normal(0, 0.04), rng.uniform(0.5, 1.0), rng.uniform(0.4, 0.85))
+        _stroke(draw, rng, obj_ang, pose.radius * rng.uniform(0.5, 1.0),
+                int(pose.radius * rng.uniform(0.18, 0.3)), col, box)
+    obj = _down(obj_layer)
+
+    # slightly irregular edge: paint, not vector art
+    edge = _wobble(_densify(outline, pose.radius * 0.08), rng, pose.radius * 0.025, pose.radius * 0.012)
+    img = _blend(bg, obj, _down(_poly_layer(canvas, [edge.tolist()])))
+    grain = 1.0 + 0.05 * _smooth_noise(rng, size, 32)  # canvas weave
+    return img * grain[..., None]
+
+
+def _stroke(draw: ImageDraw.ImageDraw, rng: np.random.Generator, angle: float, length: float,
+            width: int, colour: np.ndarray, box: tuple[float, ...]) -> None:
+    """One slightly curved brush stroke with round ends, centred somewhere in ``box``."""
+    x0, y0, x1, y1 = box
+    cx, cy = rng.uniform(x0, x1), rng.uniform(y0, y1)
+    a = angle + rng.normal(0, 0.25)
+    bend = rng.normal(0, 0.15)
+    dx, dy = math.cos(a) * length / 2, math.sin(a) * length / 2
+    pts = [(cx - dx, cy - dy), (cx - dy * bend, cy + dx * bend), (cx + dx, cy + dy)]
+    fill = _rgb(colour)
+    width = max(1, width)
+    draw.line(pts, fill=fill, width=width, joint="curve")
+    r = width / 2
+    for px, py in (pts[0], pts[-1]):
+        draw.ellipse((px - r, py - r, px + r, py + r), fill=fill)
+
+
+def _sketch(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+    """Grey pencil: two or three wobbly outline passes and light hatching, on paper."""
+    canvas = size * _SUPERSAMPLE
+    paper = rng.uniform(238, 252) + 3.0 * _smooth_noise(rng, size, 40)  # paper grain
+    ink = Image.new("L", (canvas, canvas), 0)  # darkness to subtract from the paper
+    if rng.random() < 0.75:  # hatching, clipped to the shape
+        hd = ImageDraw.Draw(ink)
+        a = rng.uniform(math.radians(20), math.radians(70)) * rng.choice([-1, 1])
+        spacing = canvas * rng.uniform(0.04, 0.06)
+        dark = int(rng.uniform(40, 80))
+        ca, sa = math.cos(a), math.sin(a)
+        reach = pose.radius * 1.2
+        for k in range(-int(reach / spacing), int(reach / spacing) + 1):
+            ox, oy = pose.cx - k * spacing * sa, pose.cy + k * spacing * ca
+            hd.line([(ox - reach * ca, oy - reach * sa), (ox + reach * ca, oy + reach * sa)],
+                    fill=dark, width=max(1, canvas // 128))
+        ink = ImageChops.multiply(ink, _poly_layer(canvas, [outline]))
+    pencil = Image.new("L", (canvas, canvas), 0)
+    draw = ImageDraw.Draw(pencil)
+    dense = _densify(outline, pose.radius * 0.06)
+    lead = rng.uniform(130, 190)  # how dark the pencil is
+    width = max(1, int(round(canvas * rng.uniform(0.016, 0.024))))
+    for _ in range(int(rng.integers(2, 4))):
+        pts = _wobble(dense, rng, pose.radius * 0.03, pose.radius * 0.01)
+        pts = np.roll(pts, -int(rng.integers(len(pts))), axis=0)
+        extra = int(len(pts) * rng.uniform(0.0, 0.08))  # overshoot past the start point
+        pts = np.concatenate([pts, pts[: extra + 1]])
+        draw.line([tuple(p) for p in pts.tolist()], fill=int(lead * rng.uniform(0.7, 1.0)),
+                  width=width, joint="curve")
+    img = paper - 255.0 * _down(ImageChops.lighter(ink, pencil))
+    return np.repeat(img[..., None], 3, axis=2)
+
+
+def _quickdraw(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+    """A single thin black jittery polyline on pure white; may stop short or overshoot."""
+    canvas = size * _SUPERSAMPLE
+    dense = _densify(outline, pose.radius * 0.12)
+    pts = _wobble(dense, rng, pose.radius * 0.04, pose.radius * 0.015)
+    pts = np.roll(pts, -int(rng.integers(len(pts))), axis=0)
+    n = max(2, int(round(len(pts) * rng.uniform(0.95, 1.05))))  # small gap or overshoot
+    pts = np.concatenate([pts, pts])[: n + 1] if n >= len(pts) else pts[:n]
+    line = Image.new("L", (canvas, canvas), 0)
+    width = max(1, int(round(canvas * 0.028)))
+    ImageDraw.Draw(line).line([tuple(p) for p in pts.tolist()], fill=255, width=width, joint="curve")
+    img = 255.0 * (1.0 - _down(line))
+    return np.repeat(img[..., None], 3, axis=2)
+
+
+_DOMAIN_RENDERERS = {
+    "photo": _photo,
+    "clipart": _clipart,
+    "painting": _painting,
+    "sketch": _sketch,
+    "quickdraw": _quickdraw,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+def render(cls: str, domain: str, rng: np.random.Generator, size: int = 64) -> np.ndarray:
+    """Draw one image of class ``cls`` in ``domain`` style: ``(size, size, 3)`` uint8.
+
+    Position, scale, rotation and colours are drawn from ``rng``; the same generator state
+    always gives the same image. Geometry is drawn at 4x and box-downsampled (antialiasing).
+    """
+    if cls not in CLASSES:
+        raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(CLASSES)}")
+    _check_domain(domain)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 8:
+        raise ValueError(f"size must be an integer >= 8, got {size!r}")
+    size = int(size)
+    pose = _random_pose(rng, size * _SUPERSAMPLE)
+    outline = pose.place(_unit_shape(cls))
+    img = _DOMAIN_RENDERERS[domain](outline, pose, rng, size)
+    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+
+
+def _image_rng(seed: int, split: str, domain: str, client_index: int, cls: str, i: int) -> np.random.Generator:
+    """Independent RNG per image; the key uses global indices so subsets of classes agree."""
+    key = [seed, _SPLITS[split], DOMAINS.index(domain), client_index, CLASSES.index(cls), i]
+    return np.random.default_rng(np.random.SeedSequence(key))
+
+
+def _generate(domain: str, per_class: int, split: str, client_index: int, seed: int, size: int,
+              classes: Sequence[str]) -> ImageSet:
+    """Render ``per_class`` images of each class (class-major order) into an :class:`ImageSet`."""
+    _check_domain(domain)
+    cls_tuple = _check_classes(classes)
+    per_class = _check_nonneg("per_class", per_class)
+    client_index = _check_nonneg("client_index", client_index)
+    seed = _check_nonneg("seed", seed)
+    arrays = np.empty((per_class * len(cls_tuple), size, size, 3), dtype=np.uint8)
+    labels = np.empty(per_class * len(cls_tuple), dtype=np.int64)
+    j = 0
+    for label, cls in enumerate(cls_tuple):
+        for i in range(per_class):
+            arrays[j] = render(cls, domain, _image_rng(seed, split, domain, client_index, cls, i), size)
+            labels[j] = label
+            j += 1
+    images = torch.from_numpy(arrays).permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0).contiguous()
+    return ImageSet(images=images, labels=torch.from_numpy(labels), classes=cls_tuple, domain=domain)
+
+
+def client_train_set(domain: str, shots_per_class: int, client_index: int = 0, seed: int = 0,
+                     size: int = 64, classes: Sequence[str] = CLASSES) -> ImageSet:
+    """The k-shot training set of the ``client_index``-th client of ``domain``.
+
+    Different client indices (and the test / pretraining splits) never share an image, and
+    a client's images do not depend on ``shots_per_class`` beyond how many are returned:
+    image i of a class is the same whether k is 8 or 16.
+    """
+    return _generate(domain, shots_per_class, "train", client_index, seed, size, classes)
+
+
+def test_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
+             classes: Sequence[str] = CLASSES) -> ImageSet:
+    """Held-out real images of ``domain`` for evaluation (disjoint from every client)."""
+    return _generate(domain, per_class, "test", 0, seed, size, classes)
+
+
+test_set.__test__ = False  # type: ignore[attr-defined]  # not a pytest test when imported
+
+
+def pretrain_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
+                 classes: Sequence[str] = CLASSES) -> ImageSet:
+    """Images for pretraining the miniature LDM, disjoint from every client and the test split."""
+    return _generate(domain, per_class, "pretrain", 0, seed, size, classes)
+
+
+def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
+    """Feature heterogeneity: one domain per client, round-robin over ``domains``.
+
+    Partition p gets ``(domains[p % len(domains)], p // len(domains))``: its domain and its
+    client index within that domain (which selects a disjoint shard of that domain).
+    """
+    partition_id = _check_nonneg("partition_id", partition_id)
+    if isinstance(domains, str):
+        raise ValueError(f"domains must be a sequence of names, got the string {domains!r}")
+    doms = tuple(domains)
+    if not doms:
+        raise ValueError(f"domains must not be empty; valid domains: {', '.join(DOMAINS)}")
+    for d in doms:
+        _check_domain(d)
+    return doms[partition_id % len(doms)], partition_id // len(doms)
