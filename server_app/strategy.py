@@ -12,7 +12,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
@@ -161,7 +168,7 @@ class FedBiPStrategy(Strategy):
             payload = accept_payload(payload_bytes(reply), self.expect, self.folder, self._taken)
         except (PayloadError, WireError) as err:
             outcome.reason = str(err)
-        except Exception as err:  # noqa: BLE001 - an upload must never crash the server
+        except Exception as err:
             log.exception("unexpected error while decoding the reply of node %d", node)
             outcome.reason = f"unexpected {type(err).__name__}: {err}"
         else:
