@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fedbip_flwr import dataset
+from fedbip_flwr import shapes as dataset
 from fedbip_flwr.classifier import (
     TrainSettings,
     build_classifier,

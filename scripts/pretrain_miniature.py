@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fedbip_flwr import dataset
+from fedbip_flwr import shapes as dataset
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import LDM, MINIATURE, build_ldm
 

@@ -14,7 +14,7 @@ Design choices, and why:
   reproducible on any machine, and client / test / pretraining splits never share an image.
 * **Every domain is learnable.** Styles change colour, texture, line quality and background but
   never hide the silhouette: a ResNet-18 trained on one client's 16 shots per class must reach
-  >= 80 % on that domain's test split (``tests/test_dataset.py`` checks it for every domain).
+  >= 80 % on that domain's test split (``tests/test_shapes.py`` checks it for every domain).
   A style made of random brush-stroke noise was measured to be unlearnable, so the painting
   strokes here are clipped to the shape and the canvas strokes are low-contrast.
 * **Antialiased and fast.** Shapes are drawn with PIL at 4x resolution and box-downsampled;

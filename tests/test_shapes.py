@@ -1,4 +1,4 @@
-"""Tests for the built-in miniature multi-domain dataset (``fedbip_flwr.dataset``).
+"""Tests for the built-in miniature multi-domain dataset (``fedbip_flwr.shapes``).
 
 The important one is :func:`test_every_domain_is_learnable_from_one_client`: FedBiP's
 evaluation only means something if a classifier *can* learn each domain from a client's real
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedbip_flwr import dataset as ds
-from fedbip_flwr.dataset import (
+from fedbip_flwr import shapes as ds
+from fedbip_flwr.shapes import (
     CLASSES,
     COMMON_DOMAINS,
     DOMAINS,
