@@ -39,11 +39,8 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     cfg = FedBiPConfig.from_flat(context.run_config)
     partition_id = int(context.node_config["partition-id"])
-    domain, index = dataset.partition(partition_id, cfg.domain_list)
-    client_id = f"{domain}-{index}"
-    data = dataset.client_train_set(
-        domain, cfg.shots_per_class, index, seed=cfg.seed, size=cfg.image_size
-    )
+    data = dataset.load_client_data(cfg, partition_id, context.node_config.get("num-partitions"))
+    domain, client_id = data.domain, data.client_id
     log.info("[%s] %d private images, personalizing", client_id, len(data))
     ldm = _model(cfg.model, cfg.device, cfg.half_precision)
     payload, report = personalize(

@@ -3,7 +3,9 @@
 Flower delivers the run config as a flat ``dict[str, bool | int | float | str]`` with
 kebab-case keys (``concept-lr``); :meth:`FedBiPConfig.from_flat` turns it into this model and
 rejects unknown keys and bad values with one readable message. Defaults are the paper's
-(FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise.
+(FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise; the
+dataset-dependent ones (prompt template, n_s, n_v, domains: Table 5) come from
+:data:`fedbip_flwr.specs.SPECS` when left empty / 0, and the model holds the filled-in values.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .specs import SPECS
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
@@ -44,14 +48,25 @@ class FedBiPConfig(BaseModel):
     )
 
     # --- data --------------------------------------------------------------------------------
-    dataset: Literal["shapes"] = "shapes"
-    data_root: str = Field("", description="Dataset folder; empty = generated in memory.")
-    domains: str = Field(
-        "sketch,quickdraw,painting",
-        description="Comma-separated domains; partition p gets domains[p % len(domains)].",
+    dataset: Literal["shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm"] = Field(
+        "shapes", description="shapes is generated in memory; the others are read from data-root."
     )
+    data_root: str = Field("", description="Dataset folder (or MedMNIST .npz); unused by shapes.")
+    domains: str = Field(
+        "",
+        description="Comma-separated domains, each also the words S starts from; "
+        "\"\" = the dataset's defaults. Partition p gets domains[p % len(domains)].",
+    )
+    partitioning: Literal["domain", "dirichlet", "iid"] = Field(
+        "domain",
+        description="domain = one domain per client, k shots per class (feature heterogeneity); "
+        "dirichlet / iid = labels split over num-partitions clients (DermaMNIST, UCM).",
+    )
+    dirichlet_beta: float = Field(0.5, gt=0.0, description="Dir(beta); smaller = more skewed.")
     shots_per_class: int = Field(16, ge=2, description="k real images per class per client.")
-    test_per_class: int = Field(50, ge=1, description="Real test images per class per domain.")
+    test_per_class: int = Field(
+        50, ge=1, description="shapes only: test images per class per domain."
+    )
     image_size: int = Field(64, ge=8, description="Side of the images the LDM sees.")
 
     # --- instance level (eq. 3) --------------------------------------------------------------
@@ -66,10 +81,11 @@ class FedBiPConfig(BaseModel):
 
     # --- concept level (eq. 4) ---------------------------------------------------------------
     prompt_template: str = Field(
-        "a {S} style of a {V}", description="Must contain {S} (domain) and {V} (class)."
+        "",
+        description="Must contain {S} (domain) and {V} (class); \"\" = the dataset's (Table 5).",
     )
-    n_s: int = Field(1, ge=1, le=8, description="Token vectors in the domain concept S.")
-    n_v: int = Field(1, ge=1, le=8, description="Token vectors per class concept V_y.")
+    n_s: int = Field(0, ge=1, le=8, description="Tokens in S; 0 = the dataset's (Table 5).")
+    n_v: int = Field(0, ge=1, le=8, description="Tokens per V_y; 0 = the dataset's (Table 5).")
     concept_space: Literal["token", "hidden"] = Field(
         "token",
         description="token = input token embeddings (paper); "
@@ -107,13 +123,52 @@ class FedBiPConfig(BaseModel):
     )
     seed: int = 0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dataset_defaults(cls, data: Any) -> Any:
+        """Fill unset (or sentinel) prompt-template, n-s, n-v and domains from the dataset.
+
+        Flower merges --run-config over pyproject's values, so pyproject holds sentinels: a
+        concrete value there would silently give one dataset's prompt to every other one.
+        """
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        name = data.get("dataset", "shapes")
+        spec = SPECS.get(name) if isinstance(name, str) else None
+        if spec is None:
+            return data  # the dataset field reports the unknown name
+        defaults = {
+            "prompt_template": spec.prompt_template,
+            "n_s": spec.n_s,
+            "n_v": spec.n_v,
+            "domains": ",".join(spec.default_domains),
+        }
+        for name, value in defaults.items():
+            key = name if name in data else _kebab(name)
+            if data.get(key) in (None, "", 0):
+                data[key] = value
+        return data
+
     @model_validator(mode="after")
-    def _check_template(self) -> FedBiPConfig:
+    def _check_consistency(self) -> FedBiPConfig:
         for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
             if self.prompt_template.count(slot) != 1:
                 raise ValueError(f"prompt-template must contain {slot} exactly once")
-        if not self.domain_list:
-            raise ValueError("domains must name at least one domain")
+        spec = SPECS[self.dataset]
+        unknown = [d for d in self.domain_list if d not in spec.domains]
+        if unknown or not self.domain_list:
+            raise ValueError(
+                f"domains must name {self.dataset} domains exactly; "
+                f"got {self.domains!r}, valid: {', '.join(spec.domains)}"
+            )
+        if self.partitioning not in spec.partitionings:
+            raise ValueError(
+                f"partitioning '{self.partitioning}' does not apply to {self.dataset}; "
+                f"use {' or '.join(spec.partitionings)}"
+            )
+        if spec.layout != "generated" and not self.data_root:
+            raise ValueError(f"dataset {self.dataset} is read from disk: set data-root")
         return self
 
     @property

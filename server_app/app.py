@@ -42,9 +42,10 @@ def main(grid: Grid, context: Context) -> None:
     log.info("run folder: %s", folder.root)
     seconds: dict[str, float] = {}
 
+    dataset.verify(cfg)
     started = time.perf_counter()
     ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision)
-    class_names = list(dataset.CLASSES)
+    class_names = dataset.class_names(cfg)
     expect = expectations(cfg, ldm, class_names)
     seconds["load-model"] = time.perf_counter() - started
 
@@ -83,10 +84,7 @@ def main(grid: Grid, context: Context) -> None:
     seconds["synthesis"] = time.perf_counter() - started
 
     domains = sorted({p.meta.domain for p in payloads.values()})
-    test_sets = {
-        d: dataset.test_set(d, cfg.test_per_class, seed=cfg.seed, size=cfg.image_size)
-        for d in domains
-    }
+    test_sets = dataset.load_test_sets(cfg, domains)
     for client_id, payload in payloads.items():
         real = test_sets[payload.meta.domain].images
         save_grid(folder, client_id, real, synthetic[client_id][0])

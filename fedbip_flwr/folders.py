@@ -1,0 +1,202 @@
+"""The paper's datasets from their usual on-disk layouts, indexed without decoding any pixel.
+
+Layouts (``docs/datasets.md`` has the trees):
+
+* ``folders``: ``<data-root>/<domain folder>/<class folder>/<image>`` (DomainNet, PACS,
+  OfficeHome, UC Merced). Class folders are matched by exact name, so ``birdhouse`` never
+  stands in for ``bird`` nor ``Pencil`` for ``Pen``. DomainNet's official
+  ``<domain>_train.txt`` / ``<domain>_test.txt`` lists are used when they sit in data-root;
+  otherwise :data:`TEST_FRACTION` of every class is held out with a fixed seed, so the test
+  split is the same for every run seed.
+* ``medmnist``: MedMNIST ``.npz`` files (``train_images``, ``train_labels``, ``test_*``) of any
+  size; the smallest one at least ``image-size`` wide is used, else the largest.
+
+Indexing only lists files or reads label arrays, so a missing folder, class or file fails in
+seconds with one sentence; pixels are read when a client or the server takes its images.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .partitions import DataError, holdout
+from .specs import DatasetSpec
+
+log = logging.getLogger(__name__)
+
+TEST_FRACTION = 0.2  # held out per class where a dataset ships no official test split
+SPLIT_SEED = 0  # fixed: the test split must not move with the run seed
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"})
+MEDMNIST_SIZES = (28, 64, 128, 224)
+SPLITS = ("train", "test")
+LAYOUT_HELP = "see docs/datasets.md for the expected layout"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Labelled images of one split of one domain; ``read(i)`` decodes image i on demand."""
+
+    labels: np.ndarray  # (N,) int64 indexing the spec's classes
+    read: Callable[[int], Image.Image]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, indices: np.ndarray) -> Pool:
+        return Pool(self.labels[indices], lambda i: self.read(int(indices[i])))
+
+    def take(self, indices: Sequence[int] | np.ndarray, size: int) -> torch.Tensor:
+        """Images ``indices`` as ``(n, 3, size, size)`` float32 in [-1, 1] (squashed to square)."""
+        pixels = np.empty((len(indices), size, size, 3), dtype=np.uint8)
+        for j, i in enumerate(indices):
+            image = self.read(int(i)).convert("RGB")
+            pixels[j] = np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+        return (
+            torch.from_numpy(pixels).permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0).contiguous()
+        )
+
+
+@dataclass(frozen=True)
+class Split:
+    """A domain's training pool (what clients draw from) and its test pool (what the server scores)."""
+
+    train: Pool
+    test: Pool
+
+
+def _open_file(path: Path) -> Image.Image:
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def _file_pool(paths: Sequence[Path], labels: Sequence[int]) -> Pool:
+    files = tuple(paths)
+    return Pool(np.asarray(labels, dtype=np.int64), lambda i: _open_file(files[i]))
+
+
+def _domain_dir(spec: DatasetSpec, root: Path, domain: str) -> Path:
+    for name in spec.folders_of(domain):
+        if (root / name).is_dir():
+            return root / name
+    wanted = " or ".join(f"'{n}'" for n in spec.folders_of(domain))
+    raise DataError(f"{spec.name} domain '{domain}' needs folder {wanted} in {root}; {LAYOUT_HELP}")
+
+
+def _class_folder_pool(spec: DatasetSpec, domain_dir: Path) -> Pool:
+    """Every image under the spec's class folders, found by exact name."""
+    present = {p.name for p in domain_dir.iterdir() if p.is_dir()}
+    paths: list[Path] = []
+    labels: list[int] = []
+    for label, folder in enumerate(spec.folder_of_class()):
+        if folder not in present:
+            raise DataError(
+                f"{spec.name}: class folder '{folder}' is missing in {domain_dir} "
+                f"(class folders must match exactly); {LAYOUT_HELP}"
+            )
+        files = sorted(
+            p for p in (domain_dir / folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
+        )
+        if not files:
+            raise DataError(f"{spec.name}: class folder {domain_dir / folder} holds no images")
+        paths += files
+        labels += [label] * len(files)
+    return _file_pool(paths, labels)
+
+
+def _listed_pool(spec: DatasetSpec, root: Path, listing: Path) -> Pool:
+    """The spec's classes from an official split file of ``<path> <label>`` lines."""
+    label_of = {folder: label for label, folder in enumerate(spec.folder_of_class())}
+    paths: list[Path] = []
+    labels: list[int] = []
+    for line in listing.read_text().splitlines():
+        relative = line.split()[0] if line.strip() else ""
+        label = label_of.get(Path(relative).parent.name) if relative else None
+        if label is not None:
+            paths.append(root / relative)
+            labels.append(label)
+    found = set(labels)
+    missing = [name for label, name in enumerate(spec.classes) if label not in found]
+    if missing:
+        raise DataError(f"{listing} lists no image of class '{missing[0]}'; {LAYOUT_HELP}")
+    absent = next((p for p in paths if not p.is_file()), None)
+    if absent is not None:
+        raise DataError(f"{absent}, listed in {listing}, does not exist; {LAYOUT_HELP}")
+    return _file_pool(paths, labels)
+
+
+def _folder_split(spec: DatasetSpec, root: Path, domain: str) -> Split:
+    domain_dir = _domain_dir(spec, root, domain)
+    lists = [root / spec.split_lists.format(domain=domain, split=s) for s in SPLITS]
+    if spec.split_lists and all(p.is_file() for p in lists):
+        log.info(
+            "%s %s: official split from %s", spec.name, domain, ", ".join(p.name for p in lists)
+        )
+        return Split(*(_listed_pool(spec, root, p) for p in lists))
+    pool = _class_folder_pool(spec, domain_dir)
+    train, test = holdout(pool.labels, TEST_FRACTION, (SPLIT_SEED,))
+    return Split(pool.subset(train), pool.subset(test))
+
+
+def medmnist_file(spec: DatasetSpec, root: Path, image_size: int) -> Path:
+    """``root`` itself if it is a file, else the best-sized ``<name>[_<size>].npz`` inside it."""
+    if root.is_file():
+        return root
+    sized = [
+        (s, root / (f"{spec.name}.npz" if s == 28 else f"{spec.name}_{s}.npz"))
+        for s in MEDMNIST_SIZES
+    ]
+    present = [(s, p) for s, p in sized if p.is_file()]
+    if not present:
+        raise DataError(
+            f"no {spec.name}.npz or {spec.name}_{{64,128,224}}.npz in {root}; "
+            f"download {spec.name} from MedMNIST and point data-root at it"
+        )
+    return next((p for s, p in present if s >= image_size), present[-1][1])
+
+
+def _array_pool(spec: DatasetSpec, path: Path, npz: np.lib.npyio.NpzFile, split: str) -> Pool:
+    labels = npz[f"{split}_labels"].reshape(-1).astype(np.int64)
+    if len(labels) and not 0 <= labels.min() <= labels.max() < len(spec.classes):
+        raise DataError(
+            f"{path} has labels outside 0..{len(spec.classes) - 1}: not a {spec.name} file"
+        )
+    images = functools.cache(lambda: npz[f"{split}_images"])  # decompressed on first read only
+    return Pool(labels, lambda i: Image.fromarray(images()[i]))
+
+
+def _medmnist_split(spec: DatasetSpec, root: Path, image_size: int) -> Split:
+    path = medmnist_file(spec, root, image_size)
+    npz = np.load(path)
+    missing = sorted({f"{s}_{k}" for s in SPLITS for k in ("images", "labels")} - set(npz.files))
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}: not a MedMNIST file")
+    return Split(*(_array_pool(spec, path, npz, s) for s in SPLITS))
+
+
+def open_split(spec: DatasetSpec, root: Path, domain: str, image_size: int) -> Split:
+    """Index ``domain`` of an on-disk dataset; raise :class:`DataError` if anything is missing."""
+    if not root.exists():
+        raise DataError(
+            f"{spec.name} data-root {root} does not exist; download the dataset and set data-root "
+            f"to its folder ({LAYOUT_HELP})"
+        )
+    if spec.layout == "medmnist":
+        split = _medmnist_split(spec, root, image_size)
+    else:
+        split = _folder_split(spec, root, domain)
+    log.info(
+        "%s %s: %d training and %d test images",
+        spec.name,
+        domain,
+        len(split.train),
+        len(split.test),
+    )
+    return split
