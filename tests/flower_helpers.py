@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -71,3 +73,62 @@ def stop_local_superlink(home: Path) -> list[int]:
             psutil.wait_procs(family, timeout=20)
             stopped += [p.pid for p in family]
     return stopped
+
+
+def stop_process_tree(pid: int, timeout: float = 20) -> list[int]:
+    """Stop a process and all its descendants: SIGTERM, then SIGKILL; returns the PIDs."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return []
+    for member in family:
+        try:
+            member.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=timeout)
+    for member in alive:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [member.pid for member in family]
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    """Live processes whose command line contains ``text`` (e.g. a test's tmp folder)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+def free_port_block(count: int) -> int:
+    """A port p such that p .. p+count-1 are all free on 127.0.0.1 right now."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(first + 1, first + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"found no block of {count} free ports on 127.0.0.1")
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    """Until something listens on 127.0.0.1:port; fail with the log if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s:\n{log.read_text()[-4000:]}")

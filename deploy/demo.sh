@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The whole secured federation on one host, end to end, then everything stopped again:
+# throwaway credentials, a SuperLink with TLS and SuperNode authentication, N registered
+# SuperNodes (one per simulated institution, each with its own partition and data folder),
+# and `flwr run` of this project through them.
+#
+#   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] WORK_DIR [flwr run options...]
+#
+#   -n  SuperNodes to start (default 3)
+#   -p  SuperLink port on 127.0.0.1 (default 9093); SuperNode i uses PORT+1+i for its local API
+#   WORK_DIR receives credentials/ (reused if present), logs/, data/institution-I/ and
+#   flwr-home/ (the flwr CLI's config with the connection "fedbip-tls").
+#   Remaining options go to `flwr run`, e.g. --run-config conf/NAME.toml.
+#
+# Exit status 0 only if the run finished with status finished:completed.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+usage() { echo "usage: $0 [-n NUM_SUPERNODES] [-p PORT] WORK_DIR [flwr run options...]" >&2; exit 2; }
+
+num=3
+port=9093
+while getopts "n:p:" opt; do
+  case $opt in
+    n) num=$OPTARG ;;
+    p) port=$OPTARG ;;
+    *) usage ;;
+  esac
+done
+shift $((OPTIND - 1))
+[[ $# -ge 1 ]] || usage
+mkdir -p "$1"
+work=$(cd "$1" && pwd)
+shift
+
+creds=$work/credentials
+logs=$work/logs
+connection=fedbip-tls
+export FLWR_HOME=$work/flwr-home
+mkdir -p "$logs" "$FLWR_HOME"
+
+pids=()
+descendants() {
+  local child
+  for child in $(pgrep -P "$1" || true); do
+    descendants "$child"
+    echo "$child"
+  done
+}
+stop_all() {
+  local pid family=()
+  for pid in "${pids[@]}"; do
+    # shellcheck disable=SC2207  # one PID per word
+    family+=($(descendants "$pid") "$pid")
+  done
+  [[ ${#family[@]} -gt 0 ]] || return 0
+  kill "${family[@]}" 2>/dev/null || true
+  for _ in $(seq 75); do
+    kill -0 "${family[@]}" 2>/dev/null || return 0
+    sleep 0.2
+  done
+  kill -9 "${family[@]}" 2>/dev/null || true
+}
+trap stop_all EXIT
+
+fail() {
+  echo "demo: $1" >&2
+  [[ $# -lt 2 ]] || tail -n 30 "$2" >&2
+  exit 1
+}
+
+# 1. Credentials (what each party would hold; see docs/deployment.md).
+if [[ ! -e $creds/ca/ca.crt ]]; then
+  "$here/make-credentials.sh" "$creds" "$num"
+fi
+for ((i = 0; i < num; i++)); do
+  [[ -e $creds/supernode-$i/node.key ]] || fail "$creds has no key for supernode-$i; remove it to start afresh"
+done
+
+# 2. The SuperLink (the server's institution).
+"$here/superlink.sh" "$creds/superlink" --host 127.0.0.1 --port "$port" >"$logs/superlink.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 120); do
+  kill -0 "${pids[0]}" 2>/dev/null || fail "the SuperLink exited during start-up" "$logs/superlink.log"
+  (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+  sleep 0.5
+done
+(exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null || fail "the SuperLink does not listen on port $port" "$logs/superlink.log"
+
+# 3. The flwr CLI's connection: the SuperLink's address and the CA that signed its certificate.
+cat >"$FLWR_HOME/config.toml" <<EOF
+[superlink]
+default = "$connection"
+
+[superlink.$connection]
+address = "127.0.0.1:$port"
+root-certificates = "$creds/ca/ca.crt"
+EOF
+
+# 4. Register every institution's public key, then start its SuperNode with its private key.
+for ((i = 0; i < num; i++)); do
+  flwr supernode register "$creds/supernode-$i/node.key.pub" "$connection" --name "institution-$i" \
+    >>"$logs/register.log" 2>&1 || fail "could not register supernode-$i" "$logs/register.log"
+done
+for ((i = 0; i < num; i++)); do
+  data=$work/data/institution-$i
+  mkdir -p "$data"
+  "$here/supernode.sh" "$creds/supernode-$i" "127.0.0.1:$port" \
+    "partition-id=$i num-partitions=$num data-root=\"$data\"" --port $((port + 1 + i)) \
+    >"$logs/supernode-$i.log" 2>&1 &
+  pids+=($!)
+done
+
+# 5. Wait until all SuperNodes are online, so that every institution takes part.
+online=0
+for _ in $(seq 60); do
+  for ((i = 1; i <= num; i++)); do
+    kill -0 "${pids[i]}" 2>/dev/null || fail "supernode-$((i - 1)) exited" "$logs/supernode-$((i - 1)).log"
+  done
+  online=$(flwr supernode ls "$connection" --format json 2>/dev/null |
+    python3 -c 'import json, sys; print(sum(n["status"] == "online" for n in json.load(sys.stdin)["nodes"]))' ||
+    echo 0)
+  [[ $online -ge $num ]] && break
+  sleep 2
+done
+[[ $online -ge $num ]] || fail "only $online of $num SuperNodes came online" "$logs/superlink.log"
+echo "demo: SuperLink on 127.0.0.1:$port (TLS, SuperNode authentication), $num SuperNodes online after ${SECONDS}s"
+
+# 6. The run, streamed; its final status decides the exit code.
+cd "$root"
+flwr run . "$connection" --stream "$@" 2>&1 | tee "$logs/flwr-run.log"
+run_id=$(sed -n 's/.*Successfully started run \([0-9]\+\).*/\1/p' "$logs/flwr-run.log" | head -n 1)
+[[ -n $run_id ]] || fail "flwr run did not start a run" "$logs/flwr-run.log"
+status=$(flwr ls "$connection" --run-id "$run_id" --format json |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["runs"][0]["status"])')
+echo "demo: run $run_id $status after ${SECONDS}s"
+[[ $status == finished:completed ]]

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Throwaway credentials for a demo federation (never for production; see docs/deployment.md).
+#
+#   deploy/make-credentials.sh OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]
+#
+# Writes, with openssl and ssh-keygen:
+#   OUT_DIR/ca/ca.crt, ca.key               the demo CA (ca.key signs once, then is not needed)
+#   OUT_DIR/superlink/server.pem, server.key  the SuperLink's TLS certificate, signed by the CA,
+#                                           valid for localhost, 127.0.0.1 and EXTRA_SAN_NAMEs
+#                                           (e.g. the compose service name "superlink")
+#   OUT_DIR/superlink/ca.crt                copy of the CA certificate (--ssl-ca-certfile)
+#   OUT_DIR/supernode-I/node.key, node.key.pub  SuperNode I's EC P-384 key pair, OpenSSH format
+#                                           (what flower-supernode and `flwr supernode register` read)
+#   OUT_DIR/supernode-I/ca.crt              copy of the CA certificate (--root-certificates)
+# Each folder holds exactly what one party needs, so it can be handed over (or mounted) alone.
+set -euo pipefail
+
+usage() { echo "usage: $0 OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]" >&2; exit 2; }
+[[ $# -ge 2 ]] || usage
+out=$1 num=$2
+shift 2
+[[ $num =~ ^[1-9][0-9]*$ ]] || { echo "NUM_SUPERNODES must be a positive integer, got '$num'" >&2; exit 2; }
+for tool in openssl ssh-keygen; do
+  command -v "$tool" >/dev/null || { echo "$0 needs '$tool' on PATH" >&2; exit 1; }
+done
+if [[ -e $out/ca/ca.crt ]]; then
+  echo "$out already holds credentials; remove it first to make new ones" >&2
+  exit 1
+fi
+
+umask 077
+mkdir -p "$out/ca" "$out/superlink"
+days=30
+
+# 1. The certificate authority.
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -days "$days" \
+  -subj "/CN=FedBiP demo CA" -keyout "$out/ca/ca.key" -out "$out/ca/ca.crt" 2>/dev/null
+
+# 2. The SuperLink's server certificate: the SANs must cover every address clients dial.
+sans="DNS:localhost,IP:127.0.0.1"
+for name in "$@"; do
+  if [[ $name =~ ^[0-9.]+$ ]]; then sans+=",IP:$name"; else sans+=",DNS:$name"; fi
+done
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -subj "/CN=fedbip-superlink" \
+  -keyout "$out/superlink/server.key" -out "$out/superlink/server.csr" 2>/dev/null
+openssl x509 -req -in "$out/superlink/server.csr" -CA "$out/ca/ca.crt" -CAkey "$out/ca/ca.key" \
+  -CAcreateserial -days "$days" -out "$out/superlink/server.pem" \
+  -extfile <(printf 'subjectAltName=%s\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n' "$sans") \
+  2>/dev/null
+rm "$out/superlink/server.csr" "$out/ca/ca.srl"
+cp "$out/ca/ca.crt" "$out/superlink/ca.crt"
+
+# 3. One EC key pair per SuperNode (institution). Only the .pub leaves the institution.
+for ((i = 0; i < num; i++)); do
+  dir="$out/supernode-$i"
+  mkdir -p "$dir"
+  ssh-keygen -q -t ecdsa -b 384 -N "" -C "supernode-$i" -f "$dir/node.key"
+  cp "$out/ca/ca.crt" "$dir/ca.crt"
+done
+
+# Certificates and public keys are public; private keys stay owner-only.
+chmod 644 "$out"/ca/ca.crt "$out"/superlink/*.pem "$out"/*/ca.crt "$out"/supernode-*/node.key.pub
+chmod 755 "$out" "$out"/*/
+echo "credentials in $out: CA, SuperLink certificate for $sans, $num SuperNode key pair(s)"

@@ -1,0 +1,185 @@
+"""The deployment engine secured as in docs/deployment.md, through the deploy/ scripts.
+
+Real processes on 127.0.0.1 with their own ports and FLWR_HOME: a SuperLink with TLS and
+SuperNode authentication, SuperNodes that present registered EC keys, and `flwr run`.
+Every process a test starts is stopped by PID, on failure too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.flower_helpers import (
+    FLWR,
+    ROOT,
+    flwr_env,
+    free_port,
+    free_port_block,
+    processes_mentioning,
+    stop_process_tree,
+    wait_for_port,
+)
+from tests.test_flower_e2e import SMALL, as_run_config
+
+DEPLOY = ROOT / "deploy"
+NUM_SUPERNODES = 3
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, tiny_model_dir):
+    """deploy/demo.sh end to end: credentials, SuperLink, 3 registered SuperNodes, the run."""
+    work = tmp_path_factory.mktemp("demo")
+    port = free_port_block(1 + NUM_SUPERNODES)
+    values = {
+        **SMALL,
+        "model": f'"{tiny_model_dir}"',
+        "output-dir": f'"{work / "outputs"}"',
+        "run-name": '"deployment"',
+    }
+    env = flwr_env(work / "flwr-home")
+    proc = subprocess.Popen(
+        [str(DEPLOY / "demo.sh"), "-n", str(NUM_SUPERNODES), "-p", str(port), str(work),
+         "--run-config", as_run_config(values)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=900)
+        # The script stops what it started; anything left mentioning the work folder is a leak.
+        leftovers = [p.pid for p in processes_mentioning(str(work))]
+    finally:
+        stop_process_tree(proc.pid)
+        for leftover in processes_mentioning(str(work)):
+            stop_process_tree(leftover.pid)
+    return {"work": work, "returncode": proc.returncode, "output": output, "leftovers": leftovers,
+            "model": str(tiny_model_dir)}
+
+
+def test_demo_runs_the_federation_to_completion(demo):
+    assert demo["returncode"] == 0, demo["output"][-6000:]
+    assert "finished:completed" in demo["output"]
+    assert f"{NUM_SUPERNODES} SuperNodes online" in demo["output"]
+    assert demo["leftovers"] == [], "deploy/demo.sh left processes running"
+    metrics = json.loads((demo["work"] / "outputs" / "deployment" / "metrics.json").read_text())
+    assert metrics["status"] == "completed"
+    accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
+    assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
+    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "quickdraw", "painting"}
+    assert metrics["config"]["model"] == demo["model"]  # the run config reached the ServerApp
+
+
+def test_demo_secured_every_connection(demo):
+    logs = demo["work"] / "logs"
+    superlink = (logs / "superlink.log").read_text()
+    assert "running on https://127.0.0.1" in superlink
+    assert "SuperNode authentication is disabled" not in superlink
+    for i in range(NUM_SUPERNODES):
+        assert (demo["work"] / "data" / f"institution-{i}").is_dir()
+    # Each SuperNode registered exactly once with its own key.
+    assert (logs / "register.log").read_text().count("registered successfully") == NUM_SUPERNODES
+
+
+@pytest.fixture(scope="module")
+def secured_superlink(tmp_path_factory):
+    """A SuperLink with TLS and SuperNode auth; supernode-0's key is registered, supernode-1's not."""
+    work = tmp_path_factory.mktemp("secured")
+    creds = work / "credentials"
+    subprocess.run([str(DEPLOY / "make-credentials.sh"), str(creds), "2"], check=True,
+                   capture_output=True)
+    home = work / "flwr-home"
+    home.mkdir()
+    port = free_port()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "tls"\n\n'
+        f'[superlink.tls]\naddress = "127.0.0.1:{port}"\n'
+        f'root-certificates = "{creds / "ca" / "ca.crt"}"\n\n'
+        f'[superlink.no-ca]\naddress = "127.0.0.1:{port}"\n'
+    )
+    env = flwr_env(home)
+    log = work / "superlink.log"
+    with log.open("w") as out:
+        superlink = subprocess.Popen(
+            [str(DEPLOY / "superlink.sh"), str(creds / "superlink"), "--host", "127.0.0.1",
+             "--port", str(port)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    started: list[subprocess.Popen] = [superlink]
+    try:
+        wait_for_port(port, superlink, log)
+        flwr(env, "supernode", "register", str(creds / "supernode-0" / "node.key.pub"), "tls")
+        yield {"work": work, "creds": creds, "port": port, "env": env, "log": log,
+               "started": started}
+    finally:
+        for proc in reversed(started):
+            stop_process_tree(proc.pid)
+
+
+def flwr(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([FLWR, *args], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    if check:
+        assert proc.returncode == 0, f"flwr {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
+    return proc
+
+
+def start_supernode(link: dict, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
+    log = link["work"] / f"{name}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(args, env=link["env"], stdout=out, stderr=subprocess.STDOUT)
+    link["started"].append(proc)
+    return proc, log
+
+
+def supernode_script(link: dict, node: str, runtime_port: int) -> list[str]:
+    return [str(DEPLOY / "supernode.sh"), str(link["creds"] / node), f"127.0.0.1:{link['port']}",
+            "partition-id=0", "--port", str(runtime_port), "--max-retries", "0"]
+
+
+def node_statuses(link: dict) -> list[str]:
+    listing = flwr(link["env"], "supernode", "ls", "tls", "--format", "json")
+    return [node["status"] for node in json.loads(listing.stdout)["nodes"]]
+
+
+def test_registered_supernode_comes_online(secured_superlink):
+    """The control for the refusals below: same SuperLink, registered key, CA certificate."""
+    proc, log = start_supernode(secured_superlink, "registered",
+                                supernode_script(secured_superlink, "supernode-0", free_port()))
+    deadline = time.monotonic() + 120
+    while node_statuses(secured_superlink) != ["online"]:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "the registered SuperNode did not come online"
+        time.sleep(2)
+    stop_process_tree(proc.pid)
+
+
+def test_unregistered_supernode_is_refused(secured_superlink):
+    proc, log = start_supernode(secured_superlink, "unregistered",
+                                supernode_script(secured_superlink, "supernode-1", free_port()))
+    assert proc.wait(timeout=120) != 0, "a SuperNode with an unregistered key kept running"
+    assert "Failed to activate SuperNode" in log.read_text()
+    assert "No SuperNode found with the given public key" in secured_superlink["log"].read_text()
+    assert len(node_statuses(secured_superlink)) == 1, "the unregistered key became a node"
+
+
+def test_supernode_without_ca_certificate_cannot_connect(secured_superlink):
+    """A registered key is not enough: without the CA the SuperLink's certificate is untrusted."""
+    creds = secured_superlink["creds"] / "supernode-0"
+    proc, log = start_supernode(secured_superlink, "no-ca", [
+        str(Path(FLWR).with_name("flower-supernode")),
+        "--superlink", f"127.0.0.1:{secured_superlink['port']}",
+        "--auth-supernode-private-key", str(creds / "node.key"),
+        "--node-config", "partition-id=0", "--port", str(free_port()), "--max-retries", "0",
+    ])
+    assert proc.wait(timeout=120) != 0, "a SuperNode without the CA certificate kept running"
+    assert "CERTIFICATE_VERIFY_FAILED" in log.read_text()
+
+
+def test_cli_without_ca_certificate_cannot_connect(secured_superlink):
+    refused = flwr(secured_superlink["env"], "ls", "no-ca", check=False)
+    assert refused.returncode != 0
+    assert "unavailable" in refused.stdout + refused.stderr
+    flwr(secured_superlink["env"], "ls", "tls")  # the same command with the CA works
