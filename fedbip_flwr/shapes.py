@@ -77,7 +77,7 @@ def _check_domain(domain: str) -> str:
 def _check_classes(classes: Sequence[str]) -> tuple[str, ...]:
     """Exact-match class names (no duplicates, at least one)."""
     if isinstance(classes, str):
-        raise ValueError(f"classes must be a sequence of names, got the string {classes!r}")
+        raise ValueError(f"classes must be a sequence of names, got the string {classes!r}")  # noqa: TRY004
     out = tuple(classes)
     if not out:
         raise ValueError(f"classes must not be empty; valid classes: {', '.join(CLASSES)}")
@@ -283,7 +283,7 @@ def _clipart(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: 
     img = np.broadcast_to(bg, (size, size, 3))
     img = _blend(img, fill, _down(_poly_layer(canvas, [outline])))
     line = Image.new("L", (canvas, canvas), 0)
-    width = max(2, int(round(pose.radius * rng.uniform(0.1, 0.14))))
+    width = max(2, round(pose.radius * rng.uniform(0.1, 0.14)))
     ImageDraw.Draw(line).line(outline + outline[:1], fill=255, width=width, joint="curve")
     return _blend(img, ink, _down(line))
 
@@ -362,7 +362,7 @@ def _sketch(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: i
     draw = ImageDraw.Draw(pencil)
     dense = _densify(outline, pose.radius * 0.06)
     lead = rng.uniform(130, 190)  # how dark the pencil is
-    width = max(1, int(round(canvas * rng.uniform(0.016, 0.024))))
+    width = max(1, round(canvas * rng.uniform(0.016, 0.024)))
     for _ in range(int(rng.integers(2, 4))):
         pts = _wobble(dense, rng, pose.radius * 0.03, pose.radius * 0.01)
         pts = np.roll(pts, -int(rng.integers(len(pts))), axis=0)
@@ -380,10 +380,10 @@ def _quickdraw(outline: list[Point], pose: _Pose, rng: np.random.Generator, size
     dense = _densify(outline, pose.radius * 0.12)
     pts = _wobble(dense, rng, pose.radius * 0.04, pose.radius * 0.015)
     pts = np.roll(pts, -int(rng.integers(len(pts))), axis=0)
-    n = max(2, int(round(len(pts) * rng.uniform(0.95, 1.05))))  # small gap or overshoot
+    n = max(2, round(len(pts) * rng.uniform(0.95, 1.05)))  # small gap or overshoot
     pts = np.concatenate([pts, pts])[: n + 1] if n >= len(pts) else pts[:n]
     line = Image.new("L", (canvas, canvas), 0)
-    width = max(1, int(round(canvas * 0.028)))
+    width = max(1, round(canvas * 0.028))
     ImageDraw.Draw(line).line([tuple(p) for p in pts.tolist()], fill=255, width=width, joint="curve")
     img = 255.0 * (1.0 - _down(line))
     return np.repeat(img[..., None], 3, axis=2)
@@ -479,7 +479,7 @@ def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
     """
     partition_id = _check_nonneg("partition_id", partition_id)
     if isinstance(domains, str):
-        raise ValueError(f"domains must be a sequence of names, got the string {domains!r}")
+        raise ValueError(f"domains must be a sequence of names, got the string {domains!r}")  # noqa: TRY004
     doms = tuple(domains)
     if not doms:
         raise ValueError(f"domains must not be empty; valid domains: {', '.join(DOMAINS)}")
