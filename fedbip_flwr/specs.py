@@ -12,6 +12,7 @@ their template's highlighted words ("dermatoscopic image", "centered satellite p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from . import shapes
 
@@ -73,6 +74,38 @@ UCM_CLASSES = (
     ("chaparral", "chaparral"), ("airplane", "airplane"),
 )  # fmt: skip
 
+
+def _few_shot(name: str, classes: tuple[str, ...], domains: tuple[str, ...], **layout: Any) -> DatasetSpec:
+    """DomainNet, PACS, OfficeHome: Table 5's "A [STY] of [CLS].", n_s = n_v = 1, all domains."""
+    return DatasetSpec(
+        name=name,
+        classes=classes,
+        domains=domains,
+        default_domains=domains,
+        prompt_template=FEW_SHOT_TEMPLATE,
+        n_s=1,
+        n_v=1,
+        partitionings=(FEATURE,),
+        **layout,
+    )
+
+
+def _label_skew(name: str, classes: tuple[str, ...], domain: str, template: str, n_s: int,
+                n_v: int, **layout: Any) -> DatasetSpec:  # fmt: skip
+    """DermaMNIST, UCM: one domain, named by the template's highlighted words (Table 5)."""
+    return DatasetSpec(
+        name=name,
+        classes=classes,
+        domains=(domain,),
+        default_domains=(domain,),
+        prompt_template=template,
+        n_s=n_s,
+        n_v=n_v,
+        partitionings=LABEL,
+        **layout,
+    )
+
+
 SPECS: dict[str, DatasetSpec] = {
     spec.name: spec
     for spec in (
@@ -87,60 +120,38 @@ SPECS: dict[str, DatasetSpec] = {
             partitionings=(FEATURE,),
             layout="generated",
         ),
-        DatasetSpec(
-            name="domainnet",
-            classes=DOMAINNET_CLASSES,
-            domains=DOMAINNET_DOMAINS,
-            default_domains=DOMAINNET_DOMAINS,
-            prompt_template=FEW_SHOT_TEMPLATE,
-            n_s=1,
-            n_v=1,
-            partitionings=(FEATURE,),
-            split_lists="{domain}_{split}.txt",
+        _few_shot(
+            "domainnet", DOMAINNET_CLASSES, DOMAINNET_DOMAINS, split_lists="{domain}_{split}.txt"
         ),
-        DatasetSpec(
-            name="pacs",
-            classes=("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"),
-            domains=("art", "cartoon", "photo", "sketch"),
-            default_domains=("art", "cartoon", "photo", "sketch"),
-            prompt_template=FEW_SHOT_TEMPLATE,
-            n_s=1,
-            n_v=1,
-            partitionings=(FEATURE,),
+        _few_shot(
+            "pacs",
+            ("dog", "elephant", "giraffe", "guitar", "horse", "house", "person"),
+            ("art", "cartoon", "photo", "sketch"),
             domain_folders=(("art_painting",), ("cartoon",), ("photo",), ("sketch",)),
         ),
-        DatasetSpec(
-            name="officehome",
-            classes=tuple(f.lower() for f in OFFICEHOME_FOLDERS),
-            domains=("art", "clipart", "product", "real"),
-            default_domains=("art", "clipart", "product", "real"),
-            prompt_template=FEW_SHOT_TEMPLATE,
-            n_s=1,
-            n_v=1,
-            partitionings=(FEATURE,),
+        _few_shot(
+            "officehome",
+            tuple(f.lower() for f in OFFICEHOME_FOLDERS),
+            ("art", "clipart", "product", "real"),
             class_folders=OFFICEHOME_FOLDERS,
             domain_folders=(("Art",), ("Clipart",), ("Product",), ("Real World", "Real_World")),
         ),
-        DatasetSpec(
-            name="dermamnist",
-            classes=DERMAMNIST_CLASSES,
-            domains=("dermatoscopic image",),
-            default_domains=("dermatoscopic image",),
-            prompt_template="A {S} of a {V}, a type of pigmented skin lesions.",
+        _label_skew(
+            "dermamnist",
+            DERMAMNIST_CLASSES,
+            "dermatoscopic image",
+            "A {S} of a {V}, a type of pigmented skin lesions.",
             n_s=2,
             n_v=4,
-            partitionings=LABEL,
             layout="medmnist",
         ),
-        DatasetSpec(
-            name="ucm",
-            classes=tuple(words for words, _ in UCM_CLASSES),
-            domains=("centered satellite photo",),
-            default_domains=("centered satellite photo",),
-            prompt_template="A {S} of {V}.",
+        _label_skew(
+            "ucm",
+            tuple(words for words, _ in UCM_CLASSES),
+            "centered satellite photo",
+            "A {S} of {V}.",
             n_s=3,
             n_v=3,
-            partitionings=LABEL,
             class_folders=tuple(folder for _, folder in UCM_CLASSES),
             domain_folders=(("Images", "."),),  # data-root is UCMerced_LandUse or its Images
         ),
