@@ -75,7 +75,9 @@ UCM_CLASSES = (
 )  # fmt: skip
 
 
-def _few_shot(name: str, classes: tuple[str, ...], domains: tuple[str, ...], **layout: Any) -> DatasetSpec:
+def _few_shot(
+    name: str, classes: tuple[str, ...], domains: tuple[str, ...], **layout: Any
+) -> DatasetSpec:
     """DomainNet, PACS, OfficeHome: Table 5's "A [STY] of [CLS].", n_s = n_v = 1, all domains."""
     return DatasetSpec(
         name=name,
@@ -90,8 +92,15 @@ def _few_shot(name: str, classes: tuple[str, ...], domains: tuple[str, ...], **l
     )
 
 
-def _label_skew(name: str, classes: tuple[str, ...], domain: str, template: str, n_s: int,
-                n_v: int, **layout: Any) -> DatasetSpec:  # fmt: skip
+def _label_skew(
+    name: str,
+    classes: tuple[str, ...],
+    domain: str,
+    template: str,
+    n_s: int,
+    n_v: int,
+    **layout: Any,
+) -> DatasetSpec:
     """DermaMNIST, UCM: one domain, named by the template's highlighted words (Table 5)."""
     return DatasetSpec(
         name=name,
