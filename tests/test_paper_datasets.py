@@ -15,9 +15,12 @@ import torch
 from PIL import Image
 
 from fedbip_flwr import dataset, shapes
+from fedbip_flwr.client import personalize
 from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.folders import TEST_FRACTION, medmnist_file
 from fedbip_flwr.partitions import DataError, label_partition
+from fedbip_flwr.payload import encode_payload
+from fedbip_flwr.server import RunFolder, accept_payload, expectations
 from fedbip_flwr.specs import SPECS
 
 STEP = 12  # colour quantum: channel value = STEP * code, decodable after JPEG and resizing
@@ -359,3 +362,27 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
     )
     with pytest.raises(DataError, match="lacks test_images, test_labels, train_labels"):
         dataset.verify(bad)
+
+
+# --------------------------------------------------------------------------------------------
+# a paper dataset's client, through the real client and server code (tiny LDM)
+# --------------------------------------------------------------------------------------------
+def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path, tiny_ldm) -> None:
+    """UCM's one domain has spaces ("centered satellite photo"): the payload must still be
+    accepted, and its domain must name the test set the server scores it on."""
+    make_tree(tmp_path / "ucm", ["Images"], list(SPECS["ucm"].folder_of_class()), 3, suffix=".tif")
+    cfg = FedBiPConfig.from_flat(
+        {"dataset": "ucm", "data-root": str(tmp_path / "ucm"), "partitioning": "iid",
+         "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4}
+    )  # fmt: skip
+    data = dataset.load_client_data(cfg, 1, 2)
+    payload, _ = personalize(
+        tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg, 0
+    )
+    expect = expectations(cfg, tiny_ldm, dataset.class_names(cfg))
+    folder = RunFolder(tmp_path / "run")
+    accepted = accept_payload(encode_payload(payload), expect, folder, set())
+    assert (accepted.meta.client_id, accepted.meta.domain) == ("ucm-1", "centered satellite photo")
+    assert accepted.meta.prompt_template == "A {S} of {V}." and accepted.meta.n_s == 3
+    tests = dataset.load_test_sets(cfg, [accepted.meta.domain])
+    assert len(tests[accepted.meta.domain]) == 21  # round(0.2 * 3) = 1 per class
