@@ -144,8 +144,8 @@ class FedBiPConfig(BaseModel):
             "n_v": spec.n_v,
             "domains": ",".join(spec.default_domains),
         }
-        for name, value in defaults.items():
-            key = name if name in data else _kebab(name)
+        for field, value in defaults.items():
+            key = field if field in data else _kebab(field)
             if data.get(key) in (None, "", 0):
                 data[key] = value
         return data
