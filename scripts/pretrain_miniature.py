@@ -10,9 +10,12 @@ because no caption ever names them. 10% of captions are empty for classifier-fre
 Two stages, seeded: (1) the VAE (AutoencoderKL) on the images; its scaling factor is set to
 1 / std of the latents, as SD's 0.18215 was. (2) the UNet and CLIP text encoder jointly on the
 frozen VAE's latents (encoded once), epsilon prediction, EMA of the UNet. Stage 2 runs for a
-wall-clock budget: class fidelity, the measured bottleneck, keeps improving with steps.
+wall-clock budget: class fidelity, the measured bottleneck, keeps improving with steps; the
+number of steps reached is in the log, so a run is reproducible up to that count. ``--resume``
+continues stage 2 from a saved model (fresh optimizer and EMA) and appends to its log.
 
     python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 60
+    python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 20 --resume
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fedbip_flwr import shapes as dataset
+from fedbip_flwr import shapes
 from fedbip_flwr.instance import encode_images
-from fedbip_flwr.ldm import LDM, MINIATURE, build_ldm
+from fedbip_flwr.ldm import LDM, MINIATURE, build_ldm, load_ldm
 
 TEMPLATE_WORDS = ("a", "of", "style")
 RARE_SHARE = 0.05
@@ -40,13 +43,13 @@ def corpus(per_class: int, seed: int) -> tuple[torch.Tensor, list[str]]:
     """Images in [-1, 1] and their captions; rare domains never named."""
     images, captions = [], []
     rng = torch.Generator().manual_seed(seed)
-    for domain in dataset.DOMAINS:
-        rare = domain in dataset.RARE_DOMAINS
+    for domain in shapes.DOMAINS:
+        rare = domain in shapes.RARE_DOMAINS
         n = max(1, round(per_class * RARE_SHARE)) if rare else per_class
-        part = dataset.pretrain_set(domain, n, seed=seed)
+        part = shapes.pretrain_set(domain, n, seed=seed)
         images.append(part.images)
         for label in part.labels.tolist():
-            name = dataset.CLASSES[label]
+            name = shapes.CLASSES[label]
             draw = torch.rand(2, generator=rng)
             if draw[0] < EMPTY_SHARE:
                 captions.append("")
@@ -86,7 +89,13 @@ def set_scaling_factor(ldm: LDM, images: torch.Tensor) -> float:
 
 
 def train_unet(
-    ldm: LDM, latents: torch.Tensor, captions: list[str], minutes: float, batch: int, log: list
+    ldm: LDM,
+    latents: torch.Tensor,
+    captions: list[str],
+    minutes: float,
+    batch: int,
+    log: list,
+    seed: int,
 ) -> None:
     ids = ldm.tokenizer(
         captions, padding="max_length", max_length=ldm.tokenizer.model_max_length,
@@ -98,7 +107,7 @@ def train_unet(
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
     warmup = 100
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator().manual_seed(seed)
     deadline = time.time() + minutes * 60
     step = 0
     while time.time() < deadline:
@@ -137,6 +146,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="continue stage 2 from the model in --out (VAE kept; fresh optimizer and EMA)",
+    )
     args = parser.parse_args()
 
     if args.threads:
@@ -145,18 +158,23 @@ def main() -> None:
     started = time.time()
     images, captions = corpus(args.per_class, args.seed)
     print(f"corpus: {len(images)} images in {time.time() - started:.0f} s", flush=True)
-    words = [*dataset.CLASSES, *dataset.DOMAINS, *TEMPLATE_WORDS]
-    ldm = build_ldm(MINIATURE, words, seed=args.seed)
-    log: list[dict] = [{"args": {k: str(v) for k, v in vars(args).items()}, "images": len(images)}]
-    train_vae(ldm, images, args.vae_steps, 32, log)
-    factor = set_scaling_factor(ldm, images)
+    entry = {"args": {k: str(v) for k, v in vars(args).items()}, "images": len(images)}
+    if args.resume:
+        ldm = load_ldm(args.out)
+        log: list[dict] = json.loads((args.out / "pretrain_log.json").read_text())
+        log.append({**entry, "resumed": True})
+    else:
+        ldm = build_ldm(MINIATURE, [*shapes.CLASSES, *shapes.DOMAINS, *TEMPLATE_WORDS], seed=args.seed)
+        log = [entry]
+        train_vae(ldm, images, args.vae_steps, 32, log)
+        set_scaling_factor(ldm, images)
     latents = encode_images(ldm.vae, images)
-    print(f"scaling factor {factor:.4f}; latents {tuple(latents.shape)}", flush=True)
-    train_unet(ldm, latents, captions, args.unet_minutes, args.batch, log)
+    print(f"scaling factor {ldm.vae.config.scaling_factor:.4f}; latents {tuple(latents.shape)}", flush=True)
+    stage = sum(1 for e in log if "args" in e)  # 1 for a fresh run, +1 per resume
+    train_unet(ldm, latents, captions, args.unet_minutes, args.batch, log, seed=args.seed + 1 + stage)
     ldm.save(args.out)
     (args.out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
     print(f"saved to {args.out} after {(time.time() - started) / 60:.1f} min", flush=True)
-
 
 if __name__ == "__main__":
     main()
