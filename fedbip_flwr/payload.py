@@ -35,6 +35,8 @@ SCHEMA_VERSION = 1
 META_PREFIX = "fedbip."
 # The server's default cap (run config max-payload-mb), so tools and server agree out of the box.
 DEFAULT_MAX_BYTES = int(FedBiPConfig.model_fields["max_payload_mb"].default * 2**20)
+# A client id names files on the server: no separators, no leading dot, short enough in UTF-8.
+CLIENT_ID_PATTERN = r"^\w[\w .-]{0,47}$"
 MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 100 MB
 TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
 
@@ -63,7 +65,7 @@ class PayloadMeta(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: int
-    client_id: str = Field(min_length=1)
+    client_id: str = Field(pattern=CLIENT_ID_PATTERN)  # the server's file name for it
     domain: str = Field(min_length=1)
     timestep: int = Field(ge=0)
     scheduler: str = Field(min_length=1)
@@ -123,19 +125,31 @@ class Expectations:
     concept_space: str
     class_names: tuple[str, ...]
     prompt_template: str
+    domains: tuple[str, ...]  # the server evaluates on these; any other domain has no test set
 
 
 # --- encoding ---------------------------------------------------------------------------------
 
 
 def encode_payload(p: Payload) -> bytes:
-    """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway."""
+    """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway.
+
+    Equal payloads give equal bytes, in any process: safetensors writes ``__metadata__`` in a
+    per-process random order (a Rust HashMap), so the header is rewritten in sorted order.
+    """
     check_payload(p)
     tensors = {
         name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
         for name, t in p.tensors().items()
     }
-    return safetensors.torch.save(tensors, metadata=_meta_to_strings(p.meta))
+    blob = safetensors.torch.save(tensors, metadata=_meta_to_strings(p.meta))
+    size = _header_len(blob)
+    header = json.loads(blob[8 : 8 + size])
+    metadata = dict(sorted(header.pop("__metadata__").items()))
+    raw = json.dumps({"__metadata__": metadata, **dict(sorted(header.items()))},
+                     separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors' own padding: tensor data stays 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw + blob[8 + size :]
 
 
 def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
@@ -169,7 +183,7 @@ def load_payload(
     :class:`PayloadError`. The cap is ``expect.max_bytes`` when given, else ``max_bytes``.
     """
     limit = expect.max_bytes if expect is not None else max_bytes
-    _check_size(os.stat(path).st_size, limit)
+    check_size(os.stat(path).st_size, limit)
     return decode_payload(Path(path).read_bytes(), expect, max_bytes=limit)
 
 
@@ -182,7 +196,7 @@ def decode_payload(
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise PayloadError(f"expected bytes, got {type(blob).__name__}")
-    _check_size(memoryview(blob).nbytes, expect.max_bytes if expect is not None else max_bytes)
+    check_size(memoryview(blob).nbytes, expect.max_bytes if expect is not None else max_bytes)
     blob = bytes(blob)
     entries, metadata = read_header(blob)
     _check_layout(entries, data_len=len(blob) - 8 - _header_len(blob))
@@ -194,7 +208,7 @@ def decode_payload(
     return payload
 
 
-def _check_size(size: int, limit: int) -> None:
+def check_size(size: int, limit: int) -> None:
     """Refuse oversize input before parsing it, so a huge upload costs no parsing work."""
     if size > limit:
         raise PayloadError(
@@ -485,6 +499,11 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     for label, got, want, why in checks:
         if got != want:
             raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
+    if meta.domain not in expect.domains:
+        raise PayloadError(
+            f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
+            "(clients and server must share run config domains)"
+        )
 
 
 # --- reporting --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ client and pass), and a restart over the same folder resumes from what is there.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import zlib
@@ -29,11 +30,12 @@ from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
 from .payload import Expectations, Payload, PayloadError, decode_payload
-from .storage import atomic_write, read_tensors, write_tensors
+from .storage import atomic_write, read_metadata, read_tensors, write_tensors
 from .synthesis import SynthesisSettings, draw_etas, synthesize_pass
 from .viz import dequantize, image_grid, quantize
 
 log = logging.getLogger(__name__)
+SHARD_KEY = "fedbip.shard-key"
 
 
 @dataclass(frozen=True)
@@ -92,19 +94,21 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         concept_space=cfg.concept_space,
         class_names=tuple(class_names),
         prompt_template=cfg.prompt_template,
+        domains=tuple(cfg.domain_list),
     )
 
 
 def accept_payload(
     blob: bytes, expect: Expectations, folder: RunFolder, taken: set[str]
 ) -> Payload:
-    """Validate an upload and persist it durably; raise PayloadError with the reason if not."""
+    """Validate an upload and persist it durably; raise PayloadError with the reason if not.
+
+    The metadata's client_id pattern keeps it a safe file name, so it names the file directly.
+    """
     payload = decode_payload(blob, expect)
     client_id = payload.meta.client_id
-    if not client_id.replace("-", "").replace("_", "").isalnum():
-        raise PayloadError(f"payload rejected: client_id '{client_id}' must be alphanumeric, - or _")
     if client_id in taken:
-        raise PayloadError(f"payload rejected: a payload from '{client_id}' was already accepted")
+        raise PayloadError(f"a payload from '{client_id}' was already accepted")
     atomic_write(folder.payload_path(client_id), blob)
     taken.add(client_id)
     return payload
@@ -125,13 +129,32 @@ def client_seed(seed: int, client_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(client_id.encode())) % 2**31
 
 
+def payload_digest(payload: Payload) -> str:
+    """sha256 over a payload's metadata and tensors: what its shards are made from."""
+    digest = hashlib.sha256(payload.meta.model_dump_json().encode())
+    for tensor in payload.tensors().values():
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) -> str:
+    """Digest of everything a shard's pixels depend on, stored in the shard.
+
+    A restart reuses a shard only under the same key, so resuming with a changed seed or
+    synthesis setting recomputes instead of silently mixing two configurations.
+    """
+    knobs = (payload_sha, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)
+    return hashlib.sha256(repr(knobs).encode() + eta.contiguous().numpy().tobytes()).hexdigest()
+
+
 def synthesize_all(
     ldm: LDM, payloads: Mapping[str, Payload], cfg: FedBiPConfig, folder: RunFolder
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Synthetic (images, labels) per client; shards on disk are reused, missing ones made.
 
     Images are stored as uint8 (what a PNG holds) and always read back from the shard, so a
-    resumed run trains on exactly the bytes an uninterrupted one would.
+    resumed run trains on exactly the bytes an uninterrupted one would. Every shard depends
+    only on its own payload, pass and seed, never on which shards were made before it.
     """
     settings = synthesis_settings(cfg)
     total = sum(len(p.labels) for p in payloads.values()) * settings.multiplier
@@ -139,16 +162,21 @@ def synthesize_all(
     with tqdm(total=total, desc="synthesis", unit="img", mininterval=5) as bar:
         for client_id, payload in sorted(payloads.items()):
             etas = draw_etas(payload, settings, client_seed(cfg.seed, client_id))
+            payload_sha = payload_digest(payload)
             images, labels = [], []
             for index, eta in enumerate(etas):
                 path = folder.shard_path(client_id, index)
-                if not path.exists():
-                    made = synthesize_pass(ldm, payload, settings, eta, on_batch=bar.update)
-                    write_tensors(path, {"images": quantize(made), "labels": payload.labels})
-                    log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
-                else:
+                key = shard_key(payload_sha, settings, eta)
+                if read_metadata(path).get(SHARD_KEY) == key:
                     bar.update(len(payload.labels))
                     log.info("synthesis: %s pass %d reused from %s", client_id, index, path.name)
+                else:
+                    if path.exists():
+                        log.warning("synthesis: %s was made under other settings; redoing it", path)
+                    made = synthesize_pass(ldm, payload, settings, eta, on_batch=bar.update)
+                    tensors = {"images": quantize(made), "labels": payload.labels}
+                    write_tensors(path, tensors, {SHARD_KEY: key})
+                    log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
                 shard = read_tensors(path)
                 images.append(dequantize(shard["images"]))
                 labels.append(shard["labels"])
@@ -175,6 +203,9 @@ def train_and_evaluate(
         image_size=cfg.classifier_image_size,
     )
     started = time.perf_counter()
+    # The initial weights come from the global RNG: seed it here, or they would depend on
+    # whatever ran before in this process (e.g. how much synthesis a resumed run still did).
+    torch.manual_seed(cfg.seed)
     model = build_classifier(len(class_names), cfg.classifier_init)
     with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
         train_classifier(

@@ -1,8 +1,8 @@
 """Durable files: an upload happens once, so nothing the server accepted may be lost.
 
 Every write goes to a temporary file in the same folder, is fsynced, then renamed over the
-target (atomic on POSIX), and the folder entry is fsynced too. A crash leaves either the old
-file or the new one, never a torn one.
+target (atomic on POSIX), and the folder entry is fsynced too (as is the entry of every folder
+created on the way). A crash leaves either the old file or the new one, never a torn one.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 
 def atomic_write(path: str | Path, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically and durably."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_folders(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -31,12 +32,24 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_folder(path.parent)
     return path
+
+
+def _make_folders(folder: Path) -> None:
+    """``mkdir -p`` whose new entries are durable too: each new folder's parent is fsynced."""
+    missing = [f for f in (folder, *folder.parents) if not f.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        _fsync_folder(created.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
@@ -53,3 +66,12 @@ def write_tensors(
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """A safetensors file's header metadata; empty when the file is missing or unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.metadata() or {}
+    except (OSError, SafetensorError):
+        return {}

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
+from .payload import PayloadError, check_size
+
 PAYLOAD_RECORD = "fedbip.payload"
 PAYLOAD_ARRAY = "safetensors"
 METRICS_RECORD = "fedbip.metrics"
 PAYLOAD_STYPE = "raw/safetensors"
-
-
-class WireError(ValueError):
-    """A reply that does not carry a payload where one must be."""
 
 
 def payload_content(blob: bytes, metrics: dict[str, int | float]) -> RecordDict:
@@ -29,16 +27,20 @@ def payload_content(blob: bytes, metrics: dict[str, int | float]) -> RecordDict:
     )
 
 
-def declared_size(reply: Message) -> int:
-    """Bytes the reply's payload claims, read from the Array's shape before touching data."""
+def payload_bytes(reply: Message, max_bytes: int) -> bytes:
+    """The reply's payload, refused on size before anything parses or stores it.
+
+    The sender controls both the Array's declared shape and its data, so both are held to the
+    cap and to each other; only then are the bytes handed to the decoder.
+    """
     array = _payload_array(reply)
     if array.dtype != "uint8" or len(array.shape) != 1:
-        raise WireError(f"payload array must be 1-D uint8, got {array.dtype} {array.shape}")
-    return int(array.shape[0])
-
-
-def payload_bytes(reply: Message) -> bytes:
-    return bytes(_payload_array(reply).data)
+        raise PayloadError(f"payload array must be 1-D uint8, got {array.dtype} {array.shape}")
+    declared, carried = int(array.shape[0]), len(array.data)
+    check_size(max(declared, carried), max_bytes)
+    if declared != carried:
+        raise PayloadError(f"payload array declares {declared} bytes but carries {carried}")
+    return bytes(array.data)
 
 
 def reply_metrics(reply: Message) -> dict[str, int | float]:
@@ -49,8 +51,8 @@ def reply_metrics(reply: Message) -> dict[str, int | float]:
 def _payload_array(reply: Message) -> Array:
     record = reply.content.array_records.get(PAYLOAD_RECORD)
     if record is None or PAYLOAD_ARRAY not in record:
-        raise WireError("the reply carries no FedBiP payload")
+        raise PayloadError("the reply carries no FedBiP payload")
     array = record[PAYLOAD_ARRAY]
     if array.stype != PAYLOAD_STYPE:
-        raise WireError(f"payload array has stype '{array.stype}', expected '{PAYLOAD_STYPE}'")
+        raise PayloadError(f"payload array has stype '{array.stype}', expected '{PAYLOAD_STYPE}'")
     return array

@@ -1,6 +1,6 @@
 """The one-shot FedBiP strategy: one ``train`` message per client, one reply each, never more.
 
-Each reply is checked before it is decoded (declared size), decoded and validated as untrusted
+Each reply is size-checked before it is decoded, decoded and validated as untrusted
 input, and persisted atomically on arrival. A failed, missing or invalid reply is recorded with
 its reason; nothing a client sends can crash the server.
 """
@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from fedbip_flwr.payload import Expectations, Payload, PayloadError
 from fedbip_flwr.server import RunFolder, accept_payload
-from fedbip_flwr.wire import WireError, declared_size, payload_bytes, reply_metrics
+from fedbip_flwr.wire import payload_bytes, reply_metrics
 
 log = logging.getLogger("fedbip_flwr.strategy")
 
@@ -159,16 +159,12 @@ class FedBiPStrategy(Strategy):
         outcome = ClientOutcome(node, "rejected")
         try:
             outcome.metrics = reply_metrics(reply)
-            outcome.payload_bytes = declared_size(reply)
-            if outcome.payload_bytes > self.expect.max_bytes:
-                raise PayloadError(
-                    f"payload rejected: {outcome.payload_bytes / 2**20:.1f} MiB exceeds "
-                    f"max-payload-mb ({self.expect.max_bytes / 2**20:.0f} MiB)"
-                )
-            payload = accept_payload(payload_bytes(reply), self.expect, self.folder, self._taken)
-        except (PayloadError, WireError) as err:
+            blob = payload_bytes(reply, self.expect.max_bytes)  # size-capped before decoding
+            outcome.payload_bytes = len(blob)
+            payload = accept_payload(blob, self.expect, self.folder, self._taken)
+        except PayloadError as err:
             outcome.reason = str(err)
-        except Exception as err:
+        except Exception as err:  # a bug of ours, not the client's: record it, keep the round
             log.exception("unexpected error while decoding the reply of node %d", node)
             outcome.reason = f"unexpected {type(err).__name__}: {err}"
         else:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ def make_expectations(**overrides: Any) -> Expectations:
         "concept_space": "token",
         "class_names": CLASSES,
         "prompt_template": TEMPLATE,
+        "domains": ("sketch", "painting"),
     }
     return Expectations(**{**fields, **overrides})
 
@@ -155,6 +157,18 @@ def test_float16_latents_halve_the_latent_bytes() -> None:
     full = len(encode_payload(make_payload(latent_dtype="float32")))
     half = len(encode_payload(make_payload(latent_dtype="float16")))
     assert full - half == N * 4 * 8 * 8 * 2
+
+
+def test_equal_payloads_are_equal_bytes_in_any_process(blob: bytes) -> None:
+    """safetensors orders metadata differently in each process; the encoder must not."""
+    code = (
+        "import sys; from tests.test_payload import make_payload; "
+        "from fedbip_flwr.payload import encode_payload; "
+        "sys.stdout.buffer.write(encode_payload(make_payload()))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    other = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, check=True)
+    assert other.stdout == blob
 
 
 def test_metadata_is_readable_json_under_fedbip_keys(blob: bytes) -> None:
@@ -294,6 +308,12 @@ MALFORMED: dict[str, tuple[Callable[[], bytes], str]] = {
         lambda: raw_blob(meta_strings(concept_space="pixels")),
         "'fedbip.concept_space'",
     ),
+    "client id with a path": (
+        lambda: raw_blob(meta_strings(client_id="../../etc/passwd")),
+        "'fedbip.client_id'",
+    ),
+    "client id hidden file": (lambda: raw_blob(meta_strings(client_id=".x")), "'fedbip.client_id'"),
+    "client id too long": (lambda: raw_blob(meta_strings(client_id="x" * 49)), "'fedbip.client_id'"),
     "meta num_examples disagrees": (lambda: raw_blob(meta_strings(num_examples=5)), "num_examples=5"),
     "extra tensor": (lambda: raw_blob(extra=torch.zeros(1)), "unexpected tensor(s) ['extra']"),
     "missing tensor": (
@@ -376,6 +396,7 @@ EXPECTATION_MISMATCHES: dict[str, tuple[dict[str, Any], str]] = {
     "n_s": ({"n_s": 2}, "n_s 1"),
     "n_v": ({"n_v": 1}, "n_v 2"),
     "concept space": ({"concept_space": "hidden"}, "concept space"),
+    "domain": ({"domains": ("painting",)}, "domain 'sketch' is not one of the server's domains"),
 }
 
 
@@ -385,7 +406,7 @@ def test_expectation_mismatch_is_rejected(blob: bytes, case: str) -> None:
     with pytest.raises(PayloadError) as info:
         decode_payload(blob, make_expectations(**overrides))
     assert reason in info.value.reason
-    assert "does not match the server's" in info.value.reason
+    assert "the server's" in info.value.reason
 
 
 # --- encoder refuses inconsistent payloads ------------------------------------------------------
@@ -403,82 +424,6 @@ def test_expectation_mismatch_is_rejected(blob: bytes, case: str) -> None:
 def test_encode_refuses_inconsistent_payload(tensors: dict[str, Any], reason: str) -> None:
     with pytest.raises(PayloadError, match=reason):
         encode_payload(make_payload(**tensors))
-
-
-# --- fuzzing: anything but a PayloadError is a bug ----------------------------------------------
-
-
-def _random_json(rng: random.Random, depth: int = 0) -> Any:
-    kind = rng.randrange(7 if depth < 3 else 5)
-    if kind == 0:
-        return rng.randint(-(2**64), 2**64)
-    if kind == 1:
-        return rng.uniform(-1e9, 1e9)
-    if kind == 2:
-        return "".join(rng.choice("aF3{}[]\"\\ é") for _ in range(rng.randrange(8)))
-    if kind == 3:
-        return rng.choice([True, False, None])
-    if kind == 4:
-        return rng.choice(["F32", "F16", "I64", "latents", "__metadata__", [0, 8]])
-    if kind == 5:
-        return [_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]
-    keys = ["latents", "labels", "dtype", "shape", "data_offsets", "__metadata__", "x"]
-    return {rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}
-
-
-def _mutate_header(rng: random.Random, valid: bytes) -> bytes:
-    """Replace one value somewhere in a valid header with random JSON."""
-    header, data = split_blob(valid)
-    node: Any = header
-    path = [rng.choice(list(header))]
-    while isinstance(node[path[-1]], dict) and rng.random() < 0.7:
-        node = node[path[-1]]
-        path.append(rng.choice(list(node)))
-    node[path[-1]] = _random_json(rng)
-    return with_header(header, data)
-
-
-def _fuzz_blobs() -> list[tuple[str, bytes]]:
-    rng = random.Random(20250101)
-    valid = encode_payload(make_payload())
-    header_end = 8 + struct.unpack("<Q", valid[:8])[0]
-    blobs: list[tuple[str, bytes]] = []
-    for i in range(15):
-        body = rng.randbytes(rng.randrange(0, 3000))
-        if i % 3 == 0:  # a plausible header length, so parsing gets further
-            body = struct.pack("<Q", rng.randrange(0, len(body) + 16)) + body
-        blobs.append((f"random-{i}", body))
-    for i in range(25):
-        mutated = bytearray(valid)
-        in_header = i % 2 == 0  # these keep the header ASCII, so JSON parsing gets further
-        for _ in range(rng.randint(1, 8)):
-            position = rng.randrange(header_end if in_header else len(valid))
-            mutated[position] ^= 1 << rng.randrange(7 if in_header else 8)
-        blobs.append((f"bitflip-{i}", bytes(mutated)))
-    for i in range(10):
-        blobs.append((f"truncate-{i}", valid[: rng.randrange(len(valid))]))
-    for i in range(10):
-        blobs.append((f"random-header-{i}", with_header(_random_json(rng), rng.randbytes(64))))
-    for i in range(15):
-        blobs.append((f"mutated-header-{i}", _mutate_header(rng, valid)))
-    return blobs
-
-
-FUZZ = _fuzz_blobs()
-
-
-@pytest.mark.parametrize("blob", [b for _, b in FUZZ], ids=[name for name, _ in FUZZ])
-def test_fuzzed_blob_decodes_or_raises_payload_error(blob: bytes) -> None:
-    try:
-        result = decode_payload(blob, make_expectations())
-    except PayloadError as err:
-        assert err.reason
-    else:
-        assert isinstance(result, Payload)
-
-
-def test_fuzz_corpus_is_large_enough() -> None:
-    assert len(FUZZ) >= 50
 
 
 # --- files --------------------------------------------------------------------------------------
