@@ -28,9 +28,9 @@ app = ClientApp()
 
 
 @functools.lru_cache(maxsize=1)
-def _model(model: str, device: str, half_precision: bool) -> LDM:
+def _model(model: str, device: str, half_precision: bool, image_size: int) -> LDM:
     """One frozen LDM per process: a simulation actor serves several clients."""
-    return load_for_run(model, device, half_precision)
+    return load_for_run(model, device, half_precision, image_size)
 
 
 @app.train()
@@ -42,7 +42,7 @@ def train(msg: Message, context: Context) -> Message:
     data = dataset.load_client_data(cfg, partition_id, context.node_config.get("num-partitions"))
     domain, client_id = data.domain, data.client_id
     log.info("[%s] %d private images, personalizing", client_id, len(data))
-    ldm = _model(cfg.model, cfg.device, cfg.half_precision)
+    ldm = _model(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
     payload, report = personalize(
         ldm,
         data.images,

@@ -28,13 +28,12 @@ from .config import FedBiPConfig
 from .folders import Split, open_split
 from .partitions import DataError, k_shots, label_partition, round_robin
 from .paths import resolve
-from .shapes import CLASSES, DOMAINS, ImageSet, client_train_set
+from .shapes import ImageSet
 from .specs import FEATURE, SPECS, DatasetSpec
 
-# The shapes names stay importable from here for code written before the rename (tests use them).
 __all__ = [
-    "CLASSES", "DOMAINS", "ClientSet", "DataError", "DatasetSpec", "ImageSet",
-    "class_names", "client_train_set", "load_client_data", "load_test_sets", "verify",
+    "ClientSet", "DataError", "DatasetSpec", "ImageSet",
+    "class_names", "load_client_data", "load_test_sets", "verify",
 ]  # fmt: skip
 
 

@@ -289,6 +289,9 @@ def build_ldm(spec: LDMSpec, words: Iterable[str], seed: int = 0) -> LDM:
 # --- runtime --------------------------------------------------------------------------------
 
 
+CPU_MAX_IMAGE_SIZE = 256  # at and above this, a run is SD-sized: refused on a CPU
+
+
 def select_device(choice: str) -> torch.device:
     """``auto`` takes CUDA when present; asking for CUDA without one is an error, not a fallback."""
     if choice == "cuda" and not torch.cuda.is_available():
@@ -298,13 +301,21 @@ def select_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def load_for_run(model: str, device_choice: str, half_precision: bool) -> LDM:
+def load_for_run(model: str, device_choice: str, half_precision: bool, image_size: int) -> LDM:
     """Resolve the run config's model (local folder or hub id) and place it on the device.
 
-    On CUDA the frozen LDM runs in fp16 when ``half_precision``; on CPU always float32.
+    The device is checked before any weight is read: a Stable Diffusion-sized run on a CPU
+    would take days, so it stops at once with what to do. On CUDA the frozen LDM runs in fp16
+    when ``half_precision``; on CPU always float32.
     """
+    device = select_device(device_choice)
+    if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE:
+        raise ModelLoadError(
+            f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "
+            "this machine has none: run it where a GPU is visible, or use the miniature model "
+            "(the default config) on the CPU"
+        )
     local = resolve(model)
     ldm = load_ldm(local if local.exists() else model)
-    device = select_device(device_choice)
     dtype = torch.float16 if device.type == "cuda" and half_precision else torch.float32
     return ldm.to(device, dtype)

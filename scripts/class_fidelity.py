@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fedbip_flwr import shapes as dataset
+from fedbip_flwr import shapes
 from fedbip_flwr.classifier import (
     TrainSettings,
     build_classifier,
@@ -27,15 +27,15 @@ from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts
 from fedbip_flwr.viz import image_grid
 
-JUDGE_DOMAINS = dataset.COMMON_DOMAINS
+JUDGE_DOMAINS = shapes.COMMON_DOMAINS
 
 
 def judge(seed: int) -> torch.nn.Module:
     """A classifier of real common-domain images: the judge of class fidelity."""
-    sets = [dataset.test_set(d, 100, seed=seed + 1) for d in JUDGE_DOMAINS]
+    sets = [shapes.test_set(d, 100, seed=seed + 1) for d in JUDGE_DOMAINS]
     images = torch.cat([s.images for s in sets])
     labels = torch.cat([s.labels for s in sets])
-    model = build_classifier(len(dataset.CLASSES), "random")
+    model = build_classifier(len(shapes.CLASSES), "random")
     settings = TrainSettings(epochs=15, lr=0.01, momentum=0.9, batch_size=64, image_size=64)
     return train_classifier(model, images, labels, settings, seed=seed)
 
@@ -52,14 +52,14 @@ def main() -> None:
 
     ldm = load_ldm(args.model)
     model = judge(args.seed)
-    held_out = [dataset.test_set(d, 30, seed=args.seed) for d in JUDGE_DOMAINS]
+    held_out = [shapes.test_set(d, 30, seed=args.seed) for d in JUDGE_DOMAINS]
     real_acc = {s.domain: evaluate(model, s.images, s.labels, 64).accuracy for s in held_out}
     settings = SynthesisSettings(1, args.steps, args.guidance, 0.0, 48)
     generator = torch.Generator().manual_seed(args.seed)
     results, rows = {}, []
-    for domain in dataset.DOMAINS:
-        labels = torch.arange(len(dataset.CLASSES)).repeat_interleave(args.per_class)
-        prompts = [f"a {domain} of a {dataset.CLASSES[y]}" for y in labels.tolist()]
+    for domain in shapes.DOMAINS:
+        labels = torch.arange(len(shapes.CLASSES)).repeat_interleave(args.per_class)
+        prompts = [f"a {domain} of a {shapes.CLASSES[y]}" for y in labels.tolist()]
         images = sample_from_prompts(ldm, prompts, settings, generator)
         results[domain] = evaluate(model, images, labels, 64).accuracy
         rows.append(images[:: args.per_class // 2])
@@ -75,7 +75,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "class_fidelity.json").write_text(json.dumps(report, indent=2) + "\n")
-    image_grid(rows, args.out / "prompts_only.png", row_labels=list(dataset.DOMAINS))
+    image_grid(rows, args.out / "prompts_only.png", row_labels=list(shapes.DOMAINS))
     print(json.dumps(report, indent=2))
 
 

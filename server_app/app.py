@@ -44,7 +44,7 @@ def main(grid: Grid, context: Context) -> None:
 
     dataset.verify(cfg)
     started = time.perf_counter()
-    ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision)
+    ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
     class_names = dataset.class_names(cfg)
     expect = expectations(cfg, ldm, class_names)
     seconds["load-model"] = time.perf_counter() - started

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbip_flwr import dataset
+from fedbip_flwr import shapes
 from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
 
-WORDS = [*dataset.CLASSES, *dataset.DOMAINS, "a", "style", "of"]
+WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fedbip_flwr import dataset
+from fedbip_flwr import shapes
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
@@ -80,7 +80,7 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
             stored = {k: f.get_tensor(k) for k in f.keys()}
             meta = f.metadata()
         assert json.loads(meta["fedbip.domain"]) == domain
-        data = dataset.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
+        data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
         local, _ = personalize(
             ldm, data.images, data.labels, list(data.classes), domain, f"{domain}-0", cfg,
             seed=client_seed(cfg.seed, f"{domain}-0"),

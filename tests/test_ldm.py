@@ -28,8 +28,14 @@ def test_saved_tiny_model_loads_like_sd(tiny_model_dir):
 
 
 def test_run_loader_resolves_local_folder(tiny_model_dir):
-    ldm = load_for_run(str(tiny_model_dir), "cpu", half_precision=True)
+    ldm = load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=32)
     assert ldm.dtype == torch.float32  # CPU never runs half precision
+
+
+def test_sd_sized_run_on_cpu_is_refused_before_loading(tmp_path):
+    """No weights are read: the folder does not even exist, the device check comes first."""
+    with pytest.raises(ModelLoadError, match="image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU"):
+        load_for_run(str(tmp_path / "absent"), "cpu", half_precision=True, image_size=512)
 
 
 def test_uncached_hub_id_offline_is_one_clear_sentence(monkeypatch):
