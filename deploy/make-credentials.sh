@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Throwaway credentials for a demo federation (never for production; see docs/deployment.md).
 #
-#   deploy/make-credentials.sh OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]
+#   deploy/make-credentials.sh [-o OWNER] OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]
+#
+#   -o OWNER  chown the SuperLink's and SuperNodes' folders to OWNER (e.g. 49999, the user in
+#             Flower's container images, which must read the mounted private keys; needs root)
 #
 # Writes, with openssl and ssh-keygen:
 #   OUT_DIR/ca/ca.crt, ca.key               the demo CA (ca.key signs once, then is not needed)
@@ -15,7 +18,15 @@
 # Each folder holds exactly what one party needs, so it can be handed over (or mounted) alone.
 set -euo pipefail
 
-usage() { echo "usage: $0 OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]" >&2; exit 2; }
+usage() { echo "usage: $0 [-o OWNER] OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]" >&2; exit 2; }
+owner=""
+while getopts "o:" opt; do
+  case $opt in
+    o) owner=$OPTARG ;;
+    *) usage ;;
+  esac
+done
+shift $((OPTIND - 1))
 [[ $# -ge 2 ]] || usage
 out=$1 num=$2
 shift 2
@@ -61,4 +72,7 @@ done
 # Certificates and public keys are public; private keys stay owner-only.
 chmod 644 "$out"/ca/ca.crt "$out"/superlink/*.pem "$out"/*/ca.crt "$out"/supernode-*/node.key.pub
 chmod 755 "$out" "$out"/*/
+if [[ -n $owner ]]; then
+  chown -R "$owner:$owner" "$out/superlink" "$out"/supernode-*
+fi
 echo "credentials in $out: CA, SuperLink certificate for $sans, $num SuperNode key pair(s)"
