@@ -12,6 +12,9 @@
 #                                           valid for localhost, 127.0.0.1 and EXTRA_SAN_NAMEs
 #                                           (e.g. the compose service name "superlink")
 #   OUT_DIR/superlink/ca.crt                copy of the CA certificate (--ssl-ca-certfile)
+#   OUT_DIR/superlink/superexec.secret      shared secret of the SuperLink and its ServerApp
+#                                           executor in process isolation (compose), so that
+#                                           nothing else can take the ServerApp's task
 #   OUT_DIR/supernode-I/node.key, node.key.pub  SuperNode I's EC P-384 key pair, OpenSSH format
 #                                           (what flower-supernode and `flwr supernode register` read)
 #   OUT_DIR/supernode-I/ca.crt              copy of the CA certificate (--root-certificates)
@@ -60,6 +63,7 @@ openssl x509 -req -in "$out/superlink/server.csr" -CA "$out/ca/ca.crt" -CAkey "$
   2>/dev/null
 rm "$out/superlink/server.csr" "$out/ca/ca.srl"
 cp "$out/ca/ca.crt" "$out/superlink/ca.crt"
+openssl rand -hex 32 >"$out/superlink/superexec.secret"
 
 # 3. One EC key pair per SuperNode (institution). Only the .pub leaves the institution.
 for ((i = 0; i < num; i++)); do

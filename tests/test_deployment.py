@@ -183,3 +183,39 @@ def test_cli_without_ca_certificate_cannot_connect(secured_superlink):
     assert refused.returncode != 0
     assert "unavailable" in refused.stdout + refused.stderr
     flwr(secured_superlink["env"], "ls", "tls")  # the same command with the CA works
+
+
+def test_only_the_executor_with_the_secret_takes_the_serverapp_task(tmp_path):
+    """Process isolation (compose): the Runtime API shares the SuperLink's port with the Fleet
+    API, so the SuperExec secret is what keeps a stranger from acting as the ServerApp."""
+    creds = tmp_path / "credentials"
+    subprocess.run([str(DEPLOY / "make-credentials.sh"), str(creds), "1"], check=True,
+                   capture_output=True)
+    secret = creds / "superlink" / "superexec.secret"
+    port = free_port()
+    env = flwr_env(tmp_path / "flwr-home")
+    executor = [str(Path(FLWR).with_name("flower-superexec")),
+                "--runtime-api-address", f"127.0.0.1:{port}",
+                "--root-certificates", str(creds / "ca" / "ca.crt")]
+    log = tmp_path / "superlink.log"
+    started: list[subprocess.Popen] = []
+    try:
+        with log.open("w") as out:
+            started.append(subprocess.Popen(
+                [str(DEPLOY / "superlink.sh"), str(creds / "superlink"), "--host", "127.0.0.1",
+                 "--port", str(port), "--isolation", "process",
+                 "--superexec-auth-secret-file", str(secret)],
+                env=env, stdout=out, stderr=subprocess.STDOUT))
+        wait_for_port(port, started[0], log)
+        stranger = subprocess.run(executor, env=env, capture_output=True, text=True,
+                                  timeout=120, check=False)
+        assert "SuperExec authentication failed" in log.read_text(), stranger.stdout
+        started.append(subprocess.Popen([*executor, "--superexec-auth-secret-file", str(secret)],
+                                        env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
+        time.sleep(15)
+        assert started[1].poll() is None, "the executor holding the secret stopped"
+        assert log.read_text().count("SuperExec authentication failed") == 1
+    finally:
+        for proc in reversed(started):
+            stop_process_tree(proc.pid)
