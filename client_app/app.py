@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Mapping
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
@@ -24,6 +25,7 @@ from fedbip_flwr.server import client_seed
 from fedbip_flwr.wire import payload_content
 
 log = logging.getLogger("fedbip_flwr.client_app")
+NODE_KEYS = ("data-root",)  # run-config keys a SuperNode may set for itself
 app = ClientApp()
 
 
@@ -33,11 +35,17 @@ def _model(model: str, device: str, half_precision: bool, image_size: int) -> LD
     return load_for_run(model, device, half_precision, image_size)
 
 
+def node_overrides(run_config: Mapping, node_config: Mapping) -> dict:
+    """An institution's own ``data-root`` (``--node-config``) wins over the run config's."""
+    local = {key: node_config[key] for key in NODE_KEYS if key in node_config}
+    return {**run_config, **local}
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     started = time.perf_counter()
-    cfg = FedBiPConfig.from_flat(context.run_config)
+    cfg = FedBiPConfig.from_flat(node_overrides(context.run_config, context.node_config))
     partition_id = int(context.node_config["partition-id"])
     data = dataset.load_client_data(cfg, partition_id, context.node_config.get("num-partitions"))
     domain, client_id = data.domain, data.client_id

@@ -17,6 +17,7 @@ import torchvision
 from torch import nn
 
 from .storage import write_tensors
+from .viz import dequantize, quantize
 
 
 class ClassifierInitError(RuntimeError):
@@ -51,9 +52,22 @@ class TrainSettings:
 
 
 def _prepare(images: torch.Tensor, size: int) -> torch.Tensor:
+    """Model input, float in [-1, 1] at ``size``, from float or uint8 images (one batch at a time).
+
+    Synthetic sets stay uint8 until a batch needs them: at 512 px a paper-sized FedBiP-L set
+    would take tens of GB as float32.
+    """
+    images = dequantize(images) if images.dtype == torch.uint8 else images.float()
     if images.shape[-1] == size:
         return images
     return F.interpolate(images, size=(size, size), mode="bilinear", antialias=True)
+
+
+def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
+    """uint8 images no larger than the classifier's input, to hold a big synthetic set in memory."""
+    if images.shape[-1] <= size:
+        return images
+    return torch.cat([quantize(_prepare(part, size)) for part in images.split(chunk)])
 
 
 def _augment(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -82,7 +96,6 @@ def train_classifier(
     """Train in place on (images, labels) and return the model in eval mode."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    data = _prepare(images.float(), settings.image_size)
     model.to(device).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
     # BatchNorm cannot train on a batch of one: drop a last batch of size 1.
@@ -92,7 +105,8 @@ def train_classifier(
         for batch in order.split(settings.batch_size):
             if len(batch) < 2:
                 continue
-            x = _augment(data[batch], generator) if settings.augment else data[batch]
+            x = _prepare(images[batch], settings.image_size)
+            x = _augment(x, generator) if settings.augment else x
             loss = F.cross_entropy(model(x.to(device)), labels[batch].to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -124,7 +138,7 @@ def evaluate(
     """Accuracy, mean loss and mean prediction entropy on a labelled set."""
     model.to(device).eval()
     logits = torch.cat(
-        [model(_prepare(b.float(), image_size).to(device)).float().cpu() for b in images.split(batch_size)]
+        [model(_prepare(b, image_size).to(device)).float().cpu() for b in images.split(batch_size)]
     )
     log_p = logits.log_softmax(-1)
     predictions = logits.argmax(-1)

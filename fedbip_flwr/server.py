@@ -24,6 +24,7 @@ from .classifier import (
     build_classifier,
     evaluate,
     save_classifier,
+    shrink,
     train_classifier,
 )
 from .config import FedBiPConfig
@@ -32,7 +33,7 @@ from .ldm import LDM
 from .payload import Expectations, Payload, PayloadError, decode_payload
 from .storage import atomic_write, read_metadata, read_tensors, write_tensors
 from .synthesis import SynthesisSettings, draw_etas, synthesize_pass
-from .viz import dequantize, image_grid, quantize
+from .viz import image_grid, quantize
 
 log = logging.getLogger(__name__)
 SHARD_KEY = "fedbip.shard-key"
@@ -153,7 +154,8 @@ def synthesize_all(
     """Synthetic (images, labels) per client; shards on disk are reused, missing ones made.
 
     Images are stored as uint8 (what a PNG holds) and always read back from the shard, so a
-    resumed run trains on exactly the bytes an uninterrupted one would. Every shard depends
+    resumed run trains on exactly the bytes an uninterrupted one would; they stay uint8 in
+    memory, no larger than the classifier's input. Every shard depends
     only on its own payload, pass and seed, never on which shards were made before it.
     """
     settings = synthesis_settings(cfg)
@@ -178,7 +180,7 @@ def synthesize_all(
                     write_tensors(path, tensors, {SHARD_KEY: key})
                     log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
                 shard = read_tensors(path)
-                images.append(dequantize(shard["images"]))
+                images.append(shrink(shard["images"], cfg.classifier_image_size))
                 labels.append(shard["labels"])
             out[client_id] = (torch.cat(images), torch.cat(labels))
     return out

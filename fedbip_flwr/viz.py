@@ -24,13 +24,13 @@ def dequantize(images: torch.Tensor) -> torch.Tensor:
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """``(N, 3, H, W)`` or ``(3, H, W)`` in [-1, 1] -> channels-last uint8 numpy, for PNGs.
+    """``(N, 3, H, W)`` or ``(3, H, W)`` in [-1, 1] (or uint8) -> channels-last uint8 numpy, for PNGs.
 
     Values outside [-1, 1] (decoder overshoot) are clipped.
     """
     if images.ndim not in (3, 4) or images.shape[-3] != 3:
         raise ValueError(f"expected (N, 3, H, W) or (3, H, W), got shape {tuple(images.shape)}")
-    pixels = quantize(images).cpu()
+    pixels = images.cpu() if images.dtype == torch.uint8 else quantize(images).cpu()
     return pixels.movedim(-3, -1).contiguous().numpy()
 
 

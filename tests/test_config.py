@@ -83,3 +83,12 @@ def test_bad_config_is_one_sentence(flat, needle):
         FedBiPConfig.from_flat(flat)
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_an_institutions_node_config_sets_its_own_data_root():
+    from client_app.app import node_overrides
+
+    run = {"data-root": "/shared/default", "seed": 3}
+    node = {"partition-id": 0, "num-partitions": 3, "data-root": "/hospital-a/images"}
+    assert node_overrides(run, node) == {"data-root": "/hospital-a/images", "seed": 3}
+    assert node_overrides(run, {"partition-id": 1}) == run

@@ -85,3 +85,22 @@ def test_prompts_only_baseline_starts_from_fresh_noise_at_T(tiny_ldm):
     assert (a[1] - a[2]).abs().mean() > 1e-4  # same prompt, different noise
     again = sample_from_prompts(tiny_ldm, prompts, settings(), torch.Generator().manual_seed(0))
     assert torch.equal(a, again)
+
+
+def test_uint8_synthetic_sets_train_like_float_ones():
+    """The server keeps synthetic images as uint8; training on them equals training on floats."""
+    from fedbip_flwr.classifier import TrainSettings, build_classifier, shrink, train_classifier
+    from fedbip_flwr.viz import dequantize, quantize
+
+    images = quantize(torch.rand(8, 3, 32, 32) * 2 - 1)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    settings = TrainSettings(epochs=1, lr=0.01, momentum=0.9, batch_size=4, image_size=16)
+    runs = []
+    for data in (images, dequantize(images)):
+        torch.manual_seed(0)
+        model = train_classifier(build_classifier(3, "random"), data, labels, settings, seed=0)
+        runs.append(model.fc.weight.detach().clone())
+    assert torch.allclose(runs[0], runs[1])
+    small = shrink(images, 16)
+    assert small.dtype == torch.uint8 and small.shape == (8, 3, 16, 16)
+    assert shrink(images, 64) is images  # never enlarged
