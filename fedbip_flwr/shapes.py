@@ -74,16 +74,23 @@ def _check_domain(domain: str) -> str:
     return domain
 
 
+def _check_names(kind: str, names: Sequence[str], valid: tuple[str, ...]) -> tuple[str, ...]:
+    """Exact-match a non-empty sequence of ``kind`` ("class", "domain") names against ``valid``."""
+    kinds = kind + ("es" if kind.endswith("s") else "s")
+    if isinstance(names, str):
+        raise ValueError(f"{kinds} must be a sequence of names, got the string {names!r}")  # noqa: TRY004
+    out = tuple(names)
+    if not out:
+        raise ValueError(f"{kinds} must not be empty; valid {kinds}: {', '.join(valid)}")
+    for name in out:
+        if not isinstance(name, str) or name not in valid:
+            raise ValueError(f"unknown {kind} {name!r}; valid {kinds}: {', '.join(valid)}")
+    return out
+
+
 def _check_classes(classes: Sequence[str]) -> tuple[str, ...]:
     """Exact-match class names (no duplicates, at least one)."""
-    if isinstance(classes, str):
-        raise ValueError(f"classes must be a sequence of names, got the string {classes!r}")  # noqa: TRY004
-    out = tuple(classes)
-    if not out:
-        raise ValueError(f"classes must not be empty; valid classes: {', '.join(CLASSES)}")
-    for c in out:
-        if not isinstance(c, str) or c not in CLASSES:
-            raise ValueError(f"unknown class {c!r}; valid classes: {', '.join(CLASSES)}")
+    out = _check_names("class", classes, CLASSES)
     if len(set(out)) != len(out):
         raise ValueError(f"duplicate class names in {out}")
     return out
@@ -478,11 +485,5 @@ def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
     client index within that domain (which selects a disjoint shard of that domain).
     """
     partition_id = _check_nonneg("partition_id", partition_id)
-    if isinstance(domains, str):
-        raise ValueError(f"domains must be a sequence of names, got the string {domains!r}")  # noqa: TRY004
-    doms = tuple(domains)
-    if not doms:
-        raise ValueError(f"domains must not be empty; valid domains: {', '.join(DOMAINS)}")
-    for d in doms:
-        _check_domain(d)
+    doms = _check_names("domain", domains, DOMAINS)
     return doms[partition_id % len(doms)], partition_id // len(doms)

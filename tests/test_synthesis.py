@@ -7,7 +7,12 @@ import torch
 
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts, synthesize_client, synthesize_pass
+from fedbip_flwr.synthesis import (
+    SynthesisSettings,
+    sample_from_prompts,
+    synthesize_client,
+    synthesize_pass,
+)
 
 CLASSES = ["circle", "square", "star"]
 
@@ -89,7 +94,12 @@ def test_prompts_only_baseline_starts_from_fresh_noise_at_T(tiny_ldm):
 
 def test_uint8_synthetic_sets_train_like_float_ones():
     """The server keeps synthetic images as uint8; training on them equals training on floats."""
-    from fedbip_flwr.classifier import TrainSettings, build_classifier, shrink, train_classifier
+    from fedbip_flwr.classifier import (
+        TrainSettings,
+        build_classifier,
+        shrink,
+        train_classifier,
+    )
     from fedbip_flwr.viz import dequantize, quantize
 
     images = quantize(torch.rand(8, 3, 32, 32) * 2 - 1)
