@@ -36,6 +36,18 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
     return path
 
 
+def remove_partial_writes(root: str | Path) -> list[Path]:
+    """Delete the temporary files a killed :func:`atomic_write` left under ``root``.
+
+    They never replaced a real file, so nothing accepted is lost; left alone they would pile
+    up in payloads/ and shards/ with every crash.
+    """
+    stale = [p for p in Path(root).rglob(".*.tmp") if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def _make_folders(folder: Path) -> None:
     """``mkdir -p`` whose new entries are durable too: each new folder's parent is fsynced."""
     missing = [f for f in (folder, *folder.parents) if not f.exists()]

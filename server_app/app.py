@@ -26,7 +26,7 @@ from fedbip_flwr.server import (
     synthesize_all,
     train_and_evaluate,
 )
-from fedbip_flwr.storage import write_json
+from fedbip_flwr.storage import remove_partial_writes, write_json
 from server_app.strategy import FedBiPStrategy, NotEnoughClients, outcomes_json
 
 log = logging.getLogger("fedbip_flwr.server_app")
@@ -40,6 +40,8 @@ def main(grid: Grid, context: Context) -> None:
     folder = RunFolder(resolve(cfg.output_dir) / (cfg.run_name or f"run-{context.run_id}"))
     folder.root.mkdir(parents=True, exist_ok=True)
     log.info("run folder: %s", folder.root)
+    for path in remove_partial_writes(folder.root):
+        log.warning("removed %s, an unfinished write from an interrupted run", path)
     seconds: dict[str, float] = {}
 
     dataset.verify(cfg)
