@@ -20,15 +20,15 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 from .paths import resolve
 
 # Stable Diffusion v1-x scheduler settings: the noise schedule that z(T) and synthesis share.
-SD_SCHEDULER_CONFIG = dict(
-    num_train_timesteps=1000,
-    beta_start=0.00085,
-    beta_end=0.012,
-    beta_schedule="scaled_linear",
-    skip_prk_steps=True,
-    steps_offset=1,
-    set_alpha_to_one=False,
-)
+SD_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "set_alpha_to_one": False,
+}
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
 
 

@@ -43,7 +43,7 @@ def run_simulation(
     proc = subprocess.run(
         [FLWR, "run", str(app), "--stream", "--run-config", run_config,
          "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"],
-        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=timeout,
+        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False,
     )
     output = proc.stdout + proc.stderr
     match = re.search(r"Successfully started run (\d+)", output)
@@ -55,7 +55,7 @@ def run_status(home: Path, run_id: int) -> str:
     proc = subprocess.run(
         [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
         cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
-        timeout=60,
+        timeout=60, check=False,
     )
     runs = json.loads(proc.stdout)["runs"]
     return runs[0]["status"]

@@ -27,7 +27,7 @@ def payload(tiny_ldm):
 
 
 def settings(**kw) -> SynthesisSettings:
-    base = dict(multiplier=2, num_inference_steps=10, guidance_scale=3.0, eta_std=0.1, batch_size=4)
+    base = {"multiplier": 2, "num_inference_steps": 10, "guidance_scale": 3.0, "eta_std": 0.1, "batch_size": 4}
     return SynthesisSettings(**{**base, **kw})
 
 
