@@ -13,8 +13,10 @@ Every classifier gets the same budget rule: the configured epochs, raised so tha
 least ``--min-steps`` SGD steps (small real sets would otherwise barely train). FedBiP-S and -M
 are the first 2 and 5 of FedBiP-L's 10 passes (same distribution as separate runs, less compute).
 
-Results per seed are cached in benchmarks/runs/ so an interrupted benchmark resumes;
-the summary goes to benchmarks/miniature.json and to BENCHMARKS.md.
+Results per seed are cached in benchmarks/runs/ (with the settings that produced them) so an
+interrupted benchmark resumes, and seeds can run as separate processes; every invocation
+summarizes all cached seeds made with its settings into benchmarks/miniature.json and
+BENCHMARKS.md. The images the pictures need are kept beside seed 0's results.
 
     python scripts/benchmark_miniature.py --seeds 0 1 2
 """
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fedavg_baseline import FedAvgSettings, train_fedavg
@@ -47,10 +50,10 @@ from fedbip_flwr.classifier import (
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
-from fedbip_flwr.payload import Payload
+from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.server import client_seed, synthesis_settings
 from fedbip_flwr.synthesis import sample_from_prompts, synthesize_client
-from fedbip_flwr.viz import image_grid
+from fedbip_flwr.viz import dequantize, image_grid, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_METHODS = (
@@ -78,6 +81,30 @@ class Bench:
     fedavg_local_epochs: int
     timesteps: tuple[int, ...]  # 0 = the paper's T (first timestep of the schedule)
     mia_per_domain: int
+
+    def settings(self) -> dict:
+        """What a cached seed must have been made with to be reused (everything but the seeds)."""
+        fields = dataclasses.asdict(self)
+        fields.pop("seeds")
+        fields["cfg"] = self.cfg.model_dump(mode="json")
+        fields["timesteps"] = list(self.timesteps)
+        return fields
+
+
+class SettingsMismatch(RuntimeError):
+    pass
+
+
+def load_cache(path: Path, settings: dict) -> dict:
+    """Results cached for one seed, or {} if none; refuses results made with other settings."""
+    if not path.exists():
+        return {}
+    cached = json.loads(path.read_text())
+    if cached.get("settings") != settings:
+        raise SettingsMismatch(
+            f"{path} was made with other settings; pass another --out or delete it to start over"
+        )
+    return cached["results"]
 
 
 # ---------------------------------------------------------------------------------- data
@@ -128,11 +155,19 @@ def mia_gaps(
     gaps = {"loss": [], "entropy": []}
     for real in members.values():
         test = tests[real.domain]
-        inside = evaluate(model, real.images[:per_domain], real.labels[:per_domain], size)
-        outside = evaluate(model, test.images[:per_domain], test.labels[:per_domain], size)
+        inside, outside = balanced(real.labels, per_domain), balanced(test.labels, per_domain)
+        inside = evaluate(model, real.images[inside], real.labels[inside], size)
+        outside = evaluate(model, test.images[outside], test.labels[outside], size)
         gaps["loss"].append(outside.mean_loss - inside.mean_loss)
         gaps["entropy"].append(outside.mean_entropy - inside.mean_entropy)
     return {k: statistics.fmean(v) for k, v in gaps.items()}
+
+
+def balanced(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of up to ``n`` examples, the same number from every class (sets are class-sorted)."""
+    classes = labels.unique()
+    per_class = max(1, n // len(classes))
+    return torch.cat([torch.nonzero(labels == c).flatten()[:per_class] for c in classes])
 
 
 def nearest_real_distance(synthetic: torch.Tensor, real: torch.Tensor) -> float:
@@ -215,11 +250,13 @@ class SeedRun:
 
     def __init__(self, bench: Bench, ldm: LDM, seed: int, cache: Path) -> None:
         self.bench, self.ldm, self.seed, self.cache = bench, ldm, seed, cache
-        self.results: dict = json.loads(cache.read_text()) if cache.exists() else {}
+        self.results: dict = load_cache(cache, bench.settings())
         self.clients = client_sets(bench.cfg, seed)
         self.tests = test_sets(bench.cfg, seed)
         self.size = bench.cfg.classifier_image_size
-        self.samples: dict[str, dict[str, tuple]] = {}  # kept for the pictures (seed 0)
+        saved = samples_path(cache)
+        # uint8 images the pictures need, kept across resumed runs
+        self.samples: dict[str, torch.Tensor] = load_file(saved) if saved.exists() else {}
 
     def record(self, name: str, make: Callable[[], dict]) -> None:
         if name in self.results:
@@ -230,7 +267,8 @@ class SeedRun:
         result["seconds"] = time.perf_counter() - started
         self.results[name] = result
         self.cache.parent.mkdir(parents=True, exist_ok=True)
-        self.cache.write_text(json.dumps(self.results, indent=1))
+        record = {"settings": self.bench.settings(), "results": self.results}
+        self.cache.write_text(json.dumps(record, indent=1) + "\n")
         print(
             f"[seed {self.seed}] {name}: {json.dumps({k: v for k, v in result.items()})}",
             flush=True,
@@ -317,7 +355,10 @@ class SeedRun:
         return self.results
 
     def keep(self, name: str, sets: dict[str, tuple]) -> dict[str, tuple]:
-        self.samples[name] = sets
+        """Save up to two passes per client of these images for the pictures (uint8, untracked)."""
+        for cid, (images, _) in sets.items():
+            self.samples[f"{name}/{cid}"] = quantize(images[: 2 * len(self.clients[cid])])
+        save_file(self.samples, samples_path(self.cache))
         return sets
 
     def at_timestep(self, cfg: FedBiPConfig) -> dict:
@@ -413,13 +454,18 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
             if n in methods
         )
 
-    privacy = "| method | T | accuracy (mean) | MIA loss gap | MIA entropy gap | nearest real (RMS) |\n|---|---|---|---|---|---|\n"
-    for name, entry in methods.items():
-        if "mia_gap" in entry and name.startswith(("FedAvg", "FedBiP-S", "Prompts-only")):
-            privacy += (
-                f"| {name} | {entry.get('T', '')} | {pct(entry)} | {entry['mia_gap']['loss']:+.3f} | "
-                f"{entry['mia_gap']['entropy']:+.3f} | {entry.get('nearest_real', float('nan')):.3f} |\n"
-            )
+    privacy = (
+        "| method | T | accuracy (mean) | MIA loss gap | MIA entropy gap | nearest real (RMS) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    for name in privacy_rows(methods):
+        entry = methods[name]
+        t = f"{entry['T']:.0f}" if "T" in entry else "–"
+        near = f"{entry['nearest_real']:.3f}" if "nearest_real" in entry else "–"
+        privacy += (
+            f"| {name} | {t} | {pct(entry)} | {entry['mia_gap']['loss']:+.3f} | "
+            f"{entry['mia_gap']['entropy']:+.3f} | {near} |\n"
+        )
     cfg = bench.cfg
     return (
         "## Miniature world: accuracy (%) on each client domain, mean ± std over seeds\n\n"
@@ -427,7 +473,9 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         f"Model `{cfg.model}`, domains {', '.join(domains)} (one client each, {cfg.shots_per_class} shots per class), "
         f"{cfg.num_inference_steps} PNDM steps, guidance {cfg.guidance_scale}, concept epochs {cfg.concept_epochs}, "
         f"classifier ResNet-18 ({cfg.classifier_init} init) >= {cfg.classifier_epochs} epochs and >= {bench.min_steps} steps, "
-        f"test {cfg.test_per_class} images per class per domain. Chance is {100 / len(shapes.CLASSES):.1f}%.\n\n"
+        f"test {cfg.test_per_class} images per class per domain. Chance is {100 / len(shapes.CLASSES):.1f}%. "
+        "Local: each client's classifier on its own shots, tested on every domain, averaged over clients. "
+        f"FedAvg: {bench.fedavg_rounds} rounds of {bench.fedavg_local_epochs} local epochs on Flower's simulation runtime.\n\n"
         + head
         + rows(TABLE_METHODS)
         + "\n### Ablations (concept space, latent precision)\n\n"
@@ -438,10 +486,19 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         f"({bench.mia_per_domain} images per domain each); 0 = members are indistinguishable. "
         "Nearest real: mean RMS pixel distance (images in [-1, 1]) from each synthetic image to its closest real image of the same client.\n\n"
         + privacy
+        + "\nPictures (first seed): `benchmarks/pictures/grid-<domain>.png` (rows: real, prompts-only, "
+        "FedBiP) and `benchmarks/pictures/embedding.png` (PCA of the Central classifier's features).\n"
         + "\nUpload per client: "
         + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in upload.items())
         + "\n"
     )
+
+
+def privacy_rows(methods: dict) -> list[str]:
+    """Methods with MIA gaps: baselines, FedBiP-S/M/L, then the T sweep from late to early T."""
+    fixed = [n for n in ("FedAvg", "Prompts-only", *MULTIPLIERS) if n in methods]
+    sweep = [n for n in methods if n.startswith("FedBiP-S T<=")]
+    return fixed + sorted(sweep, key=lambda n: -methods[n]["T"])
 
 
 def write_section(path: Path, text: str, marker: str = "miniature") -> None:
@@ -457,6 +514,10 @@ def write_section(path: Path, text: str, marker: str = "miniature") -> None:
 
 
 # ----------------------------------------------------------------------------------- pictures
+def samples_path(cache: Path) -> Path:
+    return cache.with_name(cache.stem + "-samples.safetensors")
+
+
 def pictures(run: SeedRun, out: Path) -> None:
     """Per domain: real vs prompts-only vs FedBiP; and a 2-D embedding of real vs synthetic."""
     import matplotlib
@@ -464,7 +525,15 @@ def pictures(run: SeedRun, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if "Prompts-only" not in run.samples or "FedBiP" not in run.samples:
+    saved = run.samples
+    sample = {
+        name: {cid: dequantize(saved[f"{name}/{cid}"]) for cid in run.clients}
+        for name in ("Prompts-only", "FedBiP")
+        if all(f"{name}/{cid}" in saved for cid in run.clients)
+    }
+    if len(sample) < 2:
+        path = samples_path(run.cache)
+        print(f"no pictures: {path} lacks the seed's synthetic images; rerun the seed to make them")
         return
     out.mkdir(parents=True, exist_ok=True)
     x, y = (
@@ -477,14 +546,14 @@ def pictures(run: SeedRun, out: Path) -> None:
     for ax, (cid, real) in zip(axes, run.clients.items(), strict=True):
         rows = [
             real.images[::8],
-            run.samples["Prompts-only"][cid][0][::8],
-            run.samples["FedBiP"][cid][0][::8],
+            sample["Prompts-only"][cid][::8],
+            sample["FedBiP"][cid][::8],
         ]
         image_grid(rows, out / f"grid-{real.domain}.png", row_labels=["real", "prompts", "FedBiP"])
         groups = {
             "real": real.images,
-            "prompts-only": run.samples["Prompts-only"][cid][0],
-            "FedBiP": run.samples["FedBiP"][cid][0][: 2 * len(real)],
+            "prompts-only": sample["Prompts-only"][cid],
+            "FedBiP": sample["FedBiP"][cid],
         }
         with torch.no_grad():
             feats = {k: features(v).flatten(1) for k, v in groups.items()}
@@ -511,9 +580,9 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     p.add_argument("--guidance", type=float, default=4.0)
     p.add_argument("--concept-epochs", type=int, default=10)
     p.add_argument("--classifier-epochs", type=int, default=15)
-    p.add_argument("--min-steps", type=int, default=300)
-    p.add_argument("--fedavg-rounds", type=int, default=20)
-    p.add_argument("--fedavg-local-epochs", type=int, default=5)
+    p.add_argument("--min-steps", type=int, default=150)
+    p.add_argument("--fedavg-rounds", type=int, default=10)
+    p.add_argument("--fedavg-local-epochs", type=int, default=2)
     p.add_argument(
         "--timesteps",
         type=int,
@@ -525,6 +594,12 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     p.add_argument("--report", type=Path, default=ROOT / "BENCHMARKS.md")
     p.add_argument("--device", default="CPU (2 cores)", help="named in BENCHMARKS.md")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="compute nothing new: summarize the cached seeds, draw the pictures, write the report",
+    )
     args = p.parse_args()
     cfg = FedBiPConfig(
         model=args.model,
@@ -549,29 +624,61 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     return bench, args
 
 
+def cached_runs(out: Path, settings: dict) -> dict[int, dict]:
+    """Every seed cached under ``out``/runs with these settings (other settings are skipped)."""
+    runs = {}
+    for path in sorted((out / "runs").glob("seed-*.json")):
+        try:
+            runs[int(path.stem.removeprefix("seed-"))] = load_cache(path, settings)
+        except SettingsMismatch as e:
+            print(f"skipped: {e}")
+    return runs
+
+
+def reproduce(args: argparse.Namespace, seeds: list[int]) -> str:
+    """The command that redoes the summarized seeds with these settings."""
+    flags = {
+        "--model": args.model,
+        "--domains": args.domains,
+        "--seeds": " ".join(map(str, seeds)),
+        "--steps": args.steps,
+        "--guidance": args.guidance,
+        "--concept-epochs": args.concept_epochs,
+        "--classifier-epochs": args.classifier_epochs,
+        "--min-steps": args.min_steps,
+        "--fedavg-rounds": args.fedavg_rounds,
+        "--fedavg-local-epochs": args.fedavg_local_epochs,
+        "--timesteps": " ".join(map(str, args.timesteps)),
+        "--test-per-class": args.test_per_class,
+    }
+    return "python scripts/benchmark_miniature.py " + " ".join(f"{k} {v}" for k, v in flags.items())
+
+
 def main() -> None:
     bench, args = parse()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ldm = load_ldm(bench.cfg.model)
-    runs = {}
-    for seed in bench.seeds:
-        run = SeedRun(bench, ldm, seed, args.out / "runs" / f"seed-{seed}.json")
-        runs[seed] = run.run()
-        if seed == bench.seeds[0]:
-            pictures(run, args.out / "pictures")
-    from fedbip_flwr.payload import encode_payload
-
-    sample = personalize_all(
-        ldm, client_sets(bench.cfg, 0), bench.cfg.model_copy(update={"concept_epochs": 0}), 0
-    )
-    upload = {cid: len(encode_payload(p)) for cid, p in sample.items()}
+    for seed in () if args.report_only else bench.seeds:
+        SeedRun(bench, ldm, seed, args.out / "runs" / f"seed-{seed}.json").run()
+    runs = cached_runs(args.out, bench.settings())
+    if not runs:
+        raise SystemExit(f"nothing to report: no seed in {args.out / 'runs'} has these settings")
+    first = min(runs)
+    pictures(SeedRun(bench, ldm, first, args.out / "runs" / f"seed-{first}.json"), args.out / "pictures")
     summary = summarize(runs)
-    summary["upload_bytes"] = upload
+    summary["upload_bytes"] = upload_sizes(ldm, bench.cfg)
     (args.out / "miniature.json").write_text(json.dumps(summary, indent=1) + "\n")
-    command = "python scripts/benchmark_miniature.py " + " ".join(sys.argv[1:])
-    write_section(
-        ROOT / "BENCHMARKS.md", markdown(summary, bench, command.strip(), args.device, upload)
-    )
+    text = markdown(summary, bench, reproduce(args, sorted(runs)), args.device, summary["upload_bytes"])
+    write_section(args.report, text)
     print(json.dumps(summary, indent=1))
+
+
+def upload_sizes(ldm: LDM, cfg: FedBiPConfig) -> dict[str, int]:
+    """Bytes of each client's encoded payload (concept values do not change the size)."""
+    clients = client_sets(cfg, 0)
+    payloads = personalize_all(ldm, clients, cfg.model_copy(update={"concept_epochs": 0}), 0)
+    return {cid: len(encode_payload(p)) for cid, p in payloads.items()}
 
 
 if __name__ == "__main__":

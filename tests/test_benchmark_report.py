@@ -54,3 +54,20 @@ def test_report_section_replaced_in_place(bench, tmp_path):
     text = report.read_text()
     assert "other section" in text and "second" in text and "first" not in text
     assert text.count("<!-- miniature:start -->") == 1
+
+
+def test_membership_sets_are_class_balanced(bench):
+    # class-sorted like the shapes splits: taking the first n would compare 2 classes against 6
+    labels = torch.arange(6).repeat_interleave(50)
+    picked = labels[bench.balanced(labels, 96)]
+    assert len(picked) == 96
+    assert torch.bincount(picked, minlength=6).tolist() == [16] * 6
+
+
+def test_cache_refuses_results_made_with_other_settings(bench, tmp_path):
+    path = tmp_path / "seed-0.json"
+    path.write_text('{"settings": {"min_steps": 150}, "results": {"Central": {}}}')
+    assert bench.load_cache(path, {"min_steps": 150}) == {"Central": {}}
+    with pytest.raises(bench.SettingsMismatch, match="other settings"):
+        bench.load_cache(path, {"min_steps": 300})
+    assert bench.load_cache(tmp_path / "missing.json", {}) == {}
