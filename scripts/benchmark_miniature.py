@@ -414,6 +414,8 @@ def summarize(runs: dict[int, dict]) -> dict:
         for key in ("mia_gap", "nearest_real", "T", "num_images", "seconds"):
             if key in rows[0]:
                 entry[key] = _average([r[key] for r in rows])
+        if "mia_gap" in rows[0]:
+            entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in rows[0]["mia_gap"]}
         methods[name] = entry
     return {"methods": methods}
 
@@ -463,8 +465,7 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         t = f"{entry['T']:.0f}" if "T" in entry else "–"
         near = f"{entry['nearest_real']:.3f}" if "nearest_real" in entry else "–"
         privacy += (
-            f"| {name} | {t} | {pct(entry)} | {entry['mia_gap']['loss']:+.3f} | "
-            f"{entry['mia_gap']['entropy']:+.3f} | {near} |\n"
+            f"| {name} | {t} | {pct(entry)} | {gap(entry, 'loss')} | {gap(entry, 'entropy')} | {near} |\n"
         )
     cfg = bench.cfg
     return (
@@ -483,7 +484,9 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         + rows(ABLATIONS)
         + "\n### Privacy: membership-inference gaps and the start timestep T\n\n"
         "Gaps are non-member minus member mean loss / entropy of the final classifier "
-        f"({bench.mia_per_domain} images per domain each); 0 = members are indistinguishable. "
+        f"({bench.mia_per_domain} class-balanced images per domain each), mean ± std over seeds; "
+        "0 = members are indistinguishable. Prompts-only never saw a member, so its gap is the "
+        "measurement's noise floor. "
         "Nearest real: mean RMS pixel distance (images in [-1, 1]) from each synthetic image to its closest real image of the same client.\n\n"
         + privacy
         + "\nPictures (first seed): `benchmarks/pictures/grid-<domain>.png` (rows: real, prompts-only, "
@@ -492,6 +495,10 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in upload.items())
         + "\n"
     )
+
+
+def gap(entry: dict, kind: str) -> str:
+    return f"{entry['mia_gap'][kind]:+.3f} ± {entry['mia_gap_std'][kind]:.3f}"
 
 
 def privacy_rows(methods: dict) -> list[str]:

@@ -43,6 +43,7 @@ def test_summary_is_mean_and_sample_std_over_seeds(bench):
     assert a["mean"] == pytest.approx(0.7)
     assert a["std"] == pytest.approx(math.sqrt(((0.6 - 0.7) ** 2 + (0.8 - 0.7) ** 2) / 1))
     assert a["mia_gap"] == pytest.approx({"loss": 0.3, "entropy": 0.2})
+    assert a["mia_gap_std"] == pytest.approx({"loss": math.sqrt(0.02), "entropy": math.sqrt(0.02)})
     assert summary["B"]["std"] == 0.0 and summary["B"]["seeds"] == [2]
 
 
