@@ -77,7 +77,7 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
     for domain in ("sketch", "quickdraw", "painting"):
         path = e2e_run["folder"] / "payloads" / f"{domain}-0.safetensors"
         with safe_open(str(path), framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f}
+            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
             meta = f.metadata()
         assert json.loads(meta["fedbip.domain"]) == domain
         data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
