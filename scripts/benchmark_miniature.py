@@ -10,7 +10,9 @@ mean loss and mean entropy, paper Sec. 5.5) for FedAvg and FedBiP, the start tim
 a dial, with the distance from each synthetic image to its nearest real client image.
 
 Every classifier gets the same budget rule: the configured epochs, raised so that it makes at
-least ``--min-steps`` SGD steps (small real sets would otherwise barely train). FedBiP-S and -M
+least ``--min-steps`` SGD steps (small real sets would otherwise barely train). Central and FedAvg
+are also run with as many SGD steps as FedBiP-L's classifier makes (FedAvg: summed over clients),
+so that the real-data baselines are not beaten by compute alone. FedBiP-S and -M
 are the first 2 and 5 of FedBiP-L's 10 passes (same distribution as separate runs, less compute).
 
 Results per seed are cached in benchmarks/runs/ (with the settings that produced them) so an
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -52,14 +55,18 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.server import client_seed, synthesis_settings
+from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.synthesis import sample_from_prompts, synthesize_client
 from fedbip_flwr.viz import dequantize, image_grid, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
+CENTRAL_EQUAL, FEDAVG_EQUAL = "Central, FedBiP-L's steps", "FedAvg, FedBiP-L's steps"
 TABLE_METHODS = (
     "Central",
+    CENTRAL_EQUAL,
     "Local",
     "FedAvg",
+    FEDAVG_EQUAL,
     "Prompts-only",
     "concept-only",
     "instance-only",
@@ -139,9 +146,22 @@ def train_settings(bench: Bench, n: int) -> TrainSettings:
     )
 
 
-def fit(bench: Bench, images: torch.Tensor, labels: torch.Tensor, seed: int) -> torch.nn.Module:
+def sgd_steps(settings: TrainSettings, n: int) -> int:
+    """Optimizer steps of ``train_classifier`` on ``n`` images (it skips a last batch of one)."""
+    full, rest = divmod(n, settings.batch_size)
+    return settings.epochs * (full + (rest >= 2))
+
+
+def fit(
+    bench: Bench, images: torch.Tensor, labels: torch.Tensor, seed: int, steps: int = 0
+) -> torch.nn.Module:
+    """A classifier under the budget rule, or with about ``steps`` SGD steps if given."""
+    settings = train_settings(bench, len(labels))
+    if steps:
+        per_epoch = math.ceil(len(labels) / settings.batch_size)
+        settings = dataclasses.replace(settings, epochs=math.ceil(steps / per_epoch))
     model = build_classifier(len(shapes.CLASSES), bench.cfg.classifier_init)
-    return train_classifier(model, images, labels, train_settings(bench, len(labels)), seed=seed)
+    return train_classifier(model, images, labels, settings, seed=seed)
 
 
 def accuracy(model: torch.nn.Module, tests: Sets, size: int) -> dict[str, float]:
@@ -248,8 +268,11 @@ def first_passes(
 class SeedRun:
     """All methods for one seed; results are cached to disk after each method."""
 
-    def __init__(self, bench: Bench, ldm: LDM, seed: int, cache: Path) -> None:
+    def __init__(
+        self, bench: Bench, ldm: LDM, seed: int, cache: Path, only: frozenset[str] = frozenset()
+    ) -> None:
         self.bench, self.ldm, self.seed, self.cache = bench, ldm, seed, cache
+        self.only = only  # run just these methods (empty: all)
         self.results: dict = load_cache(cache, bench.settings())
         self.clients = client_sets(bench.cfg, seed)
         self.tests = test_sets(bench.cfg, seed)
@@ -258,17 +281,22 @@ class SeedRun:
         # uint8 images the pictures need, kept across resumed runs
         self.samples: dict[str, torch.Tensor] = load_file(saved) if saved.exists() else {}
 
+    def wanted(self, name: str) -> bool:
+        """Not yet cached (by this or another process of the same seed) and selected."""
+        self.results = {**self.results, **load_cache(self.cache, self.bench.settings())}
+        return name not in self.results and (not self.only or name in self.only)
+
     def record(self, name: str, make: Callable[[], dict]) -> None:
-        if name in self.results:
-            print(f"[seed {self.seed}] {name}: cached", flush=True)
+        if not self.wanted(name):
+            print(f"[seed {self.seed}] {name}: cached or not selected", flush=True)
             return
         started = time.perf_counter()
         result = make()
         result["seconds"] = time.perf_counter() - started
-        self.results[name] = result
-        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        # merge with what another process may have cached meanwhile, then replace atomically
+        self.results = {**load_cache(self.cache, self.bench.settings()), **self.results, name: result}
         record = {"settings": self.bench.settings(), "results": self.results}
-        self.cache.write_text(json.dumps(record, indent=1) + "\n")
+        atomic_write(self.cache, (json.dumps(record, indent=1) + "\n").encode())
         print(
             f"[seed {self.seed}] {name}: {json.dumps({k: v for k, v in result.items()})}",
             flush=True,
@@ -296,7 +324,7 @@ class SeedRun:
             lambda: {"per_domain": accuracy(fit(b, real_x, real_y, seed), self.tests, self.size)},
         )
         self.record("Local", self.local)
-        self.record("FedAvg", self.fedavg)
+        self.record("FedAvg", lambda: self.fedavg(b.fedavg_rounds))
         self.record(
             "Prompts-only",
             lambda: self.on_synthetic(
@@ -304,15 +332,9 @@ class SeedRun:
             ),
         )
 
-        payloads = personalize_all(self.ldm, self.clients, cfg, seed)
-        fresh = {
-            cid: with_latents(
-                p, torch.randn(p.latents.shape, generator=torch.Generator().manual_seed(seed + i))
-            )
-            for i, (cid, p) in enumerate(payloads.items())
-        }
         self.record(
-            "concept-only", lambda: self.on_synthetic(synthesize(self.ldm, fresh, cfg, seed))
+            "concept-only",
+            lambda: self.on_synthetic(synthesize(self.ldm, self.fresh_noise(), cfg, seed)),
         )
         no_concepts = cfg.model_copy(update={"concept_epochs": 0})
         self.record(
@@ -324,9 +346,9 @@ class SeedRun:
             ),
         )
         largest = cfg.model_copy(update={"multiplier": MULTIPLIERS["FedBiP-L"]})
-        if any(name not in self.results for name in MULTIPLIERS):
-            full = self.keep("FedBiP", synthesize(self.ldm, payloads, largest, seed))
-            timestep = next(iter(payloads.values())).meta.timestep
+        if any(self.wanted(name) for name in MULTIPLIERS):
+            full = self.keep("FedBiP", synthesize(self.ldm, self.payloads, largest, seed))
+            timestep = next(iter(self.payloads.values())).meta.timestep
             for name, m in MULTIPLIERS.items():
                 self.record(
                     name,
@@ -344,15 +366,58 @@ class SeedRun:
                 )
             ),
         )
-        half = {cid: with_latents(p, p.latents.half()) for cid, p in payloads.items()}
         self.record(
             "FedBiP-S fp16 latents",
-            lambda: self.on_synthetic(synthesize(self.ldm, half, cfg, seed)),
+            lambda: self.on_synthetic(
+                synthesize(
+                    self.ldm,
+                    {cid: with_latents(p, p.latents.half()) for cid, p in self.payloads.items()},
+                    cfg,
+                    seed,
+                )
+            ),
         )
         for requested in b.timesteps:
             at_t = cfg.model_copy(update={"start_timestep": requested})
             self.record(f"FedBiP-S T<={requested}", lambda at_t=at_t: self.at_timestep(at_t))
+        self.record(
+            CENTRAL_EQUAL,
+            lambda: {
+                "per_domain": accuracy(
+                    fit(b, real_x, real_y, seed, self.fedbip_l_steps()), self.tests, self.size
+                ),
+                "steps": self.fedbip_l_steps(),
+            },
+        )
+        self.record(FEDAVG_EQUAL, lambda: self.fedavg(self.fedavg_equal_rounds()))
         return self.results
+
+    @functools.cached_property
+    def payloads(self) -> dict[str, Payload]:
+        """The clients' FedBiP payloads with the base config (made once, only if a method needs them)."""
+        return personalize_all(self.ldm, self.clients, self.bench.cfg, self.seed)
+
+    def fresh_noise(self) -> dict[str, Payload]:
+        """The payloads with z(T) replaced by fresh Gaussian noise (concept-only)."""
+        return {
+            cid: with_latents(
+                p,
+                torch.randn(p.latents.shape, generator=torch.Generator().manual_seed(self.seed + i)),
+            )
+            for i, (cid, p) in enumerate(self.payloads.items())
+        }
+
+    def fedbip_l_steps(self) -> int:
+        n = MULTIPLIERS["FedBiP-L"] * sum(len(s.labels) for s in self.clients.values())
+        return sgd_steps(train_settings(self.bench, n), n)
+
+    def fedavg_equal_rounds(self) -> int:
+        """Rounds whose local SGD steps, summed over clients, reach FedBiP-L's step count."""
+        local = dataclasses.replace(
+            train_settings(self.bench, 1), epochs=self.bench.fedavg_local_epochs
+        )
+        per_round = sum(sgd_steps(local, len(s.labels)) for s in self.clients.values())
+        return math.ceil(self.fedbip_l_steps() / per_round)
 
     def keep(self, name: str, sets: dict[str, tuple]) -> dict[str, tuple]:
         """Save up to two passes per client of these images for the pictures (uint8, untracked)."""
@@ -374,13 +439,13 @@ class SeedRun:
         ]
         return {"per_domain": {d: statistics.fmean(a[d] for a in per_client) for d in self.tests}}
 
-    def fedavg(self) -> dict:
+    def fedavg(self, rounds: int) -> dict:
         cfg = self.bench.cfg
         local = train_settings(self.bench, len(next(iter(self.clients.values()))))
         settings = FedAvgSettings(
             tuple(cfg.domain_list),
             cfg.shots_per_class,
-            self.bench.fedavg_rounds,
+            rounds,
             self.bench.fedavg_local_epochs,
             dataclasses.replace(local, epochs=self.bench.fedavg_local_epochs),
             self.seed,
@@ -388,6 +453,7 @@ class SeedRun:
         model = train_fedavg(settings)
         return {
             "per_domain": accuracy(model, self.tests, self.size),
+            "rounds": rounds,
             "mia_gap": mia_gaps(
                 model, self.clients, self.tests, self.bench.mia_per_domain, self.size
             ),
@@ -603,6 +669,13 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     p.add_argument("--device", default="CPU (2 cores)", help="named in BENCHMARKS.md")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="METHOD",
+        help="run just these methods of each seed (a second process can share a seed); no report",
+    )
+    p.add_argument(
         "--report-only",
         action="store_true",
         help="compute nothing new: summarize the cached seeds, draw the pictures, write the report",
@@ -667,7 +740,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ldm = load_ldm(bench.cfg.model)
     for seed in () if args.report_only else bench.seeds:
-        SeedRun(bench, ldm, seed, args.out / "runs" / f"seed-{seed}.json").run()
+        cache = args.out / "runs" / f"seed-{seed}.json"
+        SeedRun(bench, ldm, seed, cache, frozenset(args.only)).run()
+    if args.only:
+        return
     runs = cached_runs(args.out, bench.settings())
     if not runs:
         raise SystemExit(f"nothing to report: no seed in {args.out / 'runs'} has these settings")

@@ -72,3 +72,52 @@ def test_cache_refuses_results_made_with_other_settings(bench, tmp_path):
     with pytest.raises(bench.SettingsMismatch, match="other settings"):
         bench.load_cache(path, {"min_steps": 300})
     assert bench.load_cache(tmp_path / "missing.json", {}) == {}
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8, 9, 10, 16])
+def test_sgd_steps_counts_the_optimizer_steps_training_makes(bench, n):
+    from fedbip_flwr.classifier import TrainSettings, train_classifier
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 6))
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    settings = TrainSettings(3, 0.01, 0.9, batch_size=8, image_size=8, augment=False)
+    images, labels = torch.rand(n, 3, 8, 8), torch.arange(n) % 6
+    train_classifier(model, images, labels, settings, seed=0)
+    assert len(calls) == bench.sgd_steps(settings, n)
+
+
+def _seed_run(bench, cache: Path):
+    from fedbip_flwr.config import FedBiPConfig
+
+    cfg = FedBiPConfig(model="unused", domains="sketch,painting", test_per_class=2)
+    settings = bench.Bench(cfg, (0,), 150, 10, 2, (801,), 96)
+    return bench.SeedRun(settings, None, 0, cache)
+
+
+def test_two_processes_share_a_seed_cache_without_losing_results(bench, tmp_path):
+    cache = tmp_path / "runs" / "seed-0.json"
+    first, second = _seed_run(bench, cache), _seed_run(bench, cache)
+    first.record("A", lambda: {"per_domain": {"sketch": 0.1}})
+    second.record("B", lambda: {"per_domain": {"sketch": 0.2}})
+    second.record("A", lambda: pytest.fail("A was cached by the other process"))
+    first.record("C", lambda: {"per_domain": {"sketch": 0.3}})
+    on_disk = bench.load_cache(cache, first.bench.settings())
+    assert set(on_disk) == {"A", "B", "C"} and on_disk["B"]["per_domain"] == {"sketch": 0.2}
+
+
+def test_equal_step_baselines_match_fedbip_l(bench, tmp_path):
+    run = _seed_run(bench, tmp_path / "seed-0.json")
+    n = 10 * sum(len(s.labels) for s in run.clients.values())  # FedBiP-L's synthetic set
+    assert run.fedbip_l_steps() == bench.sgd_steps(bench.train_settings(run.bench, n), n)
+    per_round = len(run.clients) * 2 * math.ceil(16 * 6 / 64)  # clients x local epochs x batches
+    rounds = run.fedavg_equal_rounds()
+    assert (rounds - 1) * per_round < run.fedbip_l_steps() <= rounds * per_round
+
+
+def test_only_runs_the_selected_methods(bench, tmp_path):
+    run = _seed_run(bench, tmp_path / "seed-0.json")
+    run.only = frozenset({"B"})
+    run.record("A", lambda: pytest.fail("A was not selected"))
+    run.record("B", lambda: {"per_domain": {"sketch": 0.2}})
+    assert set(bench.load_cache(run.cache, run.bench.settings())) == {"B"}
