@@ -477,7 +477,7 @@ def summarize(runs: dict[int, dict]) -> dict:
             "std": _std(means),
             "seeds": seeds,
         }
-        for key in ("mia_gap", "nearest_real", "T", "num_images", "seconds"):
+        for key in ("mia_gap", "nearest_real", "T", "num_images", "steps", "rounds", "seconds"):
             if key in rows[0]:
                 entry[key] = _average([r[key] for r in rows])
         if "mia_gap" in rows[0]:
@@ -542,7 +542,9 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         f"classifier ResNet-18 ({cfg.classifier_init} init) >= {cfg.classifier_epochs} epochs and >= {bench.min_steps} steps, "
         f"test {cfg.test_per_class} images per class per domain. Chance is {100 / len(shapes.CLASSES):.1f}%. "
         "Local: each client's classifier on its own shots, tested on every domain, averaged over clients. "
-        f"FedAvg: {bench.fedavg_rounds} rounds of {bench.fedavg_local_epochs} local epochs on Flower's simulation runtime.\n\n"
+        f"FedAvg: {bench.fedavg_rounds} rounds of {bench.fedavg_local_epochs} local epochs on Flower's simulation runtime. "
+        + equal_steps(methods)
+        + "\n\n"
         + head
         + rows(TABLE_METHODS)
         + "\n### Ablations (concept space, latent precision)\n\n"
@@ -560,6 +562,17 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         + "\nUpload per client: "
         + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in upload.items())
         + "\n"
+    )
+
+
+def equal_steps(methods: dict) -> str:
+    """How the equal-compute baselines were sized (empty if they were not run)."""
+    if CENTRAL_EQUAL not in methods or FEDAVG_EQUAL not in methods:
+        return ""
+    return (
+        f"\"{CENTRAL_EQUAL}\" and \"{FEDAVG_EQUAL}\": as many SGD steps as FedBiP-L's classifier "
+        f"({methods[CENTRAL_EQUAL]['steps']:.0f}); FedAvg's are summed over clients "
+        f"({methods[FEDAVG_EQUAL]['rounds']:.0f} rounds)."
     )
 
 
