@@ -582,7 +582,7 @@ def gap(entry: dict, kind: str) -> str:
 
 def privacy_rows(methods: dict) -> list[str]:
     """Methods with MIA gaps: baselines, FedBiP-S/M/L, then the T sweep from late to early T."""
-    fixed = [n for n in ("FedAvg", "Prompts-only", *MULTIPLIERS) if n in methods]
+    fixed = [n for n in ("FedAvg", FEDAVG_EQUAL, "Prompts-only", *MULTIPLIERS) if n in methods]
     sweep = [n for n in methods if n.startswith("FedBiP-S T<=")]
     return fixed + sorted(sweep, key=lambda n: -methods[n]["T"])
 

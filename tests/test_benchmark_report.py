@@ -121,3 +121,23 @@ def test_only_runs_the_selected_methods(bench, tmp_path):
     run.record("A", lambda: pytest.fail("A was not selected"))
     run.record("B", lambda: {"per_domain": {"sketch": 0.2}})
     assert set(bench.load_cache(run.cache, run.bench.settings())) == {"B"}
+
+
+def test_privacy_table_lists_baselines_then_fedbip_then_t_from_late_to_early(bench):
+    methods = {
+        "FedBiP-S T<=601": {"T": 601},
+        "FedBiP-L": {"T": 961},
+        "FedBiP-S T<=801": {"T": 801},
+        bench.FEDAVG_EQUAL: {},
+        "Prompts-only": {},
+        "FedAvg": {},
+        "Local": {},
+    }
+    assert bench.privacy_rows(methods) == [
+        "FedAvg",
+        bench.FEDAVG_EQUAL,
+        "Prompts-only",
+        "FedBiP-L",
+        "FedBiP-S T<=801",
+        "FedBiP-S T<=601",
+    ]
