@@ -95,6 +95,11 @@ def prompt_layout(
     )
 
 
+def plain_prompt(template: str, domain_phrase: str, class_name: str) -> str:
+    """The template with the words S and V start from: what the prompt says before learning."""
+    return template.replace(CONCEPT_SLOT_S, domain_phrase).replace(CONCEPT_SLOT_V, class_name)
+
+
 def _place(
     states: torch.Tensor, layout: PromptLayout, s: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:

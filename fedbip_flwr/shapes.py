@@ -38,6 +38,12 @@ CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "he
 DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting", "sketch", "quickdraw")
 COMMON_DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting")
 RARE_DOMAINS: tuple[str, ...] = ("sketch", "quickdraw")
+# The sentence the miniature LDM's pretraining captions use to name a domain and a class, with
+# {S} and {V} where the words go. The shapes prompt template is this same sentence: learned
+# concepts then sit where the model learned those words, and unlearned ones say exactly what
+# the captions said (a template with a word the model never saw, such as "style", blurs the
+# classes; BENCHMARKS.md measures it).
+CAPTION_TEMPLATE = "a {S} of a {V}"
 
 # Split codes enter the per-image seed, which keeps the splits disjoint.
 _SPLITS: dict[str, int] = {"train": 0, "test": 1, "pretrain": 2}

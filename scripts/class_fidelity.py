@@ -23,6 +23,7 @@ from fedbip_flwr.classifier import (
     evaluate,
     train_classifier,
 )
+from fedbip_flwr.concepts import plain_prompt
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts
 from fedbip_flwr.viz import image_grid
@@ -59,7 +60,7 @@ def main() -> None:
     results, rows = {}, []
     for domain in shapes.DOMAINS:
         labels = torch.arange(len(shapes.CLASSES)).repeat_interleave(args.per_class)
-        prompts = [f"a {domain} of a {shapes.CLASSES[y]}" for y in labels.tolist()]
+        prompts = [plain_prompt(shapes.CAPTION_TEMPLATE, domain, shapes.CLASSES[y]) for y in labels.tolist()]
         images = sample_from_prompts(ldm, prompts, settings, generator)
         results[domain] = evaluate(model, images, labels, 64).accuracy
         rows.append(images[:: args.per_class // 2])

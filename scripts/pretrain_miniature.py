@@ -56,7 +56,7 @@ def corpus(per_class: int, seed: int) -> tuple[torch.Tensor, list[str]]:
             elif rare or draw[1] >= DOMAIN_CAPTION_SHARE:
                 captions.append(f"a {name}")
             else:
-                captions.append(f"a {domain} of a {name}")
+                captions.append(shapes.CAPTION_TEMPLATE.format(S=domain, V=name))
     return torch.cat(images), captions
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fedbip_flwr import shapes
 from fedbip_flwr.concepts import (
     diffusion_loss,
     encode_prompts,
     initial_concepts,
     learn_concepts,
+    plain_prompt,
     prompt_layout,
 )
 
@@ -78,3 +80,14 @@ def test_learning_lowers_loss_and_changes_only_concepts(tiny_ldm, space):
         for key, value in m.state_dict().items():
             assert torch.equal(value, before[name][key]), f"{name}.{key} changed"
         assert all(p.grad is None for p in m.parameters())
+
+
+def test_plain_prompt_is_the_unlearned_layout(tiny_ldm):
+    """Prompts-only's text is exactly what instance-only conditions on (no learned concept)."""
+    tok = tiny_ldm.tokenizer
+    layout = prompt_layout(tok, shapes.CAPTION_TEMPLATE, 1, 1, "sketch", CLASSES)
+    for c, name in enumerate(CLASSES):
+        text = plain_prompt(shapes.CAPTION_TEMPLATE, "sketch", name)
+        assert text == f"a sketch of a {name}"
+        ids = tok(text, padding="max_length", max_length=tok.model_max_length).input_ids
+        assert ids == layout.input_ids[c].tolist()

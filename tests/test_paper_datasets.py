@@ -101,7 +101,7 @@ def test_config_takes_prompt_and_concept_sizes_from_the_dataset() -> None:
                     "prompt-template": "a {S} of a {V}"})  # fmt: skip
     assert (own.prompt_template, own.n_s, own.n_v) == ("a {S} of a {V}", 1, 3)
     assert FedBiPConfig.from_flat(own.to_flat()) == own
-    assert FedBiPConfig().prompt_template == "a {S} style of a {V}"  # shapes, as before
+    assert FedBiPConfig().prompt_template == shapes.CAPTION_TEMPLATE  # the miniature model's captions
 
 
 @pytest.mark.parametrize(
