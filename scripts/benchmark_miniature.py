@@ -2,12 +2,14 @@
 
 For every seed, everything is redone: clients' personalization, server synthesis, classifiers.
 Methods (paper Table 1 shape): Central (oracle, real images of all clients), Local (one model
-per client, averaged), FedAvg (multi-round, on Flower), Prompts-only (pretrained LDM, text with
-the domain and class words, fresh noise), concept-only (learned S, V; fresh noise), instance-only
-(z(T); template words, no concept learning), FedBiP-S/M/L (m = 2/5/10). Ablations: concepts in
-hidden-state space, fp16 latents. Privacy: membership-inference gaps (non-member minus member
-mean loss and mean entropy, paper Sec. 5.5) for FedAvg and FedBiP, the start timestep T swept as
-a dial, with the distance from each synthetic image to its nearest real client image.
+per client, averaged), FedAvg (multi-round, on Flower), Prompts-only (pretrained LDM, the prompt
+template with the domain and class words, fresh noise), concept-only (learned S, V; fresh noise),
+instance-only (z(T); template words, no concept learning), FedBiP-S/M/L (m = 2/5/10). Ablations:
+concepts in hidden-state space, fp16 latents. Privacy: membership-inference gaps (non-member minus
+member mean loss and mean entropy, paper Sec. 5.5) for FedAvg and FedBiP, the start timestep T
+swept as a dial, with the distance from each synthetic image to its nearest real client image.
+Every synthetic set is also labelled by two judges trained on real images (class, domain), which
+says whether a method's images lack the class or the client's style.
 
 Every classifier gets the same budget rule: the configured epochs, raised so that it makes at
 least ``--min-steps`` SGD steps (small real sets would otherwise barely train). Central and FedAvg
@@ -16,7 +18,8 @@ so that the real-data baselines are not beaten by compute alone. FedBiP-S and -M
 are the first 2 and 5 of FedBiP-L's 10 passes (same distribution as separate runs, less compute).
 
 Results per seed are cached in benchmarks/runs/ (with the settings that produced them) so an
-interrupted benchmark resumes, and seeds can run as separate processes; every invocation
+interrupted benchmark resumes, and seeds can run as separate processes (start the others once
+the first has saved runs/judges.safetensors, or each trains the same judges); every invocation
 summarizes all cached seeds made with its settings into benchmarks/miniature.json and
 BENCHMARKS.md. The images the pictures need are kept beside seed 0's results.
 
@@ -30,6 +33,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -51,11 +55,12 @@ from fedbip_flwr.classifier import (
     train_classifier,
 )
 from fedbip_flwr.client import personalize
+from fedbip_flwr.concepts import plain_prompt
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.server import client_seed, synthesis_settings
-from fedbip_flwr.storage import atomic_write
+from fedbip_flwr.storage import atomic_write, read_tensors, write_tensors
 from fedbip_flwr.synthesis import sample_from_prompts, synthesize_client
 from fedbip_flwr.viz import dequantize, image_grid, quantize
 
@@ -76,6 +81,18 @@ TABLE_METHODS = (
 )
 ABLATIONS = ("FedBiP-S", "FedBiP-S hidden-space", "FedBiP-S fp16 latents")
 MULTIPLIERS = {"FedBiP-S": 2, "FedBiP-M": 5, "FedBiP-L": 10}
+# Trained on real images only: their results do not depend on the generative settings below,
+# so they are cached apart and survive a change of prompt, concepts or sampler.
+REAL_DATA = frozenset({"Central", CENTRAL_EQUAL, "Local", "FedAvg", FEDAVG_EQUAL})
+GENERATIVE_KEYS = frozenset(
+    {
+        "model", "device", "half_precision", "gamma_mean", "gamma_std", "start_timestep",
+        "latent_dtype", "prompt_template", "n_s", "n_v", "concept_space", "concept_lr",
+        "concept_epochs", "concept_batch_size", "max_payload_mb", "multiplier",
+        "num_inference_steps", "guidance_scale", "eta_std", "synthesis_batch_size",
+    }
+)  # fmt: skip
+JUDGE_SEED = 1000  # judges see real images of their own: no benchmark seed's test or client set
 Sets = dict[str, shapes.ImageSet]
 
 
@@ -89,12 +106,18 @@ class Bench:
     timesteps: tuple[int, ...]  # 0 = the paper's T (first timestep of the schedule)
     mia_per_domain: int
 
-    def settings(self) -> dict:
-        """What a cached seed must have been made with to be reused (everything but the seeds)."""
+    def settings(self, real_data: bool = False) -> dict:
+        """What a cached result must have been made with to be reused (everything but the seeds).
+
+        ``real_data``: only what the real-data baselines read (no generative settings).
+        """
         fields = dataclasses.asdict(self)
         fields.pop("seeds")
         fields["cfg"] = self.cfg.model_dump(mode="json")
         fields["timesteps"] = list(self.timesteps)
+        if real_data:
+            fields.pop("timesteps")
+            fields["cfg"] = {k: v for k, v in fields["cfg"].items() if k not in GENERATIVE_KEYS}
         return fields
 
 
@@ -112,6 +135,13 @@ def load_cache(path: Path, settings: dict) -> dict:
             f"{path} was made with other settings; pass another --out or delete it to start over"
         )
     return cached["results"]
+
+
+def seed_stores(bench: Bench, cache: Path) -> dict[bool, tuple[Path, dict]]:
+    """A seed's two cache files, for real-data baselines (True) and for the methods that
+    synthesize, each with the settings its results depend on."""
+    real = cache.with_name(cache.stem + "-real.json")
+    return {False: (cache, bench.settings()), True: (real, bench.settings(real_data=True))}
 
 
 # ---------------------------------------------------------------------------------- data
@@ -201,6 +231,63 @@ def nearest_real_distance(synthetic: torch.Tensor, real: torch.Tensor) -> float:
     return float((torch.cdist(a, b).min(dim=1).values / math.sqrt(a.shape[1])).mean())
 
 
+# ------------------------------------------------------------------------------- fidelity
+@dataclasses.dataclass(frozen=True)
+class Judges:
+    """Two classifiers of real images of all five domains: which class, which domain.
+
+    They label a method's synthetic images. Class fidelity: the share judged as the class it was
+    made for. Domain fidelity: the share judged as the client's domain. Together they say what a
+    method's images lack where accuracy alone cannot (paper Figure 1 asks the same question).
+    """
+
+    classes: torch.nn.Module
+    domains: torch.nn.Module
+    size: int
+
+    def fidelity(self, images: torch.Tensor, labels: torch.Tensor, domain: str) -> dict:
+        domain_labels = torch.full_like(labels, shapes.DOMAINS.index(domain))
+        return {
+            "class": evaluate(self.classes, images, labels, self.size).accuracy,
+            "domain": evaluate(self.domains, images, domain_labels, self.size).accuracy,
+        }
+
+    def on_real(self, per_class: int = 20) -> dict[str, float]:
+        """Their accuracy on held-out real images of every domain (is the judge any good?)."""
+        sets = [shapes.test_set(d, per_class, JUDGE_SEED + 1, self.size) for d in shapes.DOMAINS]
+        scores = [self.fidelity(s.images, s.labels, s.domain) for s in sets]
+        return {k: statistics.fmean(score[k] for score in scores) for k in ("class", "domain")}
+
+
+def load_judges(path: Path, size: int, per_class: int = 40, epochs: int = 30) -> Judges:
+    """The judges saved at ``path``, or trained on real images of every domain and saved there."""
+    models = {
+        "classes": build_classifier(len(shapes.CLASSES), "random"),
+        "domains": build_classifier(len(shapes.DOMAINS), "random"),
+    }
+    if path.exists():
+        weights = read_tensors(path)
+        for kind, model in models.items():
+            model.load_state_dict(
+                {k.removeprefix(f"{kind}."): v for k, v in weights.items() if k.startswith(f"{kind}.")}
+            )
+    else:
+        sets = [shapes.test_set(d, per_class, JUDGE_SEED, size) for d in shapes.DOMAINS]
+        images = torch.cat([s.images for s in sets])
+        targets = {
+            "classes": torch.cat([s.labels for s in sets]),
+            "domains": torch.cat([torch.full_like(s.labels, i) for i, s in enumerate(sets)]),
+        }
+        settings = TrainSettings(epochs, 0.01, 0.9, 64, size)
+        for kind, model in models.items():
+            print(f"training the {kind} judge ({len(images)} real images)", flush=True)
+            train_classifier(model, images, targets[kind], settings, seed=JUDGE_SEED)
+        write_tensors(
+            path, {f"{k}.{n}": t for k, m in models.items() for n, t in m.state_dict().items()}
+        )
+    return Judges(models["classes"].eval(), models["domains"].eval(), size)
+
+
 # ------------------------------------------------------------------------------ synthesis
 def personalize_all(
     ldm: LDM, clients: dict[str, shapes.ImageSet], cfg: FedBiPConfig, seed: int
@@ -239,12 +326,15 @@ def with_latents(payload: Payload, latents: torch.Tensor) -> Payload:
 def prompts_only(
     ldm: LDM, clients: dict[str, shapes.ImageSet], cfg: FedBiPConfig, seed: int
 ) -> dict[str, tuple]:
-    """Plain text "a {domain} of a {class}", fresh noise, as many images as FedBiP-S."""
+    """The prompt template with the plain domain and class words ("a sketch of a star"), fresh
+    noise for every image, as many images as FedBiP-S."""
     settings = synthesis_settings(cfg)
     out = {}
     for client_id, data in clients.items():
         labels = data.labels.repeat(cfg.multiplier)
-        prompts = [f"a {data.domain} of a {shapes.CLASSES[y]}" for y in labels.tolist()]
+        prompts = [
+            plain_prompt(cfg.prompt_template, data.domain, data.classes[y]) for y in labels.tolist()
+        ]
         generator = torch.Generator().manual_seed(client_seed(seed, client_id))
         out[client_id] = (sample_from_prompts(ldm, prompts, settings, generator), labels)
     return out
@@ -266,14 +356,25 @@ def first_passes(
 
 # ---------------------------------------------------------------------------------- a seed
 class SeedRun:
-    """All methods for one seed; results are cached to disk after each method."""
+    """All methods for one seed; results are cached to disk after each method.
+
+    Two cache files per seed (:func:`seed_stores`), so that the real-data baselines survive a
+    change of the generative settings.
+    """
 
     def __init__(
-        self, bench: Bench, ldm: LDM, seed: int, cache: Path, only: frozenset[str] = frozenset()
+        self,
+        bench: Bench,
+        ldm: LDM,
+        seed: int,
+        cache: Path,
+        only: frozenset[str] = frozenset(),
+        judges: Judges | None = None,
     ) -> None:
-        self.bench, self.ldm, self.seed, self.cache = bench, ldm, seed, cache
+        self.bench, self.ldm, self.seed, self.cache, self.judges = bench, ldm, seed, cache, judges
         self.only = only  # run just these methods (empty: all)
-        self.results: dict = load_cache(cache, bench.settings())
+        self.results: dict = {}
+        self.refresh()
         self.clients = client_sets(bench.cfg, seed)
         self.tests = test_sets(bench.cfg, seed)
         self.size = bench.cfg.classifier_image_size
@@ -281,9 +382,17 @@ class SeedRun:
         # uint8 images the pictures need, kept across resumed runs
         self.samples: dict[str, torch.Tensor] = load_file(saved) if saved.exists() else {}
 
+    def store(self, name: str) -> tuple[Path, dict]:
+        return seed_stores(self.bench, self.cache)[name in REAL_DATA]
+
+    def refresh(self) -> None:
+        """Add what another process of the same seed has cached meanwhile."""
+        for path, settings in seed_stores(self.bench, self.cache).values():
+            self.results = {**self.results, **load_cache(path, settings)}
+
     def wanted(self, name: str) -> bool:
         """Not yet cached (by this or another process of the same seed) and selected."""
-        self.results = {**self.results, **load_cache(self.cache, self.bench.settings())}
+        self.refresh()
         return name not in self.results and (not self.only or name in self.only)
 
     def record(self, name: str, make: Callable[[], dict]) -> None:
@@ -294,9 +403,12 @@ class SeedRun:
         result = make()
         result["seconds"] = time.perf_counter() - started
         # merge with what another process may have cached meanwhile, then replace atomically
-        self.results = {**load_cache(self.cache, self.bench.settings()), **self.results, name: result}
-        record = {"settings": self.bench.settings(), "results": self.results}
-        atomic_write(self.cache, (json.dumps(record, indent=1) + "\n").encode())
+        path, settings = self.store(name)
+        mine = {k: v for k, v in self.results.items() if self.store(k)[0] == path}
+        merged = {**load_cache(path, settings), **mine, name: result}
+        record = {"settings": settings, "results": merged}
+        atomic_write(path, (json.dumps(record, indent=1) + "\n").encode())
+        self.results[name] = result
         print(
             f"[seed {self.seed}] {name}: {json.dumps({k: v for k, v in result.items()})}",
             flush=True,
@@ -306,6 +418,9 @@ class SeedRun:
         x, y = pooled(sets)
         model = fit(self.bench, x, y, self.seed)
         result = {"per_domain": accuracy(model, self.tests, self.size), "num_images": len(y)}
+        if self.judges is not None:
+            scores = {self.clients[c].domain: self.judges.fidelity(*sets[c], self.clients[c].domain) for c in sets}
+            result["fidelity"] = {k: {d: v[k] for d, v in scores.items()} for k in ("class", "domain")}
         if with_privacy:
             result["mia_gap"] = mia_gaps(
                 model, self.clients, self.tests, self.bench.mia_per_domain, self.size
@@ -332,9 +447,10 @@ class SeedRun:
             ),
         )
 
+        one_pass = cfg.model_copy(update={"multiplier": 1})  # fresh_noise() holds all m passes
         self.record(
             "concept-only",
-            lambda: self.on_synthetic(synthesize(self.ldm, self.fresh_noise(), cfg, seed)),
+            lambda: self.on_synthetic(synthesize(self.ldm, self.fresh_noise(), one_pass, seed)),
         )
         no_concepts = cfg.model_copy(update={"concept_epochs": 0})
         self.record(
@@ -398,14 +514,18 @@ class SeedRun:
         return personalize_all(self.ldm, self.clients, self.bench.cfg, self.seed)
 
     def fresh_noise(self) -> dict[str, Payload]:
-        """The payloads with z(T) replaced by fresh Gaussian noise (concept-only)."""
-        return {
-            cid: with_latents(
-                p,
-                torch.randn(p.latents.shape, generator=torch.Generator().manual_seed(self.seed + i)),
-            )
-            for i, (cid, p) in enumerate(self.payloads.items())
-        }
+        """The payloads' concepts with fresh Gaussian noise in place of z(T) (concept-only).
+
+        One draw for every synthetic image, m per uploaded label, so that concept-only starts
+        from as many distinct latents as Prompts-only (m passes over one draw differ only by eta).
+        """
+        m = self.bench.cfg.multiplier
+        out = {}
+        for i, (cid, p) in enumerate(self.payloads.items()):
+            shape = (m * len(p.labels), *p.latents.shape[1:])
+            noise = torch.randn(shape, generator=torch.Generator().manual_seed(self.seed + i))
+            out[cid] = dataclasses.replace(p, latents=noise, labels=p.labels.repeat(m))
+        return out
 
     def fedbip_l_steps(self) -> int:
         n = MULTIPLIERS["FedBiP-L"] * sum(len(s.labels) for s in self.clients.values())
@@ -477,7 +597,7 @@ def summarize(runs: dict[int, dict]) -> dict:
             "std": _std(means),
             "seeds": seeds,
         }
-        for key in ("mia_gap", "nearest_real", "T", "num_images", "steps", "rounds", "seconds"):
+        for key in ("mia_gap", "nearest_real", "T", "num_images", "steps", "rounds", "seconds", "fidelity"):
             if key in rows[0]:
                 entry[key] = _average([r[key] for r in rows])
         if "mia_gap" in rows[0]:
@@ -491,8 +611,9 @@ def _std(values: list[float]) -> float:
 
 
 def _average(values: list):
+    """Mean over seeds of numbers, or of (nested) dicts of numbers key by key."""
     if isinstance(values[0], dict):
-        return {k: statistics.fmean(v[k] for v in values) for k in values[0]}
+        return {k: _average([v[k] for v in values]) for k in values[0]}
     return statistics.fmean(values)
 
 
@@ -502,8 +623,8 @@ def pct(entry: dict, domain: str | None = None) -> str:
     return f"{100 * entry['per_domain'][domain]:.1f} ± {100 * entry['per_domain_std'][domain]:.1f}"
 
 
-def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dict[str, int]) -> str:
-    methods = summary["methods"]
+def markdown(summary: dict, bench: Bench, command: str, device: str) -> str:
+    methods, upload = summary["methods"], summary["upload_bytes"]
     domains = list(next(iter(methods.values()))["per_domain"])
     head = (
         "| method | "
@@ -542,6 +663,9 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         f"classifier ResNet-18 ({cfg.classifier_init} init) >= {cfg.classifier_epochs} epochs and >= {bench.min_steps} steps, "
         f"test {cfg.test_per_class} images per class per domain. Chance is {100 / len(shapes.CLASSES):.1f}%. "
         "Local: each client's classifier on its own shots, tested on every domain, averaged over clients. "
+        f"Prompts-only: the prompt template `{cfg.prompt_template}` with the plain domain and class words, fresh noise. "
+        "concept-only: the clients' learned S and V, fresh noise for every image. "
+        "instance-only: the clients' z(T), the template's plain words (no concept learning). "
         f"FedAvg: {bench.fedavg_rounds} rounds of {bench.fedavg_local_epochs} local epochs on Flower's simulation runtime. "
         + equal_steps(methods)
         + "\n\n"
@@ -550,6 +674,7 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         + "\n### Ablations (concept space, latent precision)\n\n"
         + head
         + rows(ABLATIONS)
+        + fidelity_table(summary)
         + "\n### Privacy: membership-inference gaps and the start timestep T\n\n"
         "Gaps are non-member minus member mean loss / entropy of the final classifier "
         f"({bench.mia_per_domain} class-balanced images per domain each), mean ± std over seeds; "
@@ -563,6 +688,33 @@ def markdown(summary: dict, bench: Bench, command: str, device: str, upload: dic
         + ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in upload.items())
         + "\n"
     )
+
+
+def fidelity_table(summary: dict) -> str:
+    """Class / domain fidelity of each synthesizing method's images, per client domain."""
+    methods = summary["methods"]
+    names = [n for n in methods if "fidelity" in methods[n]]
+    if not names:
+        return ""
+    order = [*TABLE_METHODS, *ABLATIONS]
+    names.sort(key=lambda n: (order.index(n) if n in order else len(order), -methods[n].get("T", 0)))
+    domains = list(methods[names[0]]["fidelity"]["class"])
+    judged = summary["judges_on_real"]
+    text = (
+        "\n### What the synthetic images show: class and domain fidelity (%)\n\n"
+        "Two ResNet-18 judges are trained on real images of all five domains (a split no seed "
+        "uses): one names the class, one the domain. On held-out real images they are right "
+        f"{100 * judged['class']:.1f}% (class) and {100 * judged['domain']:.1f}% (domain) of the time. "
+        "Each cell is class fidelity / domain fidelity of a method's synthetic images for that "
+        "client, mean over seeds: the share judged as the class they were made for / as the "
+        "client's domain.\n\n"
+        "| method | " + " | ".join(domains) + " |\n|---|" + "---|" * len(domains) + "\n"
+    )
+    for name in names:
+        fid = methods[name]["fidelity"]
+        cells = (f"{100 * fid['class'][d]:.0f} / {100 * fid['domain'][d]:.0f}" for d in domains)
+        text += f"| {name} | " + " | ".join(cells) + " |\n"
+    return text
 
 
 def equal_steps(methods: dict) -> str:
@@ -665,6 +817,9 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--guidance", type=float, default=4.0)
     p.add_argument("--concept-epochs", type=int, default=10)
+    p.add_argument(
+        "--prompt-template", default="", help='e.g. "a {S} of a {V}"; "" = the dataset\'s'
+    )
     p.add_argument("--classifier-epochs", type=int, default=15)
     p.add_argument("--min-steps", type=int, default=150)
     p.add_argument("--fedavg-rounds", type=int, default=10)
@@ -700,6 +855,7 @@ def parse() -> tuple[Bench, argparse.Namespace]:
         num_inference_steps=args.steps,
         guidance_scale=args.guidance,
         concept_epochs=args.concept_epochs,
+        prompt_template=args.prompt_template,
         classifier_epochs=args.classifier_epochs,
         classifier_init="random",
         test_per_class=args.test_per_class,
@@ -717,14 +873,19 @@ def parse() -> tuple[Bench, argparse.Namespace]:
     return bench, args
 
 
-def cached_runs(out: Path, settings: dict) -> dict[int, dict]:
+def cached_runs(out: Path, bench: Bench) -> dict[int, dict]:
     """Every seed cached under ``out``/runs with these settings (other settings are skipped)."""
+    names = (re.fullmatch(r"seed-(\d+)(-real)?", p.stem) for p in (out / "runs").glob("*.json"))
     runs = {}
-    for path in sorted((out / "runs").glob("seed-*.json")):
-        try:
-            runs[int(path.stem.removeprefix("seed-"))] = load_cache(path, settings)
-        except SettingsMismatch as e:
-            print(f"skipped: {e}")
+    for seed in sorted({int(m[1]) for m in names if m}):
+        results: dict = {}
+        for path, settings in seed_stores(bench, out / "runs" / f"seed-{seed}.json").values():
+            try:
+                results |= load_cache(path, settings)
+            except SettingsMismatch as e:
+                print(f"skipped: {e}")
+        if results:
+            runs[seed] = results
     return runs
 
 
@@ -744,6 +905,8 @@ def reproduce(args: argparse.Namespace, seeds: list[int]) -> str:
         "--timesteps": " ".join(map(str, args.timesteps)),
         "--test-per-class": args.test_per_class,
     }
+    if args.prompt_template:
+        flags["--prompt-template"] = f"'{args.prompt_template}'"
     return "python scripts/benchmark_miniature.py " + " ".join(f"{k} {v}" for k, v in flags.items())
 
 
@@ -752,12 +915,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ldm = load_ldm(bench.cfg.model)
+    judges = load_judges(args.out / "runs" / "judges.safetensors", bench.cfg.classifier_image_size)
     for seed in () if args.report_only else bench.seeds:
         cache = args.out / "runs" / f"seed-{seed}.json"
-        SeedRun(bench, ldm, seed, cache, frozenset(args.only)).run()
+        SeedRun(bench, ldm, seed, cache, frozenset(args.only), judges).run()
     if args.only:
         return
-    runs = cached_runs(args.out, bench.settings())
+    runs = cached_runs(args.out, bench)
     if not runs:
         raise SystemExit(f"nothing to report: no seed in {args.out / 'runs'} has these settings")
     first = min(runs)
@@ -766,8 +930,9 @@ def main() -> None:
         pictures(SeedRun(bench, ldm, first, cache), args.out / "pictures")
     summary = summarize(runs)
     summary["upload_bytes"] = upload_sizes(ldm, bench.cfg)
+    summary["judges_on_real"] = judges.on_real()
     (args.out / "miniature.json").write_text(json.dumps(summary, indent=1) + "\n")
-    text = markdown(summary, bench, reproduce(args, sorted(runs)), args.device, summary["upload_bytes"])
+    text = markdown(summary, bench, reproduce(args, sorted(runs)), args.device)
     write_section(args.report, text)
     print(json.dumps(summary, indent=1))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import sys
@@ -141,3 +142,71 @@ def test_privacy_table_lists_baselines_then_fedbip_then_t_from_late_to_early(ben
         "FedBiP-S T<=801",
         "FedBiP-S T<=601",
     ]
+
+
+def test_real_data_baselines_survive_a_change_of_generative_settings(bench, tmp_path):
+    cache = tmp_path / "runs" / "seed-0.json"
+    run = _seed_run(bench, cache)
+    run.record("Central", lambda: {"per_domain": {"sketch": 0.9}})
+    run.record("Prompts-only", lambda: {"per_domain": {"sketch": 0.4}})
+    assert set(bench.cached_runs(tmp_path, run.bench)[0]) == {"Central", "Prompts-only"}
+
+    cfg = run.bench.cfg.model_copy(update={"prompt_template": "{S} {V}"})
+    other_prompt = dataclasses.replace(run.bench, cfg=cfg)
+    with pytest.raises(bench.SettingsMismatch, match="seed-0.json"):  # never mixed silently
+        bench.SeedRun(other_prompt, None, 0, cache)
+    cache.unlink()  # start the synthesizing methods over; the real-data file stays
+    rerun = bench.SeedRun(other_prompt, None, 0, cache)
+    assert not rerun.wanted("Central") and rerun.wanted("Prompts-only")
+    assert set(bench.cached_runs(tmp_path, other_prompt)[0]) == {"Central"}
+
+    more_steps = dataclasses.replace(run.bench, min_steps=300)  # the baselines read this one
+    with pytest.raises(bench.SettingsMismatch, match="seed-0-real.json"):
+        bench.SeedRun(more_steps, None, 0, cache)
+
+
+def test_concept_only_starts_every_image_from_its_own_noise(bench, tmp_path):
+    from test_payload import make_payload
+
+    run = _seed_run(bench, tmp_path / "seed-0.json")
+    uploaded = make_payload(seed=7)  # not the noise seed: its draws would equal the fresh ones
+    run.__dict__["payloads"] = {"sketch-0": uploaded, "painting-0": make_payload(seed=1)}
+    fresh = run.fresh_noise()["sketch-0"]
+    m = run.bench.cfg.multiplier
+    assert fresh.labels.tolist() == uploaded.labels.repeat(m).tolist()
+    assert fresh.latents.shape == (m * len(uploaded.labels), *uploaded.latents.shape[1:])
+    flat = fresh.latents.flatten(1)
+    assert len(torch.unique(flat, dim=0)) == len(flat)  # no start shared by two images
+    assert not torch.equal(fresh.latents[: len(uploaded.labels)], uploaded.latents)
+    assert torch.equal(fresh.domain_concept, uploaded.domain_concept)
+    assert abs(float(flat.std()) - 1.0) < 0.1
+
+
+def test_judges_are_trained_once_then_loaded_and_judge_by_argmax(bench, tmp_path):
+    path = tmp_path / "judges.safetensors"
+    trained = bench.load_judges(path, size=16, per_class=1, epochs=1)
+    loaded = bench.load_judges(path, size=16, per_class=1, epochs=1)
+    for a, b in ((trained.classes, loaded.classes), (trained.domains, loaded.domains)):
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            assert torch.equal(x, y), name
+    sketches = bench.shapes.test_set("sketch", 2, seed=5, size=16)
+    score = loaded.fidelity(sketches.images, sketches.labels, "sketch")
+    with torch.no_grad():
+        classes = loaded.classes(sketches.images).argmax(-1)
+        domains = loaded.domains(sketches.images).argmax(-1)
+    assert score["class"] == pytest.approx(float((classes == sketches.labels).float().mean()))
+    sketch = bench.shapes.DOMAINS.index("sketch")
+    assert score["domain"] == pytest.approx(float((domains == sketch).float().mean()))
+
+
+def test_fidelity_is_averaged_over_seeds_and_tabulated(bench):
+    def result(c: float, d: float) -> dict:
+        return {"per_domain": {"sketch": 0.5}, "fidelity": {"class": {"sketch": c}, "domain": {"sketch": d}}}
+
+    runs = {0: {"instance-only": result(0.8, 0.2)}, 1: {"instance-only": result(0.9, 0.4)}}
+    summary = bench.summarize(runs)
+    fid = summary["methods"]["instance-only"]["fidelity"]
+    assert fid["class"]["sketch"] == pytest.approx(0.85) and fid["domain"]["sketch"] == pytest.approx(0.3)
+    summary["judges_on_real"] = {"class": 0.99, "domain": 1.0}
+    table = bench.fidelity_table(summary)
+    assert "| instance-only | 85 / 30 |" in table and "99.0% (class)" in table
