@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torchvision
+from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from .storage import write_tensors
@@ -24,11 +25,32 @@ class ClassifierInitError(RuntimeError):
     """ImageNet weights were asked for but cannot be had; the message says what to set."""
 
 
+IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+
+
+def imagenet_weights_path() -> Path:
+    """Where torchvision looks for the ResNet-18 ImageNet weights: $TORCH_HOME/hub/checkpoints."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / IMAGENET_WEIGHTS.url.rsplit("/", 1)[-1]
+
+
+def check_classifier_init(init: str) -> None:
+    """Fail at start-up, not hours later after synthesis, when ImageNet weights cannot be had.
+
+    Looks in the torch hub cache only: nothing is downloaded and no model is built.
+    """
+    path = imagenet_weights_path()
+    if init == "imagenet" and not path.is_file():
+        raise ClassifierInitError(
+            f"classifier-init = \"imagenet\" needs the ResNet-18 ImageNet weights at {path} "
+            f"(torch's hub cache, $TORCH_HOME/hub/checkpoints), which is missing: download "
+            f"{IMAGENET_WEIGHTS.url} there once where the network is reachable, or set run "
+            "config classifier-init = \"random\"."
+        )
+
+
 def build_classifier(num_classes: int, init: str = "imagenet") -> nn.Module:
     """ResNet-18 with a fresh ``num_classes`` head; ImageNet-initialised unless ``random``."""
-    weights = None
-    if init == "imagenet":
-        weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    weights = IMAGENET_WEIGHTS if init == "imagenet" else None
     try:
         model = torchvision.models.resnet18(weights=weights)
     except (OSError, RuntimeError) as err:  # URLError is an OSError
@@ -153,3 +175,14 @@ def evaluate(
 def save_classifier(model: nn.Module, path: str | Path, metadata: dict[str, str]) -> Path:
     """Weights as safetensors (never pickle), with the class names etc. in the header."""
     return write_tensors(path, dict(model.state_dict()), metadata)
+
+
+def load_classifier_bytes(blob: bytes, class_names: list[str]) -> nn.Module:
+    """The ResNet-18 the server sent back (safetensors bytes, never pickle), for these classes.
+
+    Every tensor name and shape must be the architecture's own: ``load_state_dict`` is strict.
+    """
+    state = load_safetensors(bytes(blob))
+    model = build_classifier(len(class_names), "random")
+    model.load_state_dict(state, strict=True)
+    return model.eval()

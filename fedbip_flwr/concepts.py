@@ -1,44 +1,78 @@
 """Concept-level personalization (paper eq. 4): learn S (domain) and V (classes), LDM frozen.
 
-A prompt template such as ``"a {S} style of a {V}"`` is tokenized with n_s slots for S and n_v
-slots for V_y. The slots first hold the tokens of the domain phrase and of the class name (the
-initialisation the paper prescribes); their vectors are then replaced by learned ones:
+A prompt template such as ``"a {S} style of a {V}"`` is tokenized with slots for S and for V_y.
+The slots first hold the tokens of the whole domain phrase and class name (the initialisation
+the paper prescribes; a real CLIP tokenizer splits "quickdraw" into two tokens, so a concept
+gets at least one vector per token, never a cut phrase); their vectors are then learned:
 
 * ``token`` space (the paper): S and V are input token embeddings, substituted before the CLIP
   text encoder runs, so every later layer sees them.
 * ``hidden`` space (the authors' public code): the encoder runs on the real words and S, V
   overwrite its output hidden states at the slot positions.
 
-Both variants share one prompt layout and one loss,
-``E_{t ~ U{1..T}, eps} || eps - eps_theta(z(t), t, tau(S, V_y)) ||^2``.
+Both variants share one prompt layout, one scale-aware parametrisation (:func:`concept_scale`)
+and one loss, ``E_{t ~ U{1..T}, eps} || target - model(z(t), t, tau(S, V_y)) ||^2`` with the
+target eps (or the velocity for a v-prediction model).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from diffusers import PNDMScheduler
 from transformers import CLIPTokenizer
 
 from .config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
 from .ldm import LDM
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """Token ids of the template for every class, and where the concept slots sit."""
+    """Token ids of the template for every class, and where each class's concept slots sit.
+
+    S has n_s slots in every prompt. V is one (C, n_v, d) tensor, but class c's prompt holds only
+    its own ``v_lengths[c]`` slots (its phrase never padded to the longest class name), so rows
+    past that are unused: they start at zero and, receiving no gradient, stay there.
+    """
 
     input_ids: torch.Tensor  # (C, L): one prompt per class, slots holding the init words
-    s_positions: torch.Tensor  # (n_s,)
-    v_positions: torch.Tensor  # (n_v,)
+    s_positions: torch.Tensor  # (C, n_s): where S sits in each prompt
+    v_positions: torch.Tensor  # (C, n_v): where V_c sits; 0 past v_lengths[c]
+    v_lengths: torch.Tensor  # (C,) slots class c's prompt uses
     s_init_ids: torch.Tensor  # (n_s,) token ids S is initialised from
-    v_init_ids: torch.Tensor  # (C, n_v)
+    v_init_ids: torch.Tensor  # (C, n_v) token ids V_c is initialised from; pad past v_lengths
+
+    @property
+    def n_s(self) -> int:
+        return int(self.s_positions.shape[1])
+
+    @property
+    def n_v(self) -> int:
+        return int(self.v_positions.shape[1])
+
+    @property
+    def v_mask(self) -> torch.Tensor:
+        """(C, n_v) True where class c's prompt uses row j of V_c."""
+        return torch.arange(self.n_v).unsqueeze(0) < self.v_lengths.unsqueeze(1)
 
 
-def _fit(ids: list[int], n: int) -> list[int]:
-    """Make a word's token ids exactly n long: repeat cyclically or keep the first n."""
+def concept_slots(n: int, tokens: int) -> int:
+    """Vectors of a concept: at least run config n, and one per token of its phrase.
+
+    A phrase is never cut (CLIP splits "quickdraw" into quick + draw); one shorter than n is
+    repeated to n vectors, textual inversion's multi-vector initialisation.
+    """
+    return max(n, tokens)
+
+
+def _fill(ids: list[int], n: int) -> list[int]:
+    """The phrase's token ids, repeated cyclically to n >= len(ids): never truncated."""
     if not ids:
         raise ValueError("cannot initialise a concept from an empty phrase")
     return [ids[i % len(ids)] for i in range(n)]
@@ -48,6 +82,29 @@ def _segment_ids(tokenizer: CLIPTokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text.strip() else []
 
 
+def count_tokens(tokenizer: CLIPTokenizer, phrase: str) -> int:
+    """Tokens of a domain phrase or class name: with n-s / n-v it fixes the concept's size.
+
+    The server hands ``functools.partial(count_tokens, tokenizer)`` to payload validation
+    (:class:`fedbip_flwr.payload.Expectations`), which has no tokenizer of its own.
+    """
+    return len(_segment_ids(tokenizer, phrase))
+
+
+def _concept_ids(
+    tokenizer: CLIPTokenizer, phrase: str, n: int, what: str, warn: bool
+) -> list[int]:
+    ids = _segment_ids(tokenizer, phrase)
+    if warn and len(ids) > n:
+        pieces = " ".join(tokenizer.convert_ids_to_tokens(ids)).replace("</w>", "")
+        log.warning(
+            "%s '%s' is %d tokens for this tokenizer (%s): its concept gets %d vectors instead "
+            "of run config %d, so that it starts from the whole phrase",
+            what, phrase, len(ids), pieces, len(ids), n,
+        )  # fmt: skip
+    return _fill(ids, concept_slots(n, len(ids)))
+
+
 def prompt_layout(
     tokenizer: CLIPTokenizer,
     template: str,
@@ -55,9 +112,18 @@ def prompt_layout(
     n_v: int,
     domain_phrase: str,
     class_names: Sequence[str],
+    *,
+    warn: bool = True,
 ) -> PromptLayout:
-    """Tokenize ``template`` once per class with n_s/n_v concept slots at fixed positions."""
-    s_ids = _fit(_segment_ids(tokenizer, domain_phrase), n_s)
+    """Tokenize ``template`` once per class, with S and V_y starting from their whole phrases.
+
+    ``n_s`` / ``n_v`` are the run config's sizes: each concept gets
+    ``concept_slots(n, tokens of its phrase)`` vectors, and ``warn`` logs every phrase that
+    needs more than n (the server rebuilding a client's layout passes ``warn=False``).
+    """
+    s_ids = _concept_ids(tokenizer, domain_phrase, n_s, "domain phrase", warn)
+    v_ids = [_concept_ids(tokenizer, name, n_v, "class name", warn) for name in class_names]
+    width = max(len(ids) for ids in v_ids)
     first, second = (
         (CONCEPT_SLOT_S, CONCEPT_SLOT_V)
         if template.index(CONCEPT_SLOT_S) < template.index(CONCEPT_SLOT_V)
@@ -65,48 +131,54 @@ def prompt_layout(
     )
     head, rest = template.split(first)
     middle, tail = rest.split(second)
+    text = [_segment_ids(tokenizer, part) for part in (head, middle, tail)]
     length = tokenizer.model_max_length
-    rows, v_rows = [], []
-    for name in class_names:
-        v_ids = _fit(_segment_ids(tokenizer, name), n_v)
-        slot = {CONCEPT_SLOT_S: s_ids, CONCEPT_SLOT_V: v_ids}
-        parts = [
-            [tokenizer.bos_token_id],
-            _segment_ids(tokenizer, head),
-            slot[first],
-            _segment_ids(tokenizer, middle),
-            slot[second],
-            _segment_ids(tokenizer, tail),
-        ]
-        starts = torch.tensor([len(p) for p in parts]).cumsum(0)
+    rows, s_rows, v_rows = [], [], []
+    for name, v in zip(class_names, v_ids, strict=True):
+        slot = {CONCEPT_SLOT_S: s_ids, CONCEPT_SLOT_V: v}
+        parts = [[tokenizer.bos_token_id], text[0], slot[first], text[1], slot[second], text[2]]
+        starts = [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
         ids = [i for p in parts for i in p] + [tokenizer.eos_token_id]
         if len(ids) > length:
             raise ValueError(
-                f"prompt '{template}' with n_s={n_s}, n_v={n_v} and class '{name}' needs "
-                f"{len(ids)} tokens; the text encoder takes {length}"
+                f"prompt '{template}' with {len(s_ids)} domain and {len(v)} class tokens for "
+                f"class '{name}' needs {len(ids)} tokens; the text encoder takes {length}"
             )
         rows.append(ids + [tokenizer.pad_token_id] * (length - len(ids)))
-        v_rows.append(v_ids)
-    first_pos = torch.arange(int(starts[1]), int(starts[2]))
-    second_pos = torch.arange(int(starts[3]), int(starts[4]))
-    s_pos, v_pos = (first_pos, second_pos) if first == CONCEPT_SLOT_S else (second_pos, first_pos)
+        at = {first: starts[2], second: starts[4]}
+        s_rows.append(list(range(at[CONCEPT_SLOT_S], at[CONCEPT_SLOT_S] + len(s_ids))))
+        v_rows.append(list(range(at[CONCEPT_SLOT_V], at[CONCEPT_SLOT_V] + len(v))))
+    pad = tokenizer.pad_token_id
     return PromptLayout(
-        torch.tensor(rows), s_pos, v_pos, torch.tensor(s_ids), torch.tensor(v_rows)
+        input_ids=torch.tensor(rows),
+        s_positions=torch.tensor(s_rows),
+        v_positions=torch.tensor([p + [0] * (width - len(p)) for p in v_rows]),
+        v_lengths=torch.tensor([len(v) for v in v_ids]),
+        s_init_ids=torch.tensor(s_ids),
+        v_init_ids=torch.tensor([v + [pad] * (width - len(v)) for v in v_ids]),
     )
 
 
 def plain_prompt(template: str, domain_phrase: str, class_name: str) -> str:
-    """The template with the words S and V start from: what the prompt says before learning."""
+    """The template with the words S and V start from: what the prompt says before learning
+    (token for token when no n-s / n-v exceeds its phrase's tokens)."""
     return template.replace(CONCEPT_SLOT_S, domain_phrase).replace(CONCEPT_SLOT_V, class_name)
 
 
 def _place(
-    states: torch.Tensor, layout: PromptLayout, s: torch.Tensor, v: torch.Tensor
+    states: torch.Tensor,
+    layout: PromptLayout,
+    rows: torch.Tensor,
+    s: torch.Tensor,
+    v: torch.Tensor,
 ) -> torch.Tensor:
-    """Write S (B, n_s, d) and V (B, n_v, d) into (B, L, d) at the slot positions."""
+    """Write S (B, n_s, d) and V (B, n_v, d) into (B, L, d) at prompt ``rows``' slot positions."""
     out = states.clone()
-    out[:, layout.s_positions] = s.to(out.dtype)
-    out[:, layout.v_positions] = v.to(out.dtype)
+    batch = torch.arange(len(out), device=out.device).unsqueeze(1)
+    s_pos = layout.s_positions[rows].to(out.device)
+    v_pos, used = layout.v_positions[rows].to(out.device), layout.v_mask[rows].to(out.device)
+    out[batch.expand_as(s_pos), s_pos] = s.to(out.dtype)
+    out[batch.expand_as(v_pos)[used], v_pos[used]] = v[used].to(out.dtype)
     return out
 
 
@@ -128,9 +200,11 @@ def encode_prompts(
     v_b = v[class_idx].to(ldm.device)
     encoder = ldm.text_encoder
     if space == "hidden":
-        return _place(encoder(ids).last_hidden_state, layout, s_b, v_b)
+        return _place(encoder(ids).last_hidden_state, layout, class_idx, s_b, v_b)
     embedding = encoder.get_input_embeddings()
-    handle = embedding.register_forward_hook(lambda _m, _i, out: _place(out, layout, s_b, v_b))
+    handle = embedding.register_forward_hook(
+        lambda _m, _i, out: _place(out, layout, class_idx, s_b, v_b)
+    )
     try:
         return encoder(ids).last_hidden_state
     finally:
@@ -139,13 +213,15 @@ def encode_prompts(
 
 @torch.no_grad()
 def initial_concepts(ldm: LDM, layout: PromptLayout, space: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """S0 (n_s, d) and V0 (C, n_v, d) from the init words, in the chosen space."""
+    """S0 (n_s, d) and V0 (C, n_v, d) from the init words, in the chosen space; unused rows 0."""
+    used = layout.v_mask.unsqueeze(-1)
     if space == "token":
         table = ldm.text_encoder.get_input_embeddings().weight.float().cpu()
-        return table[layout.s_init_ids].clone(), table[layout.v_init_ids].clone()
+        return table[layout.s_init_ids].clone(), table[layout.v_init_ids] * used
     states = ldm.text_encoder(layout.input_ids.to(ldm.device)).last_hidden_state.float().cpu()
-    s0 = states[:, layout.s_positions].mean(0)
-    return s0, states[:, layout.v_positions].clone()
+    rows = torch.arange(len(states)).unsqueeze(1)
+    s0 = states[rows, layout.s_positions].mean(0)
+    return s0, states[rows, layout.v_positions] * used
 
 
 @torch.no_grad()
@@ -154,6 +230,34 @@ def unconditional_embedding(ldm: LDM) -> torch.Tensor:
     tok = ldm.tokenizer
     ids = tok("", padding="max_length", max_length=tok.model_max_length, return_tensors="pt")
     return ldm.text_encoder(ids.input_ids.to(ldm.device)).last_hidden_state
+
+
+@torch.no_grad()
+def concept_scale(ldm: LDM, space: str) -> float:
+    """The typical coordinate size (RMS) of the concept space, measured from the model.
+
+    Concepts move as ``c0 + scale * u``: Adam's lr (0.1) and the server's eta sigma (0.1) act on
+    u, so they mean the same in both spaces. The paper's values were tuned in the text
+    encoder's output space (coordinates ~1); SD v1-4's input token embeddings are ~0.014 per
+    coordinate, where an absolute 0.1 step would move a token ~7x its own norm. ``token``: RMS
+    of the embedding table; ``hidden``: RMS of tau("") past its start token (CLIP's start
+    state is an outlier). Client and server measure it from the same model (same fingerprint),
+    so the payload need not carry it.
+    """
+    if space == "token":
+        values = ldm.text_encoder.get_input_embeddings().weight
+    else:
+        values = unconditional_embedding(ldm)[:, 1:]
+    return float(values.float().pow(2).mean().sqrt())
+
+
+def velocity(
+    scheduler: PNDMScheduler, z0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    """v = sqrt(abar_t) eps - sqrt(1 - abar_t) z0: what a v-prediction model predicts."""
+    abar = scheduler.alphas_cumprod.to(z0.device, torch.float32)[t.to(z0.device)]
+    abar = abar.view(-1, *([1] * (z0.dim() - 1)))
+    return abar.sqrt() * noise - (1 - abar).sqrt() * z0
 
 
 def diffusion_loss(
@@ -167,11 +271,37 @@ def diffusion_loss(
     t: torch.Tensor,
     noise: torch.Tensor,
 ) -> torch.Tensor:
-    """Eq. 4 for one batch: || eps - eps_theta(z(t), t, tau(S, V_y)) ||^2 (mean)."""
+    """Eq. 4 for one batch: || target - model(z(t), t, tau(S, V_y)) ||^2 (mean, float32).
+
+    The target is eps for an epsilon-prediction model (SD v1) and the velocity for a
+    v-prediction one (SD 2.x); load_ldm refuses any other kind.
+    """
     zt = ldm.scheduler.add_noise(z0, noise, t).to(ldm.device, ldm.dtype)
     cond = encode_prompts(ldm, layout, space, s, v, labels)
     pred = ldm.unet(zt, t.to(ldm.device), encoder_hidden_states=cond).sample
-    return F.mse_loss(pred.float(), noise.to(ldm.device))
+    if ldm.scheduler.config.prediction_type == "v_prediction":
+        target = velocity(ldm.scheduler, z0, noise, t)
+    else:
+        target = noise
+    return F.mse_loss(pred.float(), target.to(ldm.device, torch.float32))
+
+
+def loss_scaler(ldm: LDM) -> torch.amp.GradScaler:
+    """Dynamic loss scaling when the frozen LDM runs in fp16 (CUDA's half-precision).
+
+    The loss is a mean over B x 4 x 64 x 64 elements, so the gradients flowing back through an
+    fp16 UNet are ~1e-6 per element and part of them underflow fp16 (normal range >= 6e-5):
+    S's gradient was 12% off fp32's on a tiny UNet at SD's latent size (tests/test_precision.py),
+    1% with scaling. Steps whose scaled gradients overflow are skipped.
+    Chosen over an fp32 or bf16 copy of the UNet: no second copy of the weights, same model
+    for client and server. bf16 and fp32 share fp32's exponent range and need no scaling.
+    """
+    return torch.amp.GradScaler(ldm.device.type, enabled=ldm.dtype == torch.float16)
+
+
+def relative_drift(learned: torch.Tensor, start: torch.Tensor) -> float:
+    """||learned - start|| / ||start||: how far a concept moved from its init words."""
+    return float((learned - start).norm() / start.norm().clamp_min(1e-12))
 
 
 @dataclass(frozen=True)
@@ -179,6 +309,8 @@ class LearnedConcepts:
     domain: torch.Tensor  # S (n_s, d)
     classes: torch.Tensor  # V (C, n_v, d)
     losses: list[float]  # mean loss per epoch
+    domain_drift: float  # ||S - S0|| / ||S0||
+    class_drift: float  # mean over classes of ||V_y - V0_y|| / ||V0_y||
 
 
 def learn_concepts(
@@ -195,14 +327,21 @@ def learn_concepts(
     generator: torch.Generator,
     on_epoch: Callable[[int, float], None] | None = None,
 ) -> LearnedConcepts:
-    """Optimise S and V with Adam (betas 0.9/0.999) on the epsilon loss; t ~ U{1..T}.
+    """Optimise S and V with Adam (betas 0.9/0.999) on the diffusion loss; t ~ U{1..T}.
 
-    ``z0`` are the cached VAE latents of the client's images: nothing is re-encoded here.
+    S = S0 + scale * u_S and V = V0 + scale * u_V (see :func:`concept_scale`); Adam updates
+    the u, in float32 whatever the LDM's dtype. ``z0`` are the cached VAE latents of the
+    client's images: nothing is re-encoded here.
     """
     s0, v0 = initial_concepts(ldm, layout, space)
-    s = s0.to(ldm.device).requires_grad_(True)
-    v = v0.to(ldm.device).requires_grad_(True)
-    optimizer = torch.optim.Adam([s, v], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+    scale = concept_scale(ldm, space)
+    u_s = torch.zeros_like(s0, device=ldm.device, requires_grad=True)
+    u_v = torch.zeros_like(v0, device=ldm.device, requires_grad=True)
+    s0, v0 = s0.to(ldm.device), v0.to(ldm.device)
+    # d/du = scale * d/dc: eps scaled alike keeps Adam's usual 1e-8 relative to the concepts'
+    # own gradients, so the parametrisation changes the step size and nothing else.
+    optimizer = torch.optim.Adam([u_s, u_v], lr=lr, betas=(0.9, 0.999), eps=1e-8 * scale)
+    scaler = loss_scaler(ldm)
     losses: list[float] = []
     for epoch in range(epochs):
         order = torch.randperm(len(labels), generator=generator)
@@ -210,12 +349,25 @@ def learn_concepts(
         for batch in order.split(batch_size):
             noise = torch.randn((len(batch), *z0.shape[1:]), generator=generator)
             t = torch.randint(1, max_timestep + 1, (len(batch),), generator=generator)
+            s, v = s0 + scale * u_s, v0 + scale * u_v
             loss = diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             total += loss.item() * len(batch)
         losses.append(total / len(labels))
         if on_epoch is not None:
             on_epoch(epoch, losses[-1])
-    return LearnedConcepts(s.detach().float().cpu(), v.detach().float().cpu(), losses)
+    return _result(s0 + scale * u_s.detach(), v0 + scale * u_v.detach(), s0, v0, losses)
+
+
+def _result(
+    s: torch.Tensor, v: torch.Tensor, s0: torch.Tensor, v0: torch.Tensor, losses: list[float]
+) -> LearnedConcepts:
+    s, v, s0, v0 = (x.detach().float().cpu() for x in (s, v, s0, v0))
+    domain_drift = relative_drift(s, s0)
+    class_drift = sum(relative_drift(a, b) for a, b in zip(v, v0, strict=True)) / len(v)
+    log.info("concepts moved: ||S-S0||/||S0|| = %.3f, mean ||V-V0||/||V0|| = %.3f",
+             domain_drift, class_drift)  # fmt: skip
+    return LearnedConcepts(s, v, losses, domain_drift, class_drift)

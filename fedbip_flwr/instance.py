@@ -58,8 +58,12 @@ def denoising_timesteps(
 
 
 @torch.no_grad()
-def encode_images(vae: AutoencoderKL, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
-    """z(0) = E(x) * scaling_factor for images in [-1, 1]; the posterior mean (deterministic)."""
+def encode_images(vae: AutoencoderKL, images: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """z(0) = E(x) * scaling_factor for images in [-1, 1]; the posterior mean (deterministic).
+
+    ``batch_size`` images per encoder call (run config vae-batch-size): the encoder's
+    full-resolution activations are the client's memory peak at 512 px.
+    """
     chunks = []
     for batch in images.split(batch_size):
         batch = batch.to(vae.device, vae.dtype)
@@ -118,10 +122,11 @@ def personalize_instances(
     *,
     gamma_mean: float = 0.5,
     gamma_std: float = 0.1,
+    vae_batch_size: int = 8,
     generator: torch.Generator,
 ) -> InstanceLatents:
     """Encode once, mix each latent with a same-class partner, forward-noise to T."""
-    z0 = encode_images(vae, images)
+    z0 = encode_images(vae, images, vae_batch_size)
     partners = pick_partners(labels, generator)
     gammas = sample_gammas(len(labels), gamma_mean, gamma_std, generator)
     g = gammas.view(-1, 1, 1, 1)

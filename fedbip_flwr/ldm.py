@@ -30,6 +30,8 @@ SD_SCHEDULER_CONFIG = {
     "set_alpha_to_one": False,
 }
 SPECIAL_TOKENS = ("<|startoftext|>", "<|endoftext|>")
+# What the UNet predicts: concept learning's target and PNDM's step both follow it.
+PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
 class ModelLoadError(RuntimeError):
@@ -166,8 +168,19 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]})."
         ) from None
     sched = PNDMScheduler.from_config({**sched_cfg, "skip_prk_steps": True})
+    check_prediction_type(sched, source)
     ldm = LDM(vae, unet, text, tokenizer, sched, _fingerprint_of(vae, unet, text, sched))
     return ldm.freeze()
+
+
+def check_prediction_type(scheduler: PNDMScheduler, source: str) -> None:
+    """Refuse a model whose UNet predicts something FedBiP cannot train or sample against."""
+    kind = scheduler.config.prediction_type
+    if kind not in PREDICTION_TYPES:
+        raise ModelLoadError(
+            f"The base model '{source}' predicts '{kind}' (scheduler prediction_type), but "
+            f"FedBiP trains and samples only {' or '.join(PREDICTION_TYPES)} models."
+        )
 
 
 # --- tiny models for tests and CPU runs ----------------------------------------------------
@@ -185,6 +198,7 @@ class LDMSpec:
     text_heads: int = 2
     max_length: int = 16
     attention_head_dim: int = 8
+    prediction_type: str = "epsilon"  # v_prediction: an SD 2.x-style model
 
 
 TINY = LDMSpec()
@@ -282,7 +296,7 @@ def build_ldm(spec: LDMSpec, words: Iterable[str], seed: int = 0) -> LDM:
             pad_token_id=tokenizer.pad_token_id,
         )
     )
-    sched = PNDMScheduler(**SD_SCHEDULER_CONFIG)
+    sched = PNDMScheduler(**SD_SCHEDULER_CONFIG, prediction_type=spec.prediction_type)
     return LDM(vae, unet, text, tokenizer, sched, _fingerprint_of(vae, unet, text, sched)).freeze()
 
 

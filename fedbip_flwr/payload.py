@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -120,12 +121,25 @@ class Expectations:
     timestep: int
     num_inference_steps: int
     scheduler: str
-    n_s: int
+    n_s: int  # run config n-s / n-v: the fewest vectors per concept
     n_v: int
     concept_space: str
     class_names: tuple[str, ...]
     prompt_template: str
-    domains: tuple[str, ...]  # the server evaluates on these; any other domain has no test set
+    # the server evaluates on these, any other has no test set; () = any (imagefolder: every
+    # institution names its own domain)
+    domains: tuple[str, ...]
+    # Tokens of a phrase (domain or class name) under the server's tokenizer: a concept has
+    # max(n, tokens) vectors (fedbip_flwr.concepts.concept_slots). None: n is the size.
+    phrase_tokens: Callable[[str], int] | None = None
+
+    def concept_sizes(self, domain: str) -> tuple[int, list[int]]:
+        """Vectors of S for ``domain`` and of each V_y, as the clients' prompt layout has them."""
+        count = self.phrase_tokens or (lambda _phrase: 0)
+        return (
+            max(self.n_s, count(domain)),
+            [max(self.n_v, count(name)) for name in self.class_names],
+        )
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -474,6 +488,7 @@ def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
 def check_expectations(p: Payload, expect: Expectations) -> None:
     """Refuse a valid payload that does not fit this server's base model and run config."""
     meta = p.meta
+    n_s, n_v = expect.concept_sizes(meta.domain)
     checks: list[tuple[str, Any, Any, str]] = [
         ("base model fingerprint", meta.base_model, expect.base_model,
          "client and server must load the same LDM"),
@@ -487,8 +502,10 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
          "clients and server must share run config num-inference-steps"),
         ("scheduler", meta.scheduler, expect.scheduler,
          "z(T) only matches the scheduler it was noised for"),
-        ("n_s", meta.n_s, expect.n_s, "clients and server must share run config n-s"),
-        ("n_v", meta.n_v, expect.n_v, "clients and server must share run config n-v"),
+        ("n_s", meta.n_s, n_s, "clients and server must share run config n-s; S has one "
+         "vector per token of the domain phrase, at least n-s"),
+        ("n_v", meta.n_v, max(n_v), "clients and server must share run config n-v; V_y has "
+         "one vector per token of its class name, at least n-v"),
         ("concept space", meta.concept_space, expect.concept_space,
          "clients and server must share run config concept-space"),
         ("class names", tuple(meta.class_names), tuple(expect.class_names),
@@ -499,11 +516,27 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     for label, got, want, why in checks:
         if got != want:
             raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
-    if meta.domain not in expect.domains:
+    if expect.domains and meta.domain not in expect.domains:
         raise PayloadError(
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
             "(clients and server must share run config domains)"
         )
+    check_class_rows(p.class_concepts, n_v, expect.class_names)
+
+
+def check_class_rows(
+    class_concepts: torch.Tensor, lengths: Sequence[int], class_names: Sequence[str]
+) -> None:
+    """V is one (C, n_v, d) tensor but V_y uses only its first ``lengths[y]`` rows: those must
+    be non-zero and the rest exactly zero, or client and server disagree on the prompt layout."""
+    for name, rows, length in zip(class_names, class_concepts, lengths, strict=True):
+        used = rows[:length].abs().amax(dim=-1) > 0
+        if length > len(rows) or not bool(used.all()) or bool(rows[length:].any()):
+            raise PayloadError(
+                f"class concept of {name!r} does not use exactly its first {length} of "
+                f"{len(rows)} vectors (the rest zero), as the server's prompt layout does "
+                "(clients and server must share run config n-v and the base model's tokenizer)"
+            )
 
 
 # --- reporting --------------------------------------------------------------------------------

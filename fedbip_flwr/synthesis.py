@@ -1,12 +1,15 @@
 """Server-side synthesis (paper eq. 5): denoise each uploaded z(T) with the client's concepts.
 
-    S_hat = S + eta,  eta ~ N(0, sigma^2)
+    S_hat = S + scale * eta,  eta ~ N(0, sigma^2)
     x~_i  = D( PNDM-denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
 
 Generation starts from z(T) itself, never from fresh noise, at exactly the payload's T. With a
 multiplier m (FedBiP-S/M/L = 2/5/10) every z(T) is denoised m times, each pass with its own eta:
-PNDM is deterministic, so eta is what makes the m images differ. A prompt embedding is computed
-once per (client, pass, class) and shared by the batch.
+PNDM is deterministic, so eta is what makes the m images differ. ``scale`` is the concept
+space's typical coordinate size (:func:`fedbip_flwr.concepts.concept_scale`), so sigma = 0.1
+means the same in token and hidden space. A prompt embedding is computed once per
+(client, pass, class) and shared by the batch. PNDM's step follows the model's prediction type
+(epsilon or v-prediction) from the scheduler config.
 """
 
 from __future__ import annotations
@@ -17,10 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .concepts import encode_prompts, prompt_layout, unconditional_embedding
+from .concepts import (
+    PromptLayout,
+    concept_scale,
+    encode_prompts,
+    prompt_layout,
+    unconditional_embedding,
+)
 from .instance import denoising_timesteps, start_timestep
 from .ldm import LDM
-from .payload import Payload
+from .payload import Payload, PayloadError, check_class_rows
 
 
 @torch.no_grad()
@@ -51,11 +60,18 @@ def denoise(
 
 
 @torch.no_grad()
-def decode_latents(ldm: LDM, z0: torch.Tensor) -> torch.Tensor:
-    """Images in [-1, 1] (float32, CPU) from latents z(0)."""
+def decode_latents(ldm: LDM, z0: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
+    """Images in [-1, 1] (float32, CPU) from latents z(0), ``batch_size`` at a time.
+
+    The VAE decoder is the memory peak of synthesis at 512 px (full-resolution activations),
+    so it gets its own, smaller batch than the UNet.
+    """
     scale = float(ldm.vae.config.scaling_factor)
-    images = ldm.vae.decode(z0.to(ldm.vae.dtype) / scale).sample
-    return images.float().clamp(-1.0, 1.0).cpu()
+    images = [
+        ldm.vae.decode(part.to(ldm.device, ldm.vae.dtype) / scale).sample.float().cpu()
+        for part in z0.split(batch_size)
+    ]
+    return torch.cat(images).clamp(-1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,8 @@ class SynthesisSettings:
     guidance_scale: float
     eta_std: float
     batch_size: int
+    vae_batch_size: int = 8  # run config vae-batch-size: latents per VAE decode
+    n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,32 @@ class SyntheticImages:
     source: torch.Tensor  # (N * m,) index of the z(T) each image was denoised from
 
 
+def payload_layout(ldm: LDM, payload: Payload, settings: SynthesisSettings) -> PromptLayout:
+    """The client's prompt layout, rebuilt from its metadata and the run config's n-v.
+
+    S's size is its row count (never fewer than its phrase's tokens). V is one tensor, so
+    which of its rows V_y uses depends on n-v: validation with the server's token counts has
+    matched them already, and the check here catches synthesis run with another n-v.
+    """
+    meta = payload.meta
+    layout = prompt_layout(
+        ldm.tokenizer,
+        meta.prompt_template,
+        meta.n_s,
+        settings.n_v,
+        meta.domain,
+        meta.class_names,
+        warn=False,
+    )
+    if layout.n_s != meta.n_s:
+        raise PayloadError(
+            f"S of {meta.client_id} has {meta.n_s} vectors but its domain phrase "
+            f"'{meta.domain}' is {layout.n_s} tokens: a concept starts from its whole phrase"
+        )
+    check_class_rows(payload.class_concepts, layout.v_lengths.tolist(), meta.class_names)
+    return layout
+
+
 def synthesize_pass(
     ldm: LDM,
     payload: Payload,
@@ -81,14 +125,13 @@ def synthesize_pass(
     eta: torch.Tensor,
     on_batch: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
-    """One pass over a client's z(T) with the domain concept shifted by ``eta`` (n_s, d)."""
+    """One pass over a client's z(T) with the domain concept shifted by scale * ``eta`` (n_s, d)."""
     meta = payload.meta
-    layout = prompt_layout(
-        ldm.tokenizer, meta.prompt_template, meta.n_s, meta.n_v, meta.domain, meta.class_names
-    )
+    layout = payload_layout(ldm, payload, settings)
     classes = torch.arange(len(meta.class_names))
+    s_hat = payload.domain_concept + concept_scale(ldm, meta.concept_space) * eta
     cond_per_class = encode_prompts(
-        ldm, layout, meta.concept_space, payload.domain_concept + eta, payload.class_concepts, classes
+        ldm, layout, meta.concept_space, s_hat, payload.class_concepts, classes
     )
     uncond = unconditional_embedding(ldm)
     timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, meta.timestep)
@@ -104,14 +147,14 @@ def synthesize_pass(
             settings.num_inference_steps,
             settings.guidance_scale,
         )
-        images.append(decode_latents(ldm, z0))
+        images.append(decode_latents(ldm, z0, settings.vae_batch_size))
         if on_batch is not None:
             on_batch(len(batch))
     return torch.cat(images)
 
 
 def draw_etas(payload: Payload, settings: SynthesisSettings, seed: int) -> torch.Tensor:
-    """(m, n_s, d) perturbations, reproducible from the seed alone."""
+    """(m, n_s, d) perturbations in units of the concept scale, reproducible from the seed."""
     generator = torch.Generator().manual_seed(seed)
     shape = (settings.multiplier, *payload.domain_concept.shape)
     return settings.eta_std * torch.randn(shape, generator=generator)
@@ -161,5 +204,5 @@ def sample_from_prompts(
         cond = ldm.text_encoder(ids.to(ldm.device)).last_hidden_state
         z_t = torch.randn((len(batch), *shape), generator=generator)
         z0 = denoise(ldm, z_t, cond, uncond, grid, settings.num_inference_steps, settings.guidance_scale)
-        images.append(decode_latents(ldm, z0))
+        images.append(decode_latents(ldm, z0, settings.vae_batch_size))
     return torch.cat(images)

@@ -89,3 +89,11 @@ def test_personalize_instances_equation_and_statistics(tiny_ldm):
     assert abs(eps.mean().item()) < 0.05 and abs(eps.std().item() - 1) < 0.05
     assert abs(out.zT.std().item() - 1) < 0.1
     assert out.zT.shape == (16, *tiny_ldm.latent_shape())
+
+
+def test_encoding_in_slices_equals_one_batch(tiny_ldm):
+    """vae-batch-size bounds memory only: the posterior mean is per image (GroupNorm, no BatchNorm)."""
+    images = torch.rand(10, 3, 32, 32) * 2 - 1
+    whole = encode_images(tiny_ldm.vae, images, batch_size=10)
+    assert torch.allclose(encode_images(tiny_ldm.vae, images, batch_size=3), whole, atol=1e-5)
+    assert torch.allclose(encode_images(tiny_ldm.vae, images, batch_size=1), whole, atol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
@@ -59,3 +61,10 @@ def test_tokenizer_keeps_words_whole_and_spells_unknown_ones():
     for word in ["star", "stars", "sketch", "square", "quickdraw", "style"]:
         assert len(tok.tokenize(word)) == 1, word
     assert len(tok.tokenize("zebra")) == 5
+
+
+def test_unknown_prediction_type_is_refused_at_load(tmp_path):
+    folder = tmp_path / "sample-model"
+    build_ldm(replace(TINY, prediction_type="sample"), WORDS, seed=0).save(folder)
+    with pytest.raises(ModelLoadError, match="predicts 'sample' .* only epsilon or v_prediction"):
+        load_ldm(folder)

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from diffusers import PNDMScheduler
 
 from fedbip_flwr.client import personalize
+from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.instance import denoising_timesteps
+from fedbip_flwr.ldm import TINY, build_ldm, load_ldm
 from fedbip_flwr.synthesis import (
     SynthesisSettings,
+    decode_latents,
+    denoise,
     sample_from_prompts,
     synthesize_client,
     synthesize_pass,
 )
+from tests.conftest import WORDS
 
 CLASSES = ["circle", "square", "star"]
 
@@ -22,7 +31,8 @@ def payload(tiny_ldm):
     cfg = FedBiPConfig(concept_epochs=1, num_inference_steps=10, image_size=32)
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
-    payload, _ = personalize(tiny_ldm, images, labels, CLASSES, "sketch", "sketch-0", cfg, seed=0)
+    payload, _ = personalize(tiny_ldm, images, labels, CLASSES, "sketch", "sketch-0", cfg,
+                              torch.Generator().manual_seed(0))
     return payload
 
 
@@ -114,3 +124,38 @@ def test_uint8_synthetic_sets_train_like_float_ones():
     small = shrink(images, 16)
     assert small.dtype == torch.uint8 and small.shape == (8, 3, 16, 16)
     assert shrink(images, 64) is images  # never enlarged
+
+
+def test_decoding_in_slices_equals_one_batch(tiny_ldm):
+    z0 = torch.randn(10, *tiny_ldm.latent_shape(), generator=torch.Generator().manual_seed(0))
+    whole = decode_latents(tiny_ldm, z0, batch_size=10)
+    assert whole.shape == (10, 3, 32, 32)
+    assert torch.allclose(decode_latents(tiny_ldm, z0, batch_size=3), whole, atol=1e-5)
+    assert torch.allclose(decode_latents(tiny_ldm, z0, batch_size=1), whole, atol=1e-5)
+
+
+def test_eta_is_in_units_of_the_concept_scale(tiny_ldm, payload):
+    """S_hat = S + scale * eta: sigma 0.1 shifts S by ~10% of a token's norm in either space."""
+    eta = torch.randn(1, tiny_ldm.concept_dim, generator=torch.Generator().manual_seed(3))
+    shifted = synthesize_pass(tiny_ldm, payload, settings(), eta)
+    scale = concept_scale(tiny_ldm, payload.meta.concept_space)
+    moved = replace(payload, domain_concept=payload.domain_concept + scale * eta)
+    assert torch.allclose(
+        synthesize_pass(tiny_ldm, moved, settings(), torch.zeros_like(eta)), shifted, atol=1e-5
+    )
+
+
+def test_denoising_follows_the_models_prediction_type(tmp_path):
+    """PNDM reads prediction_type from the model's scheduler config: a v-prediction model's
+    output is converted before each step, so it denoises differently from an eps reading."""
+    folder = tmp_path / "v-model"
+    build_ldm(replace(TINY, prediction_type="v_prediction"), WORDS, seed=0).save(folder)
+    v_model = load_ldm(folder)
+    as_eps = replace(v_model, scheduler=PNDMScheduler.from_config(
+        {**v_model.scheduler.config, "prediction_type": "epsilon"}))  # fmt: skip
+    z = torch.randn(2, *v_model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    cond = unconditional_embedding(v_model).expand(2, -1, -1)
+    steps = denoising_timesteps(v_model.scheduler, 10, 901)
+    out = denoise(v_model, z, cond, cond, steps, 10, 1.0)
+    assert torch.isfinite(out).all()
+    assert not torch.allclose(out, denoise(as_eps, z, cond, cond, steps, 10, 1.0), atol=1e-3)

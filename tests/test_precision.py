@@ -1,0 +1,80 @@
+"""Concept gradients through a half-precision LDM (CUDA runs the frozen LDM in fp16).
+
+At SD's latent size (4 x 64 x 64) the mean loss's gradients are ~1e-6 per element and part of
+them underflow fp16; loss scaling (what learn_concepts does in fp16) and bf16 keep S's gradient
+close to fp32's. CPU runs fp16 and bf16 too, so the path is exercised here without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedbip_flwr.concepts import (
+    diffusion_loss,
+    initial_concepts,
+    learn_concepts,
+    loss_scaler,
+    prompt_layout,
+)
+from fedbip_flwr.ldm import LDM, TINY, build_ldm
+from tests.conftest import WORDS
+
+CLASSES = ["circle", "square", "star"]
+
+
+@pytest.fixture(scope="module")
+def ldm() -> LDM:
+    return build_ldm(TINY, WORDS, seed=0)
+
+
+def s_gradient(ldm: LDM, dtype: torch.dtype, scaled: bool) -> torch.Tensor:
+    """d loss / d S on one SD-sized batch, with the LDM in ``dtype``."""
+    ldm.to("cpu", dtype)
+    layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
+    s0, v0 = initial_concepts(ldm, layout, "token")
+    s = s0.clone().requires_grad_(True)
+    g = torch.Generator().manual_seed(0)
+    z0, noise = torch.randn(2, 8, 4, 64, 64, generator=g)
+    labels, t = torch.arange(8) % 3, torch.randint(1, 982, (8,), generator=g)
+    loss = diffusion_loss(ldm, layout, "token", s, v0, z0, labels, t, noise)
+    scaler = loss_scaler(ldm) if scaled else torch.amp.GradScaler("cpu", enabled=False)
+    scaler.scale(loss).backward()
+    return s.grad / scaler.get_scale() if scaler.is_enabled() else s.grad
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_half_precision_gradients_match_fp32(ldm):
+    exact = s_gradient(ldm, torch.float32, scaled=True)
+    assert not loss_scaler(ldm).is_enabled()  # fp32 needs no scaling
+    fp16_raw = s_gradient(ldm, torch.float16, scaled=False)
+    fp16 = s_gradient(ldm, torch.float16, scaled=True)
+    bf16 = s_gradient(ldm, torch.bfloat16, scaled=True)
+    ldm.to("cpu", torch.float32)
+    assert relative_error(fp16_raw, exact) > 0.05  # the defect: underflow in the fp16 backward
+    assert relative_error(fp16, exact) < 0.03  # loss scaling
+    assert relative_error(bf16, exact) < 0.05  # bf16: fp32's exponent range
+    assert torch.nn.functional.cosine_similarity(bf16.flatten(), exact.flatten(), 0) > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_learning_in_half_precision_gives_float32_concepts(ldm, dtype):
+    ldm.to("cpu", dtype)
+    try:
+        layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
+        s0, v0 = initial_concepts(ldm, layout, "token")
+        z0 = torch.randn(6, *ldm.latent_shape(), generator=torch.Generator().manual_seed(0))
+        result = learn_concepts(
+            ldm, layout, "token", z0, torch.tensor([0, 0, 1, 1, 2, 2]), 981,
+            epochs=2, batch_size=3, lr=0.1, generator=torch.Generator().manual_seed(1),
+        )  # fmt: skip
+    finally:
+        ldm.to("cpu", torch.float32)
+    assert loss_scaler(ldm).is_enabled() is False
+    for learned, start in ((result.domain, s0), (result.classes, v0)):
+        assert learned.dtype == torch.float32 and learned.shape == start.shape
+        assert torch.isfinite(learned).all() and not torch.equal(learned, start)
+    assert all(torch.isfinite(torch.tensor(result.losses)))
