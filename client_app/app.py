@@ -1,8 +1,10 @@
-"""FedBiP ClientApp: on the single ``train`` message, personalize and upload once.
+"""FedBiP ClientApp: personalize and upload once on ``train``; score the classifier on ``evaluate``.
 
-Thin over the library: load this node's partition, run instance- and concept-level
-personalization (:func:`fedbip_flwr.client.personalize`), reply with the safetensors payload.
-An exception here becomes a Flower error reply whose reason the server records.
+Thin over the library. Who this node is and where its data lives come from its own node config
+(:class:`fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase and
+client id there; a simulated node gets a partition id. Its randomness never comes from anything
+the server sets (:func:`fedbip_flwr.client.client_generator`). An exception here becomes a Flower
+error reply whose reason the server records.
 """
 
 from __future__ import annotations
@@ -10,22 +12,34 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedbip_flwr import dataset
-from fedbip_flwr.client import personalize
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.classifier import load_classifier_bytes
+from fedbip_flwr.client import (
+    client_generator,
+    kept_classifier_path,
+    personalize,
+    score_classifier,
+)
+from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import LDM, load_for_run
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.payload import encode_payload
-from fedbip_flwr.server import client_seed
-from fedbip_flwr.wire import payload_content
+from fedbip_flwr.storage import atomic_write
+from fedbip_flwr.wire import (
+    METRICS_RECORD,
+    RUN_FOLDER,
+    UPLOADED,
+    classifier_bytes,
+    message_config,
+    payload_content,
+    skipped_content,
+)
 
 log = logging.getLogger("fedbip_flwr.client_app")
-NODE_KEYS = ("data-root",)  # run-config keys a SuperNode may set for itself
 app = ClientApp()
 
 
@@ -35,32 +49,28 @@ def _model(model: str, device: str, half_precision: bool, image_size: int) -> LD
     return load_for_run(model, device, half_precision, image_size)
 
 
-def node_overrides(run_config: Mapping, node_config: Mapping) -> dict:
-    """An institution's own ``data-root`` (``--node-config``) wins over the run config's."""
-    local = {key: node_config[key] for key in NODE_KEYS if key in node_config}
-    return {**run_config, **local}
+def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
+    """The run config with this institution's own keys (data-root, model, ...) over it."""
+    node = NodeConfig.from_flat(context.node_config)
+    return FedBiPConfig.from_flat({**context.run_config, **node.run_overrides()}), node
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     started = time.perf_counter()
-    cfg = FedBiPConfig.from_flat(node_overrides(context.run_config, context.node_config))
-    partition_id = int(context.node_config["partition-id"])
-    data = dataset.load_client_data(cfg, partition_id, context.node_config.get("num-partitions"))
-    domain, client_id = data.domain, data.client_id
+    cfg, node = configs(context)
+    domain, client_id = dataset.institution_identity(cfg, node)
+    if client_id in message_config(msg).get(UPLOADED, []):
+        log.info("[%s] the server already holds this upload; not personalizing again", client_id)
+        return Message(content=skipped_content(client_id), reply_to=msg)
+    data = dataset.institution_data(cfg, node)
     log.info("[%s] %d private images, personalizing", client_id, len(data))
     ldm = _model(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
     payload, report = personalize(
-        ldm,
-        data.images,
-        data.labels,
-        list(data.classes),
-        domain,
-        client_id,
-        cfg,
-        seed=client_seed(cfg.seed, client_id),
-    )
+        ldm, data.images, data.labels, list(data.classes), domain, client_id, cfg,
+        client_generator(cfg, node, client_id),
+    )  # fmt: skip
     blob = encode_payload(payload)
     metrics = {
         "num-examples": len(data),
@@ -68,8 +78,27 @@ def train(msg: Message, context: Context) -> Message:
         "seconds-instance": report.seconds["instance"],
         "seconds-concept": report.seconds["concept"],
         "seconds-total": time.perf_counter() - started,
-        "concept-loss-first": report.concept_losses[0] if report.concept_losses else 0.0,
-        "concept-loss-last": report.concept_losses[-1] if report.concept_losses else 0.0,
+        "concept-losses": report.concept_losses,
+        "concept-drift-s": report.concept_drift["s"],
+        "concept-drift-v": report.concept_drift["v"],
     }
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
-    return Message(content=payload_content(blob, metrics), reply_to=msg)
+    return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Score the classifier the server sent on this institution's held-out images; keep it."""
+    setup_logging()
+    cfg, node = configs(context)
+    domain, client_id = dataset.institution_identity(cfg, node)
+    settings = message_config(msg)
+    blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))
+    model = load_classifier_bytes(blob, cfg.class_list)
+    test = dataset.institution_test_set(cfg, node, domain)
+    scores = score_classifier(model, test, cfg.classifier_image_size)
+    kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
+    atomic_write(kept, blob)
+    log.info("[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
+             client_id, scores["accuracy"], len(test.labels), kept)
+    return Message(content=RecordDict({METRICS_RECORD: MetricRecord(scores)}), reply_to=msg)

@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
 # The whole secured federation on one host, end to end, then everything stopped again:
 # throwaway credentials, a SuperLink with TLS and SuperNode authentication, N registered
-# SuperNodes (one per simulated institution, each with its own partition and data folder),
-# and `flwr run` of this project through them.
+# SuperNodes (one per institution, each with its own image folder, domain phrase, client id
+# and output folder in its node config; the server holds no image), and `flwr run` of this
+# project through them with dataset "imagefolder".
 #
-#   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] WORK_DIR [flwr run options...]
+#   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] WORK_DIR [flwr run options...]
 #
 #   -n  SuperNodes to start (default 3)
 #   -p  SuperLink port on 127.0.0.1 (default 9093); SuperNode i uses PORT+1+i for its local API
-#   WORK_DIR receives credentials/ (reused if present), logs/, data/institution-I/ and
-#   flwr-home/ (the flwr CLI's config with the connection "fedbip-tls").
-#   Remaining options go to `flwr run`, e.g. --run-config conf/NAME.toml.
+#   -k  training images per class in each institution's folder (default 16)
+#   -t  held-out images per class in each institution's folder (default 50)
+#   WORK_DIR receives credentials/ (reused if present), logs/, data/institution-I/ (institution
+#   I's folder: domain sketch, quickdraw or painting of the built-in world, written by
+#   `fedbip shapes-folder` unless it exists), institutions/institution-I/ (where institution I
+#   keeps the classifier it gets back) and flwr-home/ (the flwr CLI's connection "fedbip-tls").
+#   Remaining options go to `flwr run`, e.g. --run-config 'multiplier=5'.
 #
 # Exit status 0 only if the run finished with status finished:completed.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-usage() { echo "usage: $0 [-n NUM_SUPERNODES] [-p PORT] WORK_DIR [flwr run options...]" >&2; exit 2; }
+usage() { echo "usage: $0 [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] WORK_DIR [flwr run options...]" >&2; exit 2; }
 
 num=3
 port=9093
-while getopts "n:p:" opt; do
+shots=16
+test_per_class=50
+while getopts "n:p:k:t:" opt; do
   case $opt in
     n) num=$OPTARG ;;
     p) port=$OPTARG ;;
+    k) shots=$OPTARG ;;
+    t) test_per_class=$OPTARG ;;
     *) usage ;;
   esac
 done
@@ -103,12 +112,17 @@ for ((i = 0; i < num; i++)); do
   flwr supernode register "$creds/supernode-$i/node.key.pub" "$connection" --name "institution-$i" \
     >>"$logs/register.log" 2>&1 || fail "could not register supernode-$i" "$logs/register.log"
 done
+domains=(sketch quickdraw painting)
 for ((i = 0; i < num; i++)); do
+  domain=${domains[i % ${#domains[@]}]}
+  client_id=$domain-$((i / ${#domains[@]}))
   data=$work/data/institution-$i
-  mkdir -p "$data"
-  "$here/supernode.sh" "$creds/supernode-$i" "127.0.0.1:$port" \
-    "partition-id=$i num-partitions=$num data-root=\"$data\"" --port $((port + 1 + i)) \
-    >"$logs/supernode-$i.log" 2>&1 &
+  [[ -d $data/train ]] || fedbip shapes-folder "$domain" "$data" --shots "$shots" \
+    --test-per-class "$test_per_class" --client-index $((i / ${#domains[@]})) >>"$logs/data.log"
+  node_config="data-root=\"$data\" domain=\"$domain\" client-id=\"$client_id\""
+  node_config+=" output-dir=\"$work/institutions/institution-$i\""
+  "$here/supernode.sh" "$creds/supernode-$i" "127.0.0.1:$port" "$node_config" \
+    --port $((port + 1 + i)) >"$logs/supernode-$i.log" 2>&1 &
   pids+=($!)
 done
 
@@ -129,7 +143,10 @@ echo "demo: SuperLink on 127.0.0.1:$port (TLS, SuperNode authentication), $num S
 
 # 6. The run, streamed; its final status decides the exit code.
 cd "$root"
-flwr run . "$connection" --stream "$@" 2>&1 | tee "$logs/flwr-run.log"
+# The run config names the shared classes; each institution named its own data above.
+classes=$(python3 -c 'from fedbip_flwr.shapes import CLASSES; print(",".join(CLASSES))')
+flwr run . "$connection" --stream --run-config "dataset=\"imagefolder\" classes=\"$classes\"" "$@" 2>&1 |
+  tee "$logs/flwr-run.log"
 run_id=$(sed -n 's/.*Successfully started run \([0-9]\+\).*/\1/p' "$logs/flwr-run.log" | head -n 1)
 [[ -n $run_id ]] || fail "flwr run did not start a run" "$logs/flwr-run.log"
 status=$(flwr ls "$connection" --run-id "$run_id" --format json |

@@ -6,20 +6,49 @@ Plain library code: the Flower ClientApp only loads the partition and calls :fun
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from .classifier import evaluate
 from .concepts import learn_concepts, prompt_layout
-from .config import FedBiPConfig
+from .config import FedBiPConfig, NodeConfig
 from .instance import personalize_instances, start_timestep
 from .ldm import LDM
+from .paths import resolve
 from .payload import SCHEMA_VERSION, Payload, PayloadMeta
+from .server import client_seed
+from .shapes import ImageSet
 
 log = logging.getLogger(__name__)
 
 LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def client_generator(cfg: FedBiPConfig, node: NodeConfig, client_id: str) -> torch.Generator:
+    """The one source of a client's randomness: partners, gamma, the noise hiding z(T), and
+    concept learning's noise, timesteps and batch order.
+
+    By default it is seeded from the operating system's entropy, so nothing the server sees or
+    sets (run config, payload, Flower context) lets it replay the noise and undo z(T). An
+    institution may seed it from its own node config (the server never sees that); simulations
+    and benchmarks may opt in to ``replayable-client-noise``, which lets the server replay it.
+    """
+    if node.seed is not None:
+        log.info("[%s] randomness seeded from this institution's node config", client_id)
+        return torch.Generator().manual_seed(node.seed)
+    if cfg.replayable_client_noise:
+        log.warning(
+            "[%s] replayable-client-noise is on: the server can replay this client's noise and "
+            "recover its private latents (simulations and benchmarks only)", client_id
+        )
+        return torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
 
 
 @dataclass
@@ -28,6 +57,7 @@ class ClientReport:
 
     seconds: dict[str, float] = field(default_factory=dict)
     concept_losses: list[float] = field(default_factory=list)
+    concept_drift: dict[str, float] = field(default_factory=dict)  # ||S-S0||/||S0||, mean for V
 
 
 def personalize(
@@ -38,11 +68,14 @@ def personalize(
     domain: str,
     client_id: str,
     cfg: FedBiPConfig,
-    seed: int,
+    generator: torch.Generator,
 ) -> tuple[Payload, ClientReport]:
-    """Instance level (z(T)) then concept level (S, V); returns the payload to upload once."""
+    """Instance level (z(T)) then concept level (S, V); returns the payload to upload once.
+
+    ``generator`` is all the randomness used: see :func:`client_generator` for where it must
+    come from to keep z(T) private.
+    """
     report = ClientReport()
-    generator = torch.Generator().manual_seed(seed)
     timestep = start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep)
 
     started = time.perf_counter()
@@ -55,6 +88,7 @@ def personalize(
         gamma_mean=cfg.gamma_mean,
         gamma_std=cfg.gamma_std,
         generator=generator,
+        vae_batch_size=cfg.vae_batch_size,
     )
     report.seconds["instance"] = time.perf_counter() - started
 
@@ -62,23 +96,30 @@ def personalize(
     layout = prompt_layout(
         ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, class_names
     )
-    concepts = learn_concepts(
-        ldm,
-        layout,
-        cfg.concept_space,
-        instances.z0,
-        instances.labels,
-        timestep,
-        epochs=cfg.concept_epochs,
-        batch_size=cfg.concept_batch_size,
-        lr=cfg.concept_lr,
-        generator=generator,
-        on_epoch=lambda e, loss: log.info(
-            "[%s] concept epoch %d/%d loss %.4f", client_id, e + 1, cfg.concept_epochs, loss
-        ),
-    )
+
+    def on_epoch(epoch: int, loss: float) -> None:
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update()
+        log.info("[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss)
+
+    with tqdm(total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch",
+              mininterval=5) as bar:
+        concepts = learn_concepts(
+            ldm,
+            layout,
+            cfg.concept_space,
+            instances.z0,
+            instances.labels,
+            timestep,
+            epochs=cfg.concept_epochs,
+            batch_size=cfg.concept_batch_size,
+            lr=cfg.concept_lr,
+            generator=generator,
+            on_epoch=on_epoch,
+        )
     report.seconds["concept"] = time.perf_counter() - started
     report.concept_losses = concepts.losses
+    report.concept_drift = {"s": concepts.domain_drift, "v": concepts.class_drift}
 
     meta = PayloadMeta(
         schema_version=SCHEMA_VERSION,
@@ -87,8 +128,8 @@ def personalize(
         timestep=timestep,
         scheduler=type(ldm.scheduler).__name__,
         num_inference_steps=cfg.num_inference_steps,
-        n_s=cfg.n_s,
-        n_v=cfg.n_v,
+        n_s=layout.n_s,
+        n_v=layout.n_v,
         concept_space=cfg.concept_space,
         class_names=list(class_names),
         prompt_template=cfg.prompt_template,
@@ -105,3 +146,27 @@ def personalize(
         meta=meta,
     )
     return payload, report
+
+
+def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int) -> dict:
+    """What an institution reports about the classifier it got back: metrics only, no images."""
+    result = evaluate(model, test.images, test.labels, image_size)
+    classes = len(test.classes)
+    correct = torch.bincount(test.labels[result.predictions == test.labels], minlength=classes)
+    total = torch.bincount(test.labels, minlength=classes)
+    return {
+        "accuracy": result.accuracy,
+        "num-examples": len(test.labels),
+        "per-class-correct": correct.tolist(),
+        "per-class-total": total.tolist(),
+    }
+
+
+def kept_classifier_path(output_dir: str, run_folder: str, client_id: str) -> Path:
+    """Where an institution keeps the classifier sent back: its own output folder, per run.
+
+    The run folder's name comes from the server, so it must be a plain name, never a path.
+    """
+    if not re.fullmatch(r"\w[\w.-]{0,127}", run_folder):
+        raise ValueError(f"the server named the run folder {run_folder!r}, which is not a plain name")
+    return resolve(output_dir) / run_folder / "institutions" / client_id / "classifier.safetensors"

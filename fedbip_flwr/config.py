@@ -11,11 +11,11 @@ dataset-dependent ones (prompt template, n_s, n_v, domains: Table 5) come from
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .specs import SPECS
+from .specs import OWN_FOLDER, SPECS
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
@@ -28,6 +28,16 @@ class ConfigError(ValueError):
 
 def _kebab(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _problems(err: ValidationError) -> str:
+    return "; ".join(
+        f"'{'.'.join(str(p) for p in e['loc']) or 'config'}': {e['msg']}" for e in err.errors()
+    )
+
+
+def _split_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 class FedBiPConfig(BaseModel):
@@ -48,10 +58,24 @@ class FedBiPConfig(BaseModel):
     )
 
     # --- data --------------------------------------------------------------------------------
-    dataset: Literal["shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm"] = Field(
-        "shapes", description="shapes is generated in memory; the others are read from data-root."
+    dataset: Literal[
+        "shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"
+    ] = Field(
+        "shapes",
+        description="shapes is generated in memory; imagefolder is each institution's own "
+        "<data-root>/[train|test/]<class>/<image> folder (node config); the others are the "
+        "paper's datasets, read from data-root.",
     )
-    data_root: str = Field("", description="Dataset folder (or MedMNIST .npz); unused by shapes.")
+    data_root: str = Field(
+        "",
+        description="Dataset folder (or MedMNIST .npz); unused by shapes. An institution sets "
+        "its own in its node config.",
+    )
+    classes: str = Field(
+        "",
+        description="Comma-separated class names in label order, also the words each V_y "
+        "starts from; required by imagefolder, \"\" = the dataset's.",
+    )
     domains: str = Field(
         "",
         description="Comma-separated domains, each also the words S starts from; "
@@ -78,20 +102,40 @@ class FedBiPConfig(BaseModel):
         description="T for z(T); 0 = the first timestep of the synthesis schedule (paper).",
     )
     latent_dtype: Literal["float32", "float16"] = "float32"
+    vae_batch_size: int = Field(
+        8,
+        ge=1,
+        description="Images per VAE call (client encode, server decode): the VAE's "
+        "full-resolution activations are the memory peak at 512 px.",
+    )
 
     # --- concept level (eq. 4) ---------------------------------------------------------------
     prompt_template: str = Field(
         "",
         description="Must contain {S} (domain) and {V} (class); \"\" = the dataset's (Table 5).",
     )
-    n_s: int = Field(0, ge=1, le=8, description="Tokens in S; 0 = the dataset's (Table 5).")
-    n_v: int = Field(0, ge=1, le=8, description="Tokens per V_y; 0 = the dataset's (Table 5).")
+    n_s: int = Field(
+        0,
+        ge=1,
+        le=8,
+        description="Fewest vectors in S (one per token of the domain phrase if more); "
+        "0 = the dataset's (Table 5).",
+    )
+    n_v: int = Field(
+        0,
+        ge=1,
+        le=8,
+        description="Fewest vectors per V_y (one per token of the class name if more); "
+        "0 = the dataset's (Table 5).",
+    )
     concept_space: Literal["token", "hidden"] = Field(
         "token",
         description="token = input token embeddings (paper); "
         "hidden = text-encoder output states (authors' code).",
     )
-    concept_lr: float = Field(0.1, gt=0.0)
+    concept_lr: float = Field(
+        0.1, gt=0.0, description="Adam lr, in units of the concept space's coordinate scale."
+    )
     concept_epochs: int = Field(50, ge=0)
     concept_batch_size: int = Field(8, ge=1)
 
@@ -102,7 +146,12 @@ class FedBiPConfig(BaseModel):
     multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")
     num_inference_steps: int = Field(50, ge=1)
     guidance_scale: float = Field(7.5, ge=1.0, description="1.0 disables guidance.")
-    eta_std: float = Field(0.1, ge=0.0, description="sigma of the perturbation S + eta.")
+    eta_std: float = Field(
+        0.1,
+        ge=0.0,
+        description="sigma of the perturbation S + eta, in units of the concept space's "
+        "coordinate scale.",
+    )
     synthesis_batch_size: int = Field(32, ge=1)
 
     # --- classifier (eq. 6) ------------------------------------------------------------------
@@ -122,6 +171,20 @@ class FedBiPConfig(BaseModel):
         "", description="Folder under output-dir; reuse one to resume an interrupted server."
     )
     seed: int = 0
+    replayable_client_noise: bool = Field(
+        False,
+        description="INSECURE, for simulations and benchmarks only: clients seed their "
+        "randomness (partners, gamma, the noise hiding z(T), concept learning) from seed and "
+        "their client id, which lets the server replay that noise and recover every client's "
+        "private latents. Off: each client draws from its operating system's entropy, or from "
+        "the seed in its own node config.",
+    )
+    evaluation: Literal["server", "clients", "both"] = Field(
+        "both",
+        description="Where the classifier is scored: on the server's test sets, by every "
+        "institution on its own held-out images (it gets the classifier back), or both. "
+        "imagefolder runs default to clients: the server holds no institution's images.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -143,6 +206,8 @@ class FedBiPConfig(BaseModel):
             "n_s": spec.n_s,
             "n_v": spec.n_v,
             "domains": ",".join(spec.default_domains),
+            "classes": ",".join(spec.classes),
+            "evaluation": "clients" if spec.layout == OWN_FOLDER else "both",
         }
         for field, value in defaults.items():
             key = field if field in data else _kebab(field)
@@ -156,6 +221,10 @@ class FedBiPConfig(BaseModel):
             if self.prompt_template.count(slot) != 1:
                 raise ValueError(f"prompt-template must contain {slot} exactly once")
         spec = SPECS[self.dataset]
+        if spec.layout == OWN_FOLDER:
+            return self._check_own_folders()
+        if self.class_list != list(spec.classes):
+            raise ValueError(f"classes are fixed by dataset {self.dataset}: leave them empty")
         unknown = [d for d in self.domain_list if d not in spec.domains]
         if unknown or not self.domain_list:
             raise ValueError(
@@ -171,9 +240,26 @@ class FedBiPConfig(BaseModel):
             raise ValueError(f"dataset {self.dataset} is read from disk: set data-root")
         return self
 
+    def _check_own_folders(self) -> FedBiPConfig:
+        """imagefolder: the run names the classes; every institution brings its own domain."""
+        if not self.class_list:
+            raise ValueError("dataset imagefolder needs classes = \"name,name,...\" (label order)")
+        if len(set(self.class_list)) != len(self.class_list):
+            raise ValueError(f"classes must be unique; got {self.classes!r}")
+        if self.evaluation != "clients":
+            raise ValueError(
+                "the server holds no institution's images: imagefolder needs "
+                "evaluation = \"clients\""
+            )
+        return self
+
     @property
     def domain_list(self) -> list[str]:
-        return [d.strip() for d in self.domains.split(",") if d.strip()]
+        return _split_list(self.domains)
+
+    @property
+    def class_list(self) -> list[str]:
+        return _split_list(self.classes)
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any]) -> FedBiPConfig:
@@ -181,12 +267,56 @@ class FedBiPConfig(BaseModel):
         try:
             return cls.model_validate(dict(flat))
         except ValidationError as err:
-            problems = "; ".join(
-                f"'{'.'.join(str(p) for p in e['loc']) or 'config'}': {e['msg']}"
-                for e in err.errors()
-            )
-            raise ConfigError(f"Invalid FedBiP run config: {problems}.") from None
+            raise ConfigError(f"Invalid FedBiP run config: {_problems(err)}.") from None
 
     def to_flat(self) -> dict[str, Any]:
         """The kebab-case dict form, as written to metrics.json and accepted by from_flat."""
         return self.model_dump(by_alias=True)
+
+
+class NodeConfig(BaseModel):
+    """What one institution's SuperNode says about itself (``--node-config``); the server never sees it.
+
+    A simulation gives every node ``partition-id`` / ``num-partitions`` and the run config picks
+    its data; a real institution names its own folder, domain phrase and client id instead, and
+    may name its own model copy, device, precision, seed and output folder.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", alias_generator=_kebab, populate_by_name=True, frozen=True
+    )
+
+    partition_id: int | None = Field(None, ge=0, description="Simulation: this node's partition.")
+    num_partitions: int | None = Field(None, ge=1)
+    data_root: str = Field("", description="This institution's data folder.")
+    domain: str = Field(
+        "", description="imagefolder: the words S starts from, e.g. \"dermatoscopic image\"."
+    )
+    client_id: str = Field("", description="imagefolder: the name this institution uploads under.")
+    model: str = Field("", description="This institution's copy of the run's base model.")
+    device: Literal["", "auto", "cpu", "cuda"] = ""
+    half_precision: bool | None = None
+    seed: int | None = Field(
+        None,
+        description="Makes this institution's own randomness reproducible; never leaves the "
+        "institution. Unset: the operating system's entropy.",
+    )
+    output_dir: str = Field(
+        "", description="Where the classifier sent back is kept; \"\" = the run's output-dir."
+    )
+
+    # run-config keys an institution may set for itself, and the field that holds each
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "device", "half_precision")
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> NodeConfig:
+        """Build from Flower's node config; raise :class:`ConfigError` with one sentence."""
+        try:
+            return cls.model_validate(dict(flat))
+        except ValidationError as err:
+            raise ConfigError(f"Invalid node config: {_problems(err)}.") from None
+
+    def run_overrides(self) -> dict[str, Any]:
+        """The run-config keys this institution sets for itself (they win over the server's)."""
+        values = {name: getattr(self, name) for name in self.RUN_KEYS}
+        return {_kebab(name): v for name, v in values.items() if v not in ("", None)}

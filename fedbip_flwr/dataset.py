@@ -1,5 +1,7 @@
 """The one entry point the apps use for data, whatever ``dataset`` the run config names.
 
+``imagefolder`` is a real institution's own folder (``<data-root>/[train|test/]<class>/<image>``)
+named in its node config with its domain phrase and client id; the server never reads it.
 ``shapes`` (the default) is generated in memory by :mod:`fedbip_flwr.shapes`, exactly as
 before. The paper's datasets are indexed from ``data-root`` by :mod:`fedbip_flwr.folders` and
 divided by :mod:`fedbip_flwr.partitions`:
@@ -24,16 +26,17 @@ import numpy as np
 import torch
 
 from . import shapes
-from .config import FedBiPConfig
-from .folders import Split, open_split
+from .config import FedBiPConfig, NodeConfig
+from .folders import Split, open_split, own_folder_split
 from .partitions import DataError, k_shots, label_partition, round_robin
 from .paths import resolve
 from .shapes import ImageSet
-from .specs import FEATURE, SPECS, DatasetSpec
+from .specs import FEATURE, OWN_FOLDER, SPECS, DatasetSpec
 
 __all__ = [
     "ClientSet", "DataError", "DatasetSpec", "ImageSet",
-    "class_names", "load_client_data", "load_test_sets", "verify",
+    "class_names", "institution_data", "institution_test_set", "load_client_data",
+    "load_test_sets", "verify",
 ]  # fmt: skip
 
 
@@ -45,8 +48,66 @@ class ClientSet(ImageSet):
 
 
 def class_names(cfg: FedBiPConfig) -> list[str]:
-    """The classifier's classes, in label order (the prompt words of Table 5)."""
-    return list(SPECS[cfg.dataset].classes)
+    """The classifier's classes, in label order (Table 5's prompt words, or the run's own)."""
+    return cfg.class_list
+
+
+def _own_split(cfg: FedBiPConfig) -> Split:
+    if not cfg.data_root:
+        raise DataError("dataset imagefolder: set data-root to this institution's folder in its node config")
+    return own_folder_split(resolve(cfg.data_root), cfg.class_list)
+
+
+def _identity(node: NodeConfig) -> tuple[str, str]:
+    """(domain phrase, client id) an institution names for itself in its node config."""
+    missing = [key for key in ("domain", "client-id") if not getattr(node, key.replace("-", "_"))]
+    if missing:
+        raise DataError(f"dataset imagefolder: set {' and '.join(missing)} in this institution's node config")
+    return node.domain, node.client_id
+
+
+def institution_identity(cfg: FedBiPConfig, node: NodeConfig) -> tuple[str, str]:
+    """(domain, client id) of this node, without reading a single image."""
+    if SPECS[cfg.dataset].layout == OWN_FOLDER:
+        return _identity(node)
+    if node.partition_id is None:
+        raise DataError(
+            f"dataset {cfg.dataset} assigns data by the node config's partition-id; an "
+            "institution with its own folder uses dataset imagefolder"
+        )
+    return _partition_identity(cfg, node.partition_id)[:2]
+
+
+def _partition_identity(cfg: FedBiPConfig, partition_id: int) -> tuple[str, str, int]:
+    """(domain, client id, index within the domain) of a simulated partition."""
+    if cfg.partitioning == FEATURE:
+        domain, index = round_robin(partition_id, cfg.domain_list)
+        return domain, f"{domain}-{index}", index
+    return cfg.domain_list[0], f"{cfg.dataset}-{partition_id}", partition_id
+
+
+def institution_data(cfg: FedBiPConfig, node: NodeConfig) -> ClientSet:
+    """This node's private training images: its own folder, or its simulated partition.
+
+    ``cfg`` already carries the node's own run-config keys (data-root, model, ...).
+    """
+    domain, client_id = institution_identity(cfg, node)
+    if SPECS[cfg.dataset].layout != OWN_FOLDER:
+        return load_client_data(cfg, node.partition_id, node.num_partitions)
+    pool = _own_split(cfg).train
+    images = pool.take(np.arange(len(pool)), cfg.image_size)
+    return ClientSet(images, torch.from_numpy(pool.labels), tuple(cfg.class_list), domain, client_id)
+
+
+def institution_test_set(cfg: FedBiPConfig, node: NodeConfig, domain: str) -> ImageSet:
+    """The held-out images an institution scores the classifier it gets back on."""
+    if SPECS[cfg.dataset].layout != OWN_FOLDER:
+        return _test_set(cfg, domain)
+    pool = _own_split(cfg).test
+    if len(pool) == 0:
+        raise DataError(f"{cfg.data_root} holds no held-out images to score the classifier on")
+    images = pool.take(np.arange(len(pool)), cfg.image_size)
+    return ImageSet(images, torch.from_numpy(pool.labels), tuple(cfg.class_list), domain)
 
 
 def _split(cfg: FedBiPConfig, domain: str) -> Split:
@@ -54,8 +115,11 @@ def _split(cfg: FedBiPConfig, domain: str) -> Split:
 
 
 def verify(cfg: FedBiPConfig) -> None:
-    """Index every configured domain without decoding: missing data fails before the model loads."""
-    if SPECS[cfg.dataset].layout != "generated":
+    """Index every configured domain without decoding: missing data fails before the model loads.
+
+    Nothing to do for generated data, nor for imagefolder: the server holds no institution's folder.
+    """
+    if SPECS[cfg.dataset].layout not in ("generated", OWN_FOLDER):
         for domain in cfg.domain_list:
             _split(cfg, domain)
 
@@ -65,9 +129,8 @@ def load_client_data(
 ) -> ClientSet:
     """The private training images of SuperNode ``partition_id`` (of ``num_partitions``)."""
     spec = SPECS[cfg.dataset]
+    domain, client_id, index = _partition_identity(cfg, partition_id)
     if cfg.partitioning == FEATURE:
-        domain, index = round_robin(partition_id, cfg.domain_list)
-        client_id = f"{domain}-{index}"
         if spec.layout == "generated":
             made = shapes.client_train_set(
                 domain, cfg.shots_per_class, index, seed=cfg.seed, size=cfg.image_size
@@ -82,7 +145,6 @@ def load_client_data(
             raise DataError(
                 f"partitioning '{cfg.partitioning}' needs the node config num-partitions"
             )
-        domain, client_id = cfg.domain_list[0], f"{spec.name}-{partition_id}"
         pool = _split(cfg, domain).train
         chosen = label_partition(
             pool.labels,

@@ -8,6 +8,8 @@ Layouts (``docs/datasets.md`` has the trees):
   ``<domain>_train.txt`` / ``<domain>_test.txt`` lists are used when they sit in data-root;
   otherwise :data:`TEST_FRACTION` of every class is held out with a fixed seed, so the test
   split is the same for every run seed.
+* ``imagefolder``: an institution's own ``<data-root>/[train|test/]<class>/<image>``, in
+  torchvision's ImageFolder convention, labelled by the run config's class list.
 * ``medmnist``: MedMNIST ``.npz`` files (``train_images``, ``train_labels``, ``test_*``) of any
   size; the smallest one at least ``image-size`` wide is used, else the largest.
 
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
 from .partitions import DataError, holdout
 from .specs import DatasetSpec
@@ -200,3 +203,45 @@ def open_split(spec: DatasetSpec, root: Path, domain: str, image_size: int) -> S
         len(split.test),
     )
     return split
+
+
+def _own_class_pool(folder: Path, classes: Sequence[str]) -> Pool:
+    """``<folder>/<class>/<image>`` (torchvision's ImageFolder convention), labelled by the run's
+    class order. A folder the run does not know is an error; a run class with no folder is the
+    institution's legal label skew, logged."""
+    present, _ = find_classes(str(folder))
+    unknown = [name for name in present if name not in classes]
+    if unknown:
+        raise DataError(
+            f"class folder '{unknown[0]}' in {folder} is not one of the run's classes "
+            f"({', '.join(classes)}); rename or remove it"
+        )
+    lacking = [name for name in classes if name not in present]
+    if lacking:
+        log.warning(
+            "%s has no images of %s: label skew, which FedBiP allows; the upload has none of them",
+            folder, ", ".join(lacking),
+        )
+    index = {name: classes.index(name) for name in present}
+    found = make_dataset(str(folder), index, extensions=IMG_EXTENSIONS, allow_empty=True)
+    if not found:
+        raise DataError(f"{folder} holds no images in class folders; {LAYOUT_HELP}")
+    paths, labels = zip(*found, strict=True)
+    return _file_pool([Path(p) for p in paths], labels)
+
+
+def own_folder_split(root: Path, classes: Sequence[str]) -> Split:
+    """An institution's own folder: ``<root>/train/`` and ``<root>/test/`` above the class
+    folders, or the class folders directly in ``root`` (or in ``train/`` alone); without a
+    ``test/`` folder, :data:`TEST_FRACTION` of each class is held out with a fixed seed, as for
+    the paper's datasets without official splits."""
+    if not root.is_dir():
+        raise DataError(f"data-root {root} is not a folder; {LAYOUT_HELP}")
+    if (root / "test").is_dir():
+        if not (root / "train").is_dir():
+            raise DataError(f"{root} has a test/ folder but no train/ folder; {LAYOUT_HELP}")
+        return Split(*(_own_class_pool(root / s, classes) for s in SPLITS))
+    pool = _own_class_pool(root / "train" if (root / "train").is_dir() else root, classes)
+    train, test = holdout(pool.labels, TEST_FRACTION, (SPLIT_SEED,))
+    log.info("%s has no test/ folder: %.0f%% of each class held out", root, 100 * TEST_FRACTION)
+    return Split(pool.subset(train), pool.subset(test))

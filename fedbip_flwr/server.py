@@ -1,13 +1,15 @@
 """The server's whole job after the one round: payloads -> synthetic set -> classifier -> metrics.
 
 Plain library code over a run folder; the Flower strategy only collects the replies and calls
-:func:`accept_payload` for each, then :func:`synthesize_all` and :func:`train_and_evaluate`.
+:func:`accept_payload` for each, then :func:`synthesize_all`, :func:`train_global` and, where
+the server holds test data, :func:`evaluate_on_server`.
 Everything accepted is on disk before any heavy work, synthesis is written in shards (one per
 client and pass), and a restart over the same folder resumes from what is there.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from .classifier import (
@@ -27,6 +30,7 @@ from .classifier import (
     shrink,
     train_classifier,
 )
+from .concepts import count_tokens
 from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
@@ -66,6 +70,11 @@ class RunFolder:
     def classifier(self) -> Path:
         return self.root / "classifier.safetensors"
 
+    @property
+    def uploaders(self) -> Path:
+        """Which node uploaded which client id: written as each upload is accepted."""
+        return self.root / "uploaders.json"
+
     def payload_path(self, client_id: str) -> Path:
         return self.payloads / f"{client_id}.safetensors"
 
@@ -96,6 +105,7 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         class_names=tuple(class_names),
         prompt_template=cfg.prompt_template,
         domains=tuple(cfg.domain_list),
+        phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
     )
 
 
@@ -122,6 +132,8 @@ def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
         guidance_scale=cfg.guidance_scale,
         eta_std=cfg.eta_std,
         batch_size=cfg.synthesis_batch_size,
+        vae_batch_size=cfg.vae_batch_size,
+        n_v=cfg.n_v,
     )
 
 
@@ -186,6 +198,69 @@ def synthesize_all(
     return out
 
 
+def train_global(
+    cfg: FedBiPConfig,
+    synthetic: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    class_names: list[str],
+    folder: RunFolder,
+    device: torch.device | str,
+) -> tuple[nn.Module, dict]:
+    """Train ResNet-18 on the pooled synthetic set (eq. 6), save it; (model, training facts)."""
+    images = torch.cat([x for x, _ in synthetic.values()])
+    labels = torch.cat([y for _, y in synthetic.values()])
+    settings = train_settings(cfg)
+    started = time.perf_counter()
+    # The initial weights come from the global RNG: seed it here, or they would depend on
+    # whatever ran before in this process (e.g. how much synthesis a resumed run still did).
+    torch.manual_seed(cfg.seed)
+    model = build_classifier(len(class_names), cfg.classifier_init)
+    losses: list[float] = []
+
+    def on_epoch(_epoch: int, loss: float) -> None:
+        losses.append(loss)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.update()
+
+    with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
+        train_classifier(
+            model, images, labels, settings, seed=cfg.seed, device=device, on_epoch=on_epoch
+        )
+    save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
+    return model, {
+        "num_synthetic_images": len(labels),
+        "classifier_seconds": time.perf_counter() - started,
+        "epoch_loss": losses,
+    }
+
+
+def train_settings(cfg: FedBiPConfig) -> TrainSettings:
+    return TrainSettings(
+        epochs=cfg.classifier_epochs,
+        lr=cfg.classifier_lr,
+        momentum=cfg.classifier_momentum,
+        batch_size=cfg.classifier_batch_size,
+        image_size=cfg.classifier_image_size,
+    )
+
+
+def evaluate_on_server(
+    model: nn.Module,
+    test_sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    image_size: int,
+    device: torch.device | str,
+) -> dict:
+    """Accuracy per domain on test sets the server holds (simulations, paper presets), and mean."""
+    per_domain = {}
+    for domain, (x, y) in sorted(test_sets.items()):
+        result = evaluate(model, x, y, image_size, device=device)
+        per_domain[domain] = result.accuracy
+        log.info("accuracy on %s: %.3f", domain, result.accuracy)
+        if result.predictions.unique().numel() == 1:
+            log.warning("the classifier predicts one class for every %s image", domain)
+    mean = sum(per_domain.values()) / len(per_domain) if per_domain else float("nan")
+    return {"per_domain": per_domain, "mean": mean}
+
+
 def train_and_evaluate(
     cfg: FedBiPConfig,
     synthetic: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
@@ -194,46 +269,16 @@ def train_and_evaluate(
     folder: RunFolder,
     device: torch.device | str,
 ) -> dict:
-    """Train ResNet-18 on the pooled synthetic set; accuracy per domain and their mean."""
-    images = torch.cat([x for x, _ in synthetic.values()])
-    labels = torch.cat([y for _, y in synthetic.values()])
-    settings = TrainSettings(
-        epochs=cfg.classifier_epochs,
-        lr=cfg.classifier_lr,
-        momentum=cfg.classifier_momentum,
-        batch_size=cfg.classifier_batch_size,
-        image_size=cfg.classifier_image_size,
-    )
-    started = time.perf_counter()
-    # The initial weights come from the global RNG: seed it here, or they would depend on
-    # whatever ran before in this process (e.g. how much synthesis a resumed run still did).
-    torch.manual_seed(cfg.seed)
-    model = build_classifier(len(class_names), cfg.classifier_init)
-    with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
-        train_classifier(
-            model,
-            images,
-            labels,
-            settings,
-            seed=cfg.seed,
-            device=device,
-            on_epoch=lambda _e, loss: (bar.set_postfix(loss=f"{loss:.3f}"), bar.update()),
-        )
-    train_seconds = time.perf_counter() - started
-    save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
-    per_domain = {}
-    for domain, (x, y) in sorted(test_sets.items()):
-        result = evaluate(model, x, y, settings.image_size, device=device)
-        per_domain[domain] = result.accuracy
-        log.info("accuracy on %s: %.3f", domain, result.accuracy)
-        if result.predictions.unique().numel() == 1:
-            log.warning("the classifier predicts one class for every %s image", domain)
-    return {
-        "per_domain": per_domain,
-        "mean": sum(per_domain.values()) / len(per_domain) if per_domain else float("nan"),
-        "num_synthetic_images": len(labels),
-        "classifier_seconds": train_seconds,
-    }
+    """:func:`train_global` then :func:`evaluate_on_server`: the simulation's whole scoring."""
+    model, facts = train_global(cfg, synthetic, class_names, folder, device)
+    return {**evaluate_on_server(model, test_sets, cfg.classifier_image_size, device), **facts}
+
+
+def weighted_mean(per_client: Mapping[str, Mapping]) -> float:
+    """Example-weighted mean accuracy over the institutions that scored the classifier."""
+    scored = [r for r in per_client.values() if r.get("status") == "ok" and r["num_examples"]]
+    total = sum(r["num_examples"] for r in scored)
+    return sum(r["accuracy"] * r["num_examples"] for r in scored) / total if total else float("nan")
 
 
 def load_persisted(folder: RunFolder, expect: Expectations) -> dict[str, Payload]:
@@ -245,9 +290,11 @@ def load_persisted(folder: RunFolder, expect: Expectations) -> dict[str, Payload
 
 
 def save_grid(
-    folder: RunFolder, client_id: str, real: torch.Tensor, synthetic: torch.Tensor
+    folder: RunFolder, client_id: str, real: torch.Tensor | None, synthetic: torch.Tensor
 ) -> Path:
-    """PNG for a person: real images of the client's domain above its synthetic ones."""
+    """PNG for a person: real images of the client's domain (where the server has them, as in
+    a simulation) above its synthetic ones."""
+    rows, labels = ([real], ["real"]) if real is not None else ([], [])
     return image_grid(
-        [real, synthetic], folder.grid_path(client_id), row_labels=["real", "synthetic"]
+        [*rows, synthetic], folder.grid_path(client_id), row_labels=[*labels, "synthetic"]
     )

@@ -29,10 +29,13 @@ import colorsys
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageChops, ImageDraw, ImageFilter
+
+from .viz import to_uint8
 
 CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "heart")
 DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting", "sketch", "quickdraw")
@@ -493,3 +496,24 @@ def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
     partition_id = _check_nonneg("partition_id", partition_id)
     doms = _check_names("domain", domains, DOMAINS)
     return doms[partition_id % len(doms)], partition_id // len(doms)
+
+
+def write_image_folder(
+    root: str | Path, domain: str, shots_per_class: int, test_per_class: int,
+    client_index: int = 0, seed: int = 0, size: int = 64,
+) -> Path:
+    """Write one client's images of ``domain`` as an institution would hold them on disk:
+    ``root/train/<class>/NNN.png`` (its k shots) and ``root/test/<class>/NNN.png`` (held out),
+    torchvision's ImageFolder convention; the demo, the containers and the tests use it."""
+    root = Path(root)
+    splits = {
+        "train": client_train_set(domain, shots_per_class, client_index, seed, size),
+        "test": test_set(domain, test_per_class, seed, size),
+    }
+    for split, images in splits.items():
+        pixels = to_uint8(images.images)
+        for i, (image, label) in enumerate(zip(pixels, images.labels.tolist(), strict=True)):
+            folder = root / split / images.classes[label]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(image).save(folder / f"{i:04d}.png")
+    return root

@@ -19,6 +19,7 @@ from . import shapes
 FEATURE = "domain"  # one domain per client, k shots per class
 LABEL = ("dirichlet", "iid")  # one domain, labels split over the clients
 FEW_SHOT_TEMPLATE = "A {S} of {V}."  # Table 5: "A [STY] of [CLS]."
+OWN_FOLDER = "imagefolder"  # each institution's own folder; classes from the run config
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class DatasetSpec:
     n_s: int
     n_v: int
     partitionings: tuple[str, ...]
-    layout: str = "folders"  # generated (shapes) | folders (domain/class/image) | medmnist (.npz)
+    layout: str = "folders"  # generated | folders (domain/class/image) | medmnist | imagefolder
     split_lists: str = ""  # official split files, e.g. "{domain}_{split}.txt"; "" = hold out
     class_folders: tuple[str, ...] = ()  # on-disk folder of each class; () = same as classes
     domain_folders: tuple[tuple[str, ...], ...] = ()  # accepted folder names per domain
@@ -144,6 +145,17 @@ SPECS: dict[str, DatasetSpec] = {
             ("art", "clipart", "product", "real"),
             class_folders=OFFICEHOME_FOLDERS,
             domain_folders=(("Art",), ("Clipart",), ("Product",), ("Real World", "Real_World")),
+        ),
+        DatasetSpec(
+            name=OWN_FOLDER,
+            classes=(),  # the run config's classes
+            domains=(),  # each institution's node config names its own
+            default_domains=(),
+            prompt_template="a {S} of a {V}",
+            n_s=1,
+            n_v=1,
+            partitionings=(FEATURE,),
+            layout=OWN_FOLDER,
         ),
         _label_skew(
             "dermamnist",

@@ -1,58 +1,102 @@
-"""How a payload travels in a Flower message: one raw byte Array inside an ArrayRecord.
+"""How FedBiP's files travel in Flower messages: one raw byte Array inside an ArrayRecord.
 
 The only module of the library that imports Flower; the apps use it on both sides so the
-record names live in one place. Flower chunks Arrays on the wire (5 MiB, content-addressed), so
-large uploads stream; ConfigRecord bytes would not be chunked.
+record names live in one place. Two files ever travel: the client's payload (its one upload)
+and the trained classifier the server sends back for evaluation at the institutions. Flower
+chunks Arrays on the wire (5 MiB, content-addressed), so large files stream; ConfigRecord bytes
+would not be chunked.
 """
 
 from __future__ import annotations
 
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from .payload import PayloadError, check_size
 
 PAYLOAD_RECORD = "fedbip.payload"
-PAYLOAD_ARRAY = "safetensors"
+CLASSIFIER_RECORD = "fedbip.classifier"
+_WHAT = {PAYLOAD_RECORD: "FedBiP payload", CLASSIFIER_RECORD: "FedBiP classifier"}
+BLOB_ARRAY = "safetensors"
 METRICS_RECORD = "fedbip.metrics"
-PAYLOAD_STYPE = "raw/safetensors"
+CONFIG_RECORD = "fedbip.config"
+BLOB_STYPE = "raw/safetensors"
+UPLOADED = "uploaded"  # train config: client ids whose upload the server already holds
+CLIENT_ID = "client-id"  # reply config: who answered
+RUN_FOLDER = "run-folder"  # evaluate config: the run's folder name, kept by the institutions too
 
 
-def payload_content(blob: bytes, metrics: dict[str, int | float]) -> RecordDict:
-    array = Array(dtype="uint8", shape=(len(blob),), stype=PAYLOAD_STYPE, data=blob)
+def blob_record(blob: bytes) -> ArrayRecord:
+    """A file's bytes as one raw uint8 Array: Flower streams it in chunks."""
+    array = Array(dtype="uint8", shape=(len(blob),), stype=BLOB_STYPE, data=blob)
+    return ArrayRecord({BLOB_ARRAY: array})
+
+
+def payload_content(blob: bytes, metrics: dict, client_id: str) -> RecordDict:
+    """A client's reply to ``train``: its payload, its metrics and its id."""
     return RecordDict(
         {
-            PAYLOAD_RECORD: ArrayRecord({PAYLOAD_ARRAY: array}),
+            PAYLOAD_RECORD: blob_record(blob),
             METRICS_RECORD: MetricRecord(metrics),
+            CONFIG_RECORD: ConfigRecord({CLIENT_ID: client_id}),
         }
     )
 
 
+def skipped_content(client_id: str) -> RecordDict:
+    """A client's reply to ``train`` when the server already holds its upload: no payload."""
+    return RecordDict({CONFIG_RECORD: ConfigRecord({CLIENT_ID: client_id})})
+
+
+def train_content(uploaded: list[str]) -> RecordDict:
+    """The one ``train`` message: which client ids need not upload (their payload is on disk)."""
+    return RecordDict({CONFIG_RECORD: ConfigRecord({UPLOADED: list(uploaded)})})
+
+
+def evaluate_content(classifier: ArrayRecord, config: ConfigRecord) -> RecordDict:
+    """The ``evaluate`` message: the trained classifier (:func:`blob_record`) and its settings."""
+    return RecordDict({CLASSIFIER_RECORD: classifier, CONFIG_RECORD: config})
+
+
 def payload_bytes(reply: Message, max_bytes: int) -> bytes:
-    """The reply's payload, refused on size before anything parses or stores it.
-
-    The sender controls both the Array's declared shape and its data, so both are held to the
-    cap and to each other; only then are the bytes handed to the decoder.
-    """
-    array = _payload_array(reply)
-    if array.dtype != "uint8" or len(array.shape) != 1:
-        raise PayloadError(f"payload array must be 1-D uint8, got {array.dtype} {array.shape}")
-    declared, carried = int(array.shape[0]), len(array.data)
-    check_size(max(declared, carried), max_bytes)
-    if declared != carried:
-        raise PayloadError(f"payload array declares {declared} bytes but carries {carried}")
-    return bytes(array.data)
+    """The reply's payload, refused on size before anything parses or stores it."""
+    return _blob(reply, PAYLOAD_RECORD, max_bytes)
 
 
-def reply_metrics(reply: Message) -> dict[str, int | float]:
+def classifier_bytes(msg: Message, max_bytes: int) -> bytes:
+    """The classifier the server sent, refused on size like a payload."""
+    return _blob(msg, CLASSIFIER_RECORD, max_bytes)
+
+
+def reply_metrics(reply: Message) -> dict[str, int | float | list]:
     record = reply.content.metric_records.get(METRICS_RECORD)
     return dict(record) if record is not None else {}
 
 
-def _payload_array(reply: Message) -> Array:
-    record = reply.content.array_records.get(PAYLOAD_RECORD)
-    if record is None or PAYLOAD_ARRAY not in record:
-        raise PayloadError("the reply carries no FedBiP payload")
-    array = record[PAYLOAD_ARRAY]
-    if array.stype != PAYLOAD_STYPE:
-        raise PayloadError(f"payload array has stype '{array.stype}', expected '{PAYLOAD_STYPE}'")
-    return array
+def message_config(msg: Message) -> dict:
+    record = msg.content.config_records.get(CONFIG_RECORD)
+    return dict(record) if record is not None else {}
+
+
+def carries_payload(reply: Message) -> bool:
+    return PAYLOAD_RECORD in reply.content.array_records
+
+
+def _blob(msg: Message, record_name: str, max_bytes: int) -> bytes:
+    """The bytes of a blob record, checked before anything parses them.
+
+    The sender controls both the Array's declared shape and its data, so both are held to the
+    cap and to each other; only then are the bytes handed to a decoder.
+    """
+    record = msg.content.array_records.get(record_name)
+    if record is None or BLOB_ARRAY not in record:
+        raise PayloadError(f"the message carries no {_WHAT[record_name]}")
+    array = record[BLOB_ARRAY]
+    if array.stype != BLOB_STYPE:
+        raise PayloadError(f"{record_name} array has stype '{array.stype}', expected '{BLOB_STYPE}'")
+    if array.dtype != "uint8" or len(array.shape) != 1:
+        raise PayloadError(f"{record_name} array must be 1-D uint8, got {array.dtype} {array.shape}")
+    declared, carried = int(array.shape[0]), len(array.data)
+    check_size(max(declared, carried), max_bytes)
+    if declared != carried:
+        raise PayloadError(f"{record_name} array declares {declared} bytes but carries {carried}")
+    return bytes(array.data)

@@ -302,7 +302,7 @@ def personalize_all(
             data.domain,
             client_id,
             cfg,
-            seed=client_seed(seed, client_id),
+            generator=torch.Generator().manual_seed(client_seed(seed, client_id)),
         )
     return payloads
 

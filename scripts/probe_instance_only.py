@@ -47,7 +47,7 @@ def main() -> None:
                 domain,
                 f"{domain}-0",
                 cfg,
-                seed=1,
+                torch.Generator().manual_seed(1),
             )
             rows.append(synthesize_client(ldm, payload, synthesis_settings(cfg), seed=1).images)
             labels.append(template.replace("{", "[").replace("}", "]"))

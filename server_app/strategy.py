@@ -1,15 +1,23 @@
 """The one-shot FedBiP strategy: one ``train`` message per client, one reply each, never more.
 
-Each reply is size-checked before it is decoded, decoded and validated as untrusted
-input, and persisted atomically on arrival. A failed, missing or invalid reply is recorded with
-its reason; nothing a client sends can crash the server.
+Replies are pulled as they arrive and each is size-checked, decoded and validated as untrusted
+input and, if accepted, persisted atomically at once, with the node it came from: a ServerApp
+that dies mid-round loses no upload, and its restart sends ``train`` only to the nodes whose
+upload is not on disk (nodes that reconnect under a new id are told which client ids are held,
+and answer without personalizing). Institutions that connect while the round is open are sent
+``train`` too. Messages live as long as the round (``reply-timeout-s``), not Flower's 12-hour
+default. A failed, missing or invalid reply is recorded with its reason; nothing a client
+sends can crash the server.
+
+After training, :meth:`FedBiPStrategy.evaluate_at_institutions` sends the classifier back to
+every node that uploaded, in one ``evaluate`` message each, and records the metrics they reply.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from flwr.app import (
@@ -18,16 +26,26 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from fedbip_flwr.payload import Expectations, Payload, PayloadError
 from fedbip_flwr.server import RunFolder, accept_payload
-from fedbip_flwr.wire import payload_bytes, reply_metrics
+from fedbip_flwr.storage import write_json
+from fedbip_flwr.wire import (
+    CLIENT_ID,
+    blob_record,
+    carries_payload,
+    evaluate_content,
+    message_config,
+    payload_bytes,
+    reply_metrics,
+    train_content,
+)
 
 log = logging.getLogger("fedbip_flwr.strategy")
+KEPT = "its upload from before the restart is on disk; not asked again"
 
 
 class NotEnoughClients(RuntimeError):
@@ -39,7 +57,7 @@ class ClientOutcome:
     """What happened to one client's upload; written to metrics.json."""
 
     node_id: int
-    status: str  # accepted | rejected | failed | missing
+    status: str  # accepted | kept (uploaded before a restart) | rejected | failed | missing
     reason: str = ""
     client_id: str = ""
     domain: str = ""
@@ -63,7 +81,7 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, poll_s: float = 1
 
 
 class FedBiPStrategy(Strategy):
-    """Exactly one round: send ``train`` once to every node, collect and persist payloads."""
+    """Exactly one round: ``train`` once to every node, each payload persisted as it arrives."""
 
     def __init__(
         self,
@@ -73,53 +91,71 @@ class FedBiPStrategy(Strategy):
         min_clients: int,
         wait_for_clients_s: float,
         already_accepted: Iterable[str] = (),
+        uploaded_by_node: Mapping[int, str] | None = None,
+        poll_s: float = 1.0,
     ) -> None:
         self.expect = expect
         self.folder = folder
         self.min_clients = min_clients
         self.wait_for_clients_s = wait_for_clients_s
+        self.poll_s = poll_s
         self.sent_to: list[int] = []
-        self.outcomes: list[ClientOutcome] = []
+        self._replied: set[int] = set()
         self.accepted: dict[str, Payload] = {}
         self._taken = set(already_accepted)
+        self.uploaded_by_node: dict[int, str] = dict(uploaded_by_node or {})
+        self.outcomes = [
+            ClientOutcome(node, "kept", KEPT, client_id=client)
+            for node, client in sorted(self.uploaded_by_node.items())
+        ]
+        self._ttl = 3600.0
 
     # --- Strategy API ---------------------------------------------------------------------
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        if self.sent_to:
-            raise RuntimeError("FedBiP is one-shot: the train message was already sent")
-        nodes = wait_for_nodes(grid, self.min_clients, self.wait_for_clients_s)
-        self.sent_to = list(nodes)
-        log.info("sending the one train message to %d clients", len(nodes))
-        content = RecordDict({"config": config})
+        """``train`` for every connected node not yet asked whose upload is not on disk."""
+        nodes = [
+            n for n in sorted(grid.get_node_ids())
+            if n not in self.sent_to and n not in self.uploaded_by_node
+        ]  # fmt: skip
+        self.sent_to += nodes
+        content = train_content(sorted(self._taken))
         return [
-            Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN)
+            Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
+                    ttl=self._ttl)
             for node in nodes
-        ]
+        ]  # fmt: skip
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replied = set()
+        """Take every reply: each accepted payload is on disk before the next is looked at."""
         for reply in replies:
-            replied.add(reply.metadata.src_node_id)
+            self._replied.add(reply.metadata.src_node_id)
             self.outcomes.append(self._take(reply))
-        for node in self.sent_to:
-            if node not in replied:
-                self.outcomes.append(ClientOutcome(node, "missing", "no reply before the timeout"))
-                log.warning("client on node %d: no reply before the timeout", node)
-        counts = {s: sum(o.status == s for o in self.outcomes) for s in ("accepted", "rejected", "failed", "missing")}
+        counts = {
+            s: sum(o.status == s for o in self.outcomes)
+            for s in ("accepted", "kept", "rejected", "failed", "missing")
+        }
         return None, MetricRecord(counts)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        return []  # evaluation happens on the server; clients are never contacted twice
+        """The classifier (one raw safetensors array) for every connected node that uploaded."""
+        if not self.uploaded_by_node:
+            return []
+        connected = set(grid.get_node_ids())
+        return [
+            Message(content=evaluate_content(arrays, config), dst_node_id=node,
+                    message_type=MessageType.EVALUATE, ttl=self._ttl)
+            for node in sorted(self.uploaded_by_node) if node in connected
+        ]  # fmt: skip
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
+        return None  # see evaluate_at_institutions: metrics are kept per institution
 
     def summary(self) -> None:
         log.info(
@@ -138,16 +174,46 @@ class FedBiPStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: None = None,
     ) -> Result:
-        """The single round. Other round counts are refused: an upload happens once."""
+        """The single round, open for ``timeout`` seconds. Other round counts are refused."""
         if num_rounds != 1:
             raise ValueError(f"FedBiP runs exactly one round, not {num_rounds}")
+        if self.sent_to:
+            raise RuntimeError("FedBiP is one-shot: the train message was already sent")
         self.summary()
-        messages = self.configure_train(1, initial_arrays or ArrayRecord(), train_config or ConfigRecord(), grid)
-        replies = grid.send_and_receive(messages, timeout=timeout)
-        _, metrics = self.aggregate_train(1, replies)
+        self._ttl = timeout
+        deadline = time.monotonic() + timeout
+        wait_for_nodes(grid, self.min_clients, self.wait_for_clients_s, self.poll_s)
+        pending: set[str] = set()  # ids of train messages not answered yet
+        metrics = MetricRecord()
+        while True:
+            self._send(grid, pending, train_config or ConfigRecord())
+            if not pending or time.monotonic() >= deadline:
+                break
+            replies = list(grid.pull_messages(sorted(pending)))
+            for reply in replies:
+                pending.discard(reply.metadata.reply_to_message_id)
+            _, metrics = self.aggregate_train(1, replies)
+            if pending:
+                time.sleep(self.poll_s)
+        self.finish_round()
         result = Result()
         result.train_metrics_clientapp[1] = metrics
         return result
+
+    def finish_round(self) -> None:
+        """Every node that was sent ``train`` and has not replied is recorded as missing."""
+        for node in self.sent_to:
+            if node not in self._replied:
+                self.outcomes.append(ClientOutcome(node, "missing", "no reply before the timeout"))
+                log.warning("client on node %d: no reply before the timeout", node)
+
+    def _send(self, grid: Grid, pending: set[str], config: ConfigRecord) -> None:
+        messages = list(self.configure_train(1, ArrayRecord(), config, grid))
+        if not messages:
+            return
+        pending.update(grid.push_messages(messages))
+        log.info("sent the one train message to %d client(s) (%d in all)",
+                 len(messages), len(self.sent_to))
 
     # --- one reply ------------------------------------------------------------------------
 
@@ -159,6 +225,8 @@ class FedBiPStrategy(Strategy):
         outcome = ClientOutcome(node, "rejected")
         try:
             outcome.metrics = reply_metrics(reply)
+            if not carries_payload(reply) and message_config(reply).get(CLIENT_ID) in self._taken:
+                return self._kept(outcome, str(message_config(reply)[CLIENT_ID]))
             blob = payload_bytes(reply, self.expect.max_bytes)  # size-capped before decoding
             outcome.payload_bytes = len(blob)
             payload = accept_payload(blob, self.expect, self.folder, self._taken)
@@ -171,11 +239,60 @@ class FedBiPStrategy(Strategy):
             outcome.status = "accepted"
             outcome.client_id, outcome.domain = payload.meta.client_id, payload.meta.domain
             self.accepted[payload.meta.client_id] = payload
+            self._remember(node, payload.meta.client_id)
             log.info("accepted %s (%s, %d images, %.2f MB)", outcome.client_id, outcome.domain,
                      payload.meta.num_examples, outcome.payload_bytes / 1e6)
             return outcome
         log.warning("rejected the reply of node %d: %s", node, outcome.reason)
         return outcome
+
+    def _kept(self, outcome: ClientOutcome, client_id: str) -> ClientOutcome:
+        """A node whose upload an earlier attempt of this run already holds (its id changed)."""
+        outcome.status, outcome.client_id, outcome.reason = "kept", client_id, KEPT
+        self._remember(outcome.node_id, client_id)
+        log.info("%s: upload already on disk, not asked to personalize again", client_id)
+        return outcome
+
+    def _remember(self, node: int, client_id: str) -> None:
+        """Which node uploaded what, on disk at once: a restart skips those nodes."""
+        self.uploaded_by_node[node] = client_id
+        write_json(self.folder.uploaders, {str(n): c for n, c in self.uploaded_by_node.items()})
+
+    # --- the classifier back at the institutions -------------------------------------------
+
+    def evaluate_at_institutions(
+        self, grid: Grid, classifier: bytes, config: dict, timeout: float
+    ) -> dict[str, dict]:
+        """Send the classifier to every node that uploaded; their metrics, by client id."""
+        messages = list(self.configure_evaluate(1, blob_record(classifier), ConfigRecord(config), grid))
+        by_node = dict(self.uploaded_by_node)
+        asked = {m.metadata.dst_node_id for m in messages}
+        results = {
+            client: {"status": "failed", "reason": "no reply before the timeout" if node in asked
+                     else "not connected under the node id it uploaded from"}
+            for node, client in by_node.items()
+        }  # fmt: skip
+        if not messages:
+            log.warning("no institution that uploaded is connected: nothing scored at the clients")
+            return results
+        log.info("sending the classifier to %d institution(s) to score", len(messages))
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            client = by_node.get(reply.metadata.src_node_id, "")
+            if reply.has_error():
+                results[client] = {"status": "failed", "reason": reply.error.reason}
+                log.warning("%s could not score the classifier: %s", client, reply.error.reason)
+            else:
+                results[client] = {"status": "ok", **_evaluation_metrics(reply_metrics(reply))}
+        return results
+
+
+def _evaluation_metrics(metrics: dict) -> dict:
+    return {
+        "accuracy": float(metrics.get("accuracy", float("nan"))),
+        "num_examples": int(metrics.get("num-examples", 0)),
+        "per_class_correct": list(metrics.get("per-class-correct", [])),
+        "per_class_total": list(metrics.get("per-class-total", [])),
+    }
 
 
 def outcomes_json(outcomes: Iterable[ClientOutcome]) -> list[dict]:

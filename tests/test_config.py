@@ -85,10 +85,19 @@ def test_bad_config_is_one_sentence(flat, needle):
     assert "\n" not in str(err.value)
 
 
-def test_an_institutions_node_config_sets_its_own_data_root():
-    from client_app.app import node_overrides
+def test_an_institutions_node_config_wins_over_the_run_config():
+    """The ClientApp's merge: the node's own keys over the run config, the rest untouched."""
+    from flwr.app import Context, RecordDict
 
-    run = {"data-root": "/shared/default", "seed": 3}
-    node = {"partition-id": 0, "num-partitions": 3, "data-root": "/hospital-a/images"}
-    assert node_overrides(run, node) == {"data-root": "/hospital-a/images", "seed": 3}
-    assert node_overrides(run, {"partition-id": 1}) == run
+    from client_app.app import configs
+
+    run = {"data-root": "/shared/default", "seed": 3, "device": "auto"}
+    node = {"partition-id": 0, "num-partitions": 3, "data-root": "/hospital-a/images",
+            "device": "cpu"}
+    context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
+    cfg, node_cfg = configs(context)
+    assert (cfg.data_root, cfg.device, cfg.seed) == ("/hospital-a/images", "cpu", 3)
+    assert node_cfg.partition_id == 0
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 1}, state=RecordDict(),
+                      run_config=run)
+    assert configs(context)[0].data_root == "/shared/default"

@@ -43,8 +43,8 @@ def demo(tmp_path_factory, tiny_model_dir):
     }
     env = flwr_env(work / "flwr-home")
     proc = subprocess.Popen(
-        [str(DEPLOY / "demo.sh"), "-n", str(NUM_SUPERNODES), "-p", str(port), str(work),
-         "--run-config", as_run_config(values)],
+        [str(DEPLOY / "demo.sh"), "-n", str(NUM_SUPERNODES), "-p", str(port), "-k", "3",
+         "-t", "4", str(work), "--run-config", as_run_config(values)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -60,16 +60,32 @@ def demo(tmp_path_factory, tiny_model_dir):
 
 
 def test_demo_runs_the_federation_to_completion(demo):
+    """Three institutions, each with its own image folder and identity in its node config; the
+    server holds no image, so the scores come from the institutions themselves."""
     assert demo["returncode"] == 0, demo["output"][-6000:]
     assert "finished:completed" in demo["output"]
     assert f"{NUM_SUPERNODES} SuperNodes online" in demo["output"]
     assert demo["leftovers"] == [], "deploy/demo.sh left processes running"
-    metrics = json.loads((demo["work"] / "outputs" / "deployment" / "metrics.json").read_text())
+    run = demo["work"] / "outputs" / "deployment"
+    metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["status"] == "completed"
+    assert metrics["config"]["dataset"] == "imagefolder"
+    assert metrics["config"]["evaluation"] == "clients"
+    assert metrics["config"]["model"] == demo["model"]  # the run config reached the ServerApp
     accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
     assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
-    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "quickdraw", "painting"}
-    assert metrics["config"]["model"] == demo["model"]  # the run config reached the ServerApp
+    assert "per_domain" not in metrics["accuracy"], "the server scored on data it cannot hold"
+    per_client = metrics["evaluation"]["per_client"]
+    assert sorted(per_client) == accepted
+    for client, result in per_client.items():
+        assert result["status"] == "ok", (client, result)
+        assert result["num_examples"] == 6 * 4  # the institution's own test/ folder
+    assert 0.0 <= metrics["evaluation"]["weighted_mean"] <= 1.0
+    for i in range(NUM_SUPERNODES):
+        client = ("sketch-0", "quickdraw-0", "painting-0")[i]
+        kept = (demo["work"] / "institutions" / f"institution-{i}" / "deployment" / "institutions"
+                / client / "classifier.safetensors")
+        assert kept.read_bytes() == (run / "classifier.safetensors").read_bytes()
 
 
 def test_demo_secured_every_connection(demo):
@@ -78,7 +94,7 @@ def test_demo_secured_every_connection(demo):
     assert "running on https://127.0.0.1" in superlink
     assert "SuperNode authentication is disabled" not in superlink
     for i in range(NUM_SUPERNODES):
-        assert (demo["work"] / "data" / f"institution-{i}").is_dir()
+        assert (demo["work"] / "data" / f"institution-{i}" / "train").is_dir()
     # Each SuperNode registered exactly once with its own key.
     assert (logs / "register.log").read_text().count("registered successfully") == NUM_SUPERNODES
 

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import personalize
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.client import client_generator, personalize
+from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.server import client_seed
 from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
 
 SMALL = {
@@ -26,6 +26,7 @@ SMALL = {
     "multiplier": 1,
     "classifier-epochs": 2,
     "run-name": '"e2e"',
+    "replayable-client-noise": "true",  # simulation opt-in: lets tests recompute payloads
 }
 
 
@@ -68,6 +69,38 @@ def test_run_completes_and_writes_outputs(e2e_run):
     ]
 
 
+def test_run_writes_a_report_naming_every_client_and_linking_pictures_that_exist(e2e_run):
+    folder = e2e_run["folder"]
+    report = (folder / "report.md").read_text()
+    for name in ("sketch-0", "quickdraw-0", "painting-0", "sketch", "quickdraw", "painting"):
+        assert name in report
+    linked = re.findall(r"\]\(([^)]+\.png)\)", report)
+    assert {"grid-sketch-0.png", "classifier-curves.png"} <= set(linked), linked
+    assert all((folder / name).is_file() for name in linked)
+
+
+def test_institutions_score_the_classifier_they_get_back(e2e_run):
+    """evaluation = both (the default): each client scores the classifier on its own domain's
+    held-out images, which are the server's test set here, and keeps the classifier file."""
+    folder = e2e_run["folder"]
+    metrics = json.loads((folder / "metrics.json").read_text())
+    per_client = metrics["evaluation"]["per_client"]
+    assert sorted(per_client) == ["painting-0", "quickdraw-0", "sketch-0"]
+    test_size = 6 * 4  # classes x test-per-class
+    for client, result in per_client.items():
+        assert result["status"] == "ok", result
+        assert result["num_examples"] == sum(result["per_class_total"]) == test_size
+        assert result["accuracy"] == pytest.approx(sum(result["per_class_correct"]) / test_size)
+        server_side = metrics["accuracy"]["per_domain"][client.split("-")[0]]
+        assert result["accuracy"] == pytest.approx(server_side, abs=1 / test_size + 1e-9)
+        kept = folder / "institutions" / client / "classifier.safetensors"
+        assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()
+    assert metrics["evaluation"]["weighted_mean"] == pytest.approx(
+        sum(r["accuracy"] for r in per_client.values()) / 3
+    )
+    assert len(metrics["classifier"]["epoch_loss"]) == 2
+
+
 def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_dir):
     """Plain safetensors reads them, and a local recomputation gives the same tensors."""
     cfg = FedBiPConfig.from_flat(
@@ -83,7 +116,7 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
         data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
         local, _ = personalize(
             ldm, data.images, data.labels, list(data.classes), domain, f"{domain}-0", cfg,
-            seed=client_seed(cfg.seed, f"{domain}-0"),
+            generator=client_generator(cfg, NodeConfig(), f"{domain}-0"),
         )
         assert torch.equal(stored["labels"], local.labels)
         assert torch.allclose(stored["latents"], local.latents, atol=1e-5)

@@ -39,10 +39,10 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from fedbip_flwr.payload import MAX_HEADER_BYTES, Payload, encode_payload
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.wire import (
+    BLOB_ARRAY,
+    BLOB_STYPE,
     METRICS_RECORD,
-    PAYLOAD_ARRAY,
     PAYLOAD_RECORD,
-    PAYLOAD_STYPE,
     payload_content,
 )
 from server_app.strategy import ClientOutcome, FedBiPStrategy
@@ -67,7 +67,7 @@ METRICS = {"num-examples": N}
 
 
 def upload(blob: bytes) -> RecordDict:
-    return payload_content(blob, METRICS)
+    return payload_content(blob, METRICS, "fuzz")
 
 
 def valid_blob(client_id: str, domain: str, seed: int) -> bytes:
@@ -84,10 +84,10 @@ def for_another_server(tensors: dict[str, torch.Tensor] | None = None, **meta: A
 
 
 def raw_array(data: bytes, *, dtype: str = "uint8", shape: tuple[int, ...] | None = None,
-              stype: str = PAYLOAD_STYPE) -> RecordDict:
+              stype: str = BLOB_STYPE) -> RecordDict:
     """A payload record whose Array fields a client chose freely: Flower does not check them."""
     array = Array(dtype=dtype, shape=shape or (len(data),), stype=stype, data=data)
-    return RecordDict({PAYLOAD_RECORD: ArrayRecord({PAYLOAD_ARRAY: array})})
+    return RecordDict({PAYLOAD_RECORD: ArrayRecord({BLOB_ARRAY: array})})
 
 
 def _duplicate_tensor_entry() -> bytes:
@@ -163,7 +163,7 @@ STRUCTURED: dict[str, tuple[Callable[[], RecordDict], str]] = {
         "carries no FedBiP payload",
     ),
     "numpy array, not raw bytes": (
-        lambda: RecordDict({PAYLOAD_RECORD: ArrayRecord({PAYLOAD_ARRAY: Array(torch.zeros(3))})}),
+        lambda: RecordDict({PAYLOAD_RECORD: ArrayRecord({BLOB_ARRAY: Array(torch.zeros(3))})}),
         "stype",
     ),
     "float32 array": (lambda: raw_array(bytes(8), dtype="float32", shape=(2,)), "1-D uint8"),
@@ -200,6 +200,7 @@ def one_round(folder: Path, contents: list[RecordDict | Error]) -> dict[int, Cli
     strategy = FedBiPStrategy(SERVER, RunFolder(folder), min_clients=1, wait_for_clients_s=1)
     strategy.sent_to = list(range(1, len(contents) + 2))  # what configure_train records
     strategy.aggregate_train(1, [over_the_wire(n, c) for n, c in enumerate(contents, start=1)])
+    strategy.finish_round()
     return {outcome.node_id: outcome for outcome in strategy.outcomes}
 
 
@@ -337,7 +338,7 @@ def train(msg, context):
         return reply
     payload = decode_payload(payload_bytes(reply, 2**40))
     foreign = replace(payload, meta=payload.meta.model_copy(update={"base_model": "another-ldm"}))
-    content = payload_content(encode_payload(foreign), reply_metrics(reply))
+    content = payload_content(encode_payload(foreign), reply_metrics(reply), "foreign")
     return Message(content=content, reply_to=msg)
 '''
 

@@ -75,6 +75,7 @@ def test_specs_follow_table_5() -> None:
     assert sizes == {
         "shapes": (6, 5, 1, 1), "domainnet": (10, 6, 1, 1), "pacs": (7, 4, 1, 1),
         "officehome": (20, 4, 1, 1), "dermamnist": (7, 1, 2, 4), "ucm": (21, 1, 3, 3),
+        "imagefolder": (0, 0, 1, 1),  # classes from the run config, domains from the nodes
     }  # fmt: skip
     for name in ("domainnet", "pacs", "officehome"):
         assert SPECS[name].prompt_template == "A {S} of {V}."
@@ -377,7 +378,8 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path, tiny_ld
     )  # fmt: skip
     data = dataset.load_client_data(cfg, 1, 2)
     payload, _ = personalize(
-        tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg, 0
+        tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
+        torch.Generator().manual_seed(0),
     )
     expect = expectations(cfg, tiny_ldm, dataset.class_names(cfg))
     folder = RunFolder(tmp_path / "run")
