@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedbip_flwr import shapes
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
     Payload,
@@ -22,6 +23,8 @@ from fedbip_flwr.payload import (
     load_payload,
     summarize,
 )
+from fedbip_flwr.report import write_report
+from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
 
@@ -31,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedbip", description="Tools around a FedBiP run.")
     subcommands = parser.add_subparsers(dest="command", required=True)
     _add_inspect(subcommands)
+    _add_report(subcommands)
+    _add_export_concepts(subcommands)
+    _add_shapes_folder(subcommands)
     return parser
 
 
@@ -104,6 +110,86 @@ def _cell(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]"
     return str(value)
+
+
+def _add_report(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    report = subcommands.add_parser(
+        "report",
+        help="rebuild a run folder's report.md from its metrics.json and PNGs",
+        description="Write RUN_DIR/report.md and its curve PNGs from RUN_DIR/metrics.json, "
+        "linking the grids already there. Exit status 0: written; 1: no readable metrics.json.",
+    )
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (outputs/...)")
+    report.set_defaults(func=_run_report)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    try:
+        path = write_report(args.run_dir)
+    except (OSError, ValueError) as err:
+        print(f"fedbip report: no report for '{args.run_dir}': {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_export_concepts(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    export = subcommands.add_parser(
+        "export-concepts",
+        help="write a payload's concepts S and V as textual-inversion embeddings for diffusers",
+        description="Write each concept of a token-space payload as a diffusers textual-inversion "
+        "file (pipe.load_textual_inversion(FILE) on a pipeline of the same base model) and an "
+        "index, concepts.json. Exit status 0: written; 1: invalid payload or hidden-space "
+        "concepts.",
+    )
+    export.add_argument("payload", type=Path, help="payload file (.safetensors)")
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write into")
+    export.set_defaults(func=_run_export_concepts)
+
+
+def _run_export_concepts(args: argparse.Namespace) -> int:
+    """One line per token written, then a prompt that uses them."""
+    try:
+        payload = load_payload(args.payload)
+        exported = export_concepts(payload, args.out_dir)
+    except (PayloadError, ExportError, OSError) as err:
+        print(f"fedbip export-concepts: {err}", file=sys.stderr)
+        return 1
+    print(f"base model: {payload.meta.base_model}")
+    width = max(len(concept.token) for concept in exported)
+    for concept in exported:
+        vectors = f"{concept.vectors} vector{'s' if concept.vectors > 1 else ''}"
+        where = args.out_dir / concept.file
+        print(f"{concept.token:<{width}}  {concept.kind} '{concept.name}', {vectors}: {where}")
+    print(f"example prompt: {example_prompt(payload)}")
+    return 0
+
+
+def _add_shapes_folder(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    folder = subcommands.add_parser(
+        "shapes-folder",
+        help="write one client's images of the built-in world as an institution's image folder",
+        description="Write OUT/train/<class>/*.png (one client's k shots of DOMAIN) and "
+        "OUT/test/<class>/*.png (held-out images): an institution's folder for dataset "
+        "imagefolder, made from the built-in shapes world for demos and tests.",
+    )
+    folder.add_argument("domain", choices=shapes.DOMAINS, help="visual domain")
+    folder.add_argument("out", type=Path, metavar="OUT", help="folder to write into")
+    folder.add_argument("--shots", type=int, default=16, help="training images per class (%(default)s)")
+    folder.add_argument("--test-per-class", type=int, default=50, help="held-out images per class (%(default)s)")
+    folder.add_argument("--client-index", type=int, default=0, help="which client of the domain (%(default)s)")
+    folder.add_argument("--seed", type=int, default=0, help="world seed (%(default)s)")
+    folder.add_argument("--size", type=int, default=64, help="image side in pixels (%(default)s)")
+    folder.set_defaults(func=_run_shapes_folder)
+
+
+def _run_shapes_folder(args: argparse.Namespace) -> int:
+    root = shapes.write_image_folder(
+        args.out, args.domain, args.shots, args.test_per_class, args.client_index, args.seed,
+        args.size,
+    )
+    print(f"wrote {root}/train and {root}/test; classes: {','.join(shapes.CLASSES)}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,14 +6,18 @@ because each one pays the torch import on its own.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
-from test_payload import N, make_payload, meta_strings, raw_blob, with_header
+from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, with_header
+from test_report import ACCEPTED, completed_metrics, run_folder
 
 from fedbip_flwr.cli import main
 from fedbip_flwr.payload import encode_payload, save_payload
@@ -132,3 +136,60 @@ def test_cli_requires_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
         main([])
     assert info.value.code == 2
     assert "inspect" in capsys.readouterr().err
+
+
+def test_report_rebuilds_report_md(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = run_folder(tmp_path / "run-1", completed_metrics(), grids=list(ACCEPTED))
+    assert main(["report", str(folder)]) == 0
+    assert capsys.readouterr().out == f"wrote {folder / 'report.md'}\n"
+    report = (folder / "report.md").read_text()
+    assert all(f"grid-{client_id}.png" in report.replace("%20", " ") for client_id in ACCEPTED)
+
+
+def test_report_without_metrics_exits_1_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"fedbip report: no report for '{tmp_path}': ")
+    assert "metrics.json" in captured.err
+    assert len(captured.err.splitlines()) == 1
+
+
+def test_export_concepts_writes_one_diffusers_file_per_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    payload = make_payload()  # n_s = 1, n_v = 2, classes cat, dog, fish
+    path = save_payload(payload, tmp_path / "p.safetensors")
+    out = tmp_path / "concepts"
+    assert main(["export-concepts", str(path), str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"base model: {payload.meta.base_model}"
+    assert lines[1] == f"<sketch>  domain 'sketch', 1 vector: {out / 'domain-sketch.safetensors'}"
+    assert lines[3] == f"<dog>     class 'dog', 2 vectors: {out / 'class-dog.safetensors'}"
+    assert lines[-1] == "example prompt: a <sketch> style of a <cat>"
+
+    expected = {"domain-sketch": ("<sketch>", payload.domain_concept)}
+    for i, name in enumerate(["cat", "dog", "fish"]):
+        expected[f"class-{name}"] = (f"<{name}>", payload.class_concepts[i])
+    for name, (token, vectors) in expected.items():
+        tensors = safetensors.torch.load_file(str(out / f"{name}.safetensors"))
+        assert list(tensors) == [token]
+        assert torch.equal(tensors[token], vectors)
+    index = json.loads((out / "concepts.json").read_text())
+    assert [c["token"] for c in index["concepts"]] == ["<sketch>", "<cat>", "<dog>", "<fish>"]
+    assert index["base_model"] == payload.meta.base_model
+
+
+def test_export_concepts_refuses_hidden_space_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hidden = dataclasses.replace(make_payload(), meta=make_meta(concept_space="hidden"))
+    path = save_payload(hidden, tmp_path / "hidden.safetensors")
+    assert main(["export-concepts", str(path), str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert 'concept-space = "token"' in captured.err
+    assert len(captured.err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()

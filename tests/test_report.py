@@ -1,0 +1,140 @@
+"""report.md: built from a hand-made run folder, it names every client and domain and links
+only PNGs that exist; older or failed runs (keys missing) still get an honest report."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import pytest
+from PIL import Image
+
+from fedbip_flwr.report import CLASSIFIER_PNG, write_report
+
+ACCEPTED = {"sketch-0": "sketch", "quickdraw 1": "quickdraw", "painting-0": "painting"}
+
+
+def client(client_id: str, domain: str, **metrics: Any) -> dict[str, Any]:
+    return {
+        "node_id": 100 + len(client_id),
+        "status": "accepted",
+        "reason": "",
+        "client_id": client_id,
+        "domain": domain,
+        "payload_bytes": 412_345,
+        "metrics": {"seconds-total": 66.0, **metrics},
+    }
+
+
+def completed_metrics() -> dict[str, Any]:
+    """Every key a run writes today plus the optional curves and per-institution scores."""
+    clients = [
+        client(cid, dom, **{"concept-losses": [0.5, 0.4, 0.3]}) for cid, dom in ACCEPTED.items()
+    ]
+    clients.append(
+        {"node_id": 7, "status": "failed", "reason": "ClientApp raised | out of\nmemory",
+         "client_id": "", "domain": "", "payload_bytes": 0, "metrics": None}
+    )
+    return {
+        "status": "completed",
+        "clients": clients,
+        "accuracy": {
+            "per_domain": {"sketch": 0.693, "quickdraw": 0.6, "painting": 0.8},
+            "mean": 0.6977,
+            "num_synthetic_images": 576,
+            "classifier_seconds": 143.0,
+        },
+        "seconds": {"load-model": 2.5, "round": 66.0, "synthesis": 175.0, "classifier": 143.0},
+        "classifier": {"epoch_loss": [1.8, 1.1, 0.7], "epoch_accuracy": [0.3, 0.6, 0.8]},
+        "evaluation": {
+            "where": "both",
+            "per_client": {
+                "sketch-0": {"accuracy": 0.7, "num_examples": 300, "status": "ok", "reason": ""},
+                "quickdraw 1": {"accuracy": 0.5, "num_examples": 100, "status": "ok", "reason": ""},
+            },
+            "weighted_mean": 0.65,
+        },
+        "config": {"seed": 0},
+    }
+
+
+def run_folder(root: Path, metrics: dict[str, Any], grids: list[str]) -> Path:
+    root.mkdir()
+    (root / "metrics.json").write_text(json.dumps(metrics, sort_keys=True))  # as the server
+    for client_id in grids:
+        Image.new("RGB", (8, 4), "white").save(root / f"grid-{client_id}.png")
+    return root
+
+
+def linked_images(report: str) -> list[str]:
+    return [unquote(target) for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)]
+
+
+def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: Path) -> None:
+    folder = run_folder(tmp_path / "run-7", completed_metrics(), grids=list(ACCEPTED))
+    report = write_report(folder).read_text()
+
+    assert report.startswith("# FedBiP run `run-7`")
+    assert "**Status: completed.** Mean accuracy 69.8% over 3 domain(s)" in report
+    for client_id, domain in ACCEPTED.items():
+        row = rf"\| {re.escape(client_id)} +\| {domain} +\| accepted +\| +412\.3 kB"
+        assert re.search(row, report)
+        assert f"### {client_id} ({domain})" in report
+    failed = r"\| node 7 +\| +\| failed .*\| ClientApp raised \\\| out of memory +\|"
+    assert re.search(failed, report)
+    assert "| sketch    |     69.3% |" in report
+    assert "| **mean**  | **69.8%** |" in report
+    assert "| synthesis  |     2 min 55 s |" in report
+    phases = re.findall(r"^\| (load-model|round|synthesis|classifier) ", report, re.MULTILINE)
+    assert phases == ["load-model", "round", "synthesis", "classifier"]  # run order, not sorted
+    assert '(run config `evaluation = "both"`)' in report
+    assert re.search(r"\| quickdraw 1 +\| +50\.0% +\| +100 \| ok", report)
+    assert "Mean weighted by test images: **65.0%**." in report
+
+    linked = linked_images(report)
+    expected = {f"grid-{c}.png" for c in ACCEPTED} | {f"concept-loss-{c}.png" for c in ACCEPTED}
+    assert set(linked) == expected | {CLASSIFIER_PNG}
+    for name in linked:
+        with Image.open(folder / name) as image:
+            assert image.format == "PNG"
+    assert "grid-quickdraw%201.png" in report  # a client id with a space still links
+
+
+def test_report_of_a_failed_run_has_status_reason_and_no_dangling_links(tmp_path: Path) -> None:
+    metrics = {
+        "status": "failed",
+        "reason": "only 1 valid payload(s); min-clients is 2",
+        "clients": [client("sketch-0", "sketch"), {"node_id": 9, "status": "missing"}],
+        "config": {},
+    }
+    folder = run_folder(tmp_path / "run-8", metrics, grids=[])
+    report = write_report(folder).read_text()
+
+    assert "**Status: failed.** only 1 valid payload(s); min-clients is 2" in report
+    assert "sketch-0" in report and "node 9" in report
+    for absent in ("## Accuracy", "## Time per phase", "## Concept learning", "## Classifier"):
+        assert absent not in report
+    assert linked_images(report) == []
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.json", "report.md"]
+
+
+def test_rebuilding_gives_the_same_report(tmp_path: Path) -> None:
+    folder = run_folder(tmp_path / "run-9", completed_metrics(), grids=["sketch-0"])
+    first = write_report(folder).read_text()
+    assert write_report(folder).read_text() == first
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [(None, FileNotFoundError), ("[1, 2]", ValueError), ("{not json", ValueError)],
+    ids=["missing", "json list", "not json"],
+)
+def test_unreadable_metrics_raise(tmp_path: Path, content: str | None, error: type) -> None:
+    if content is not None:
+        (tmp_path / "metrics.json").write_text(content)
+    with pytest.raises(error):
+        write_report(tmp_path)
+    assert not (tmp_path / "report.md").exists()
