@@ -10,6 +10,22 @@
 #   PIP_INSTALL_ARGS  extra pip arguments (an index, certificates, pinned torch variants)
 # Model weights, data, credentials and outputs are mounted at run time, never baked in.
 ARG BASE_IMAGE=flwr/superexec:1.41.0
+
+# The project's runtime requirements, read from pyproject.toml in a stage of their own: the
+# install below then depends on this list alone, so editing anything else in pyproject.toml
+# (run config defaults, tool settings) reuses the cached dependency layer. The image already has
+# flwr 1.41.0; the simulation extra (Ray) is not needed in an executor, so the pin is kept and
+# the extra dropped.
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import sys; \
+tomllib = __import__('tomllib' if sys.version_info >= (3, 11) else 'pip._vendor.tomli', \
+                     fromlist=['load']); \
+deps = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']; \
+deps = [d.replace('flwr[simulation]==', 'flwr==') for d in deps]; \
+assert 'flwr==1.41.0' in deps, deps; \
+print(chr(10).join(deps))" > /tmp/requirements.txt
+
 FROM ${BASE_IMAGE}
 ARG PIP_INSTALL_ARGS=""
 
@@ -17,16 +33,9 @@ USER root
 RUN mkdir -p /app/src /app/models /app/outputs /app/data && chown -R app:app /app
 USER app
 WORKDIR /app/src
-# Dependencies first, in a layer that only pyproject.toml invalidates: the project's metadata
-# with empty packages. The image already has flwr 1.41.0; the simulation extra (Ray) is not
-# needed in an executor, so the pin is kept and the extra dropped.
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
+RUN python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} -r /tmp/requirements.txt
 COPY --chown=app:app pyproject.toml ./
-RUN sed -i 's/"flwr\[simulation\]==/"flwr==/' pyproject.toml \
-    && grep -q '"flwr==1.41.0"' pyproject.toml \
-    && mkdir -p fedbip_flwr client_app server_app \
-    && touch README.md fedbip_flwr/__init__.py client_app/__init__.py server_app/__init__.py \
-    && python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} . \
-    && python -m pip uninstall -y fedbip-flwr
 COPY --chown=app:app README.md ./
 COPY --chown=app:app fedbip_flwr fedbip_flwr
 COPY --chown=app:app client_app client_app

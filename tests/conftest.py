@@ -27,22 +27,11 @@ def tiny_ldm(tiny_model_dir: Path) -> LDM:
     return load_ldm(tiny_model_dir)
 
 
-# Opt-in tests: `compose` builds images and runs the whole docker/compose.yaml topology (many
-# minutes). They run only when selected with `-m compose`; then nothing else skips them.
-OPT_IN_MARKERS = {"compose": "builds and runs docker/compose.yaml with podman; run with -m compose"}
+# `compose` builds images and runs the whole docker/compose.yaml topology with podman. It is part
+# of the default run (`python -m pytest -q tests`); `-m "not compose"` leaves it out.
+MARKERS = {"compose": "builds and runs docker/compose.yaml with podman; deselect: -m 'not compose'"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for name, description in OPT_IN_MARKERS.items():
+    for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    selected = config.getoption("markexpr") or ""
-    for name, description in OPT_IN_MARKERS.items():
-        if name in selected:
-            continue
-        skip = pytest.mark.skip(reason=f"opt-in: {description}")
-        for item in items:
-            if item.get_closest_marker(name):
-                item.add_marker(skip)
