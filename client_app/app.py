@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedbip_flwr import dataset
 from fedbip_flwr.classifier import load_classifier_bytes
-from fedbip_flwr.client import (
-    client_generator,
-    kept_classifier_path,
-    personalize,
-    score_classifier,
-)
+from fedbip_flwr.client import institution_upload, kept_classifier_path, score_classifier
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import LDM, load_for_run
 from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.wire import (
     METRICS_RECORD,
@@ -58,30 +51,13 @@ def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
-    started = time.perf_counter()
     cfg, node = configs(context)
-    domain, client_id = dataset.institution_identity(cfg, node)
+    _, client_id = dataset.institution_identity(cfg, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return Message(content=skipped_content(client_id), reply_to=msg)
-    data = dataset.institution_data(cfg, node)
-    log.info("[%s] %d private images, personalizing", client_id, len(data))
     ldm = _model(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    payload, report = personalize(
-        ldm, data.images, data.labels, list(data.classes), domain, client_id, cfg,
-        client_generator(cfg, node, client_id),
-    )  # fmt: skip
-    blob = encode_payload(payload)
-    metrics = {
-        "num-examples": len(data),
-        "payload-bytes": len(blob),
-        "seconds-instance": report.seconds["instance"],
-        "seconds-concept": report.seconds["concept"],
-        "seconds-total": time.perf_counter() - started,
-        "concept-losses": report.concept_losses,
-        "concept-drift-s": report.concept_drift["s"],
-        "concept-drift-v": report.concept_drift["v"],
-    }
+    blob, metrics = institution_upload(cfg, node, ldm)
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
     return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
 

@@ -15,7 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flwr.common.config import get_project_config, parse_config_args
+
 from fedbip_flwr import shapes
+from fedbip_flwr.client import institution_upload
+from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
+from fedbip_flwr.ldm import load_for_run
+from fedbip_flwr.partitions import DataError
+from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
     Payload,
@@ -24,6 +31,7 @@ from fedbip_flwr.payload import (
     summarize,
 )
 from fedbip_flwr.report import write_report
+from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
@@ -37,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(subcommands)
     _add_export_concepts(subcommands)
     _add_shapes_folder(subcommands)
+    _add_personalize(subcommands)
     return parser
 
 
@@ -190,6 +199,54 @@ def _run_shapes_folder(args: argparse.Namespace) -> int:
     )
     print(f"wrote {root}/train and {root}/test; classes: {','.join(shapes.CLASSES)}")
     return 0
+
+
+def _add_personalize(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    personalize = subcommands.add_parser(
+        "personalize",
+        help="compute an institution's upload offline from its own image folder",
+        description="Run exactly what this institution's ClientApp would run on the one train "
+        "message, without any network: read DATA_ROOT (<class>/<image>, or train/ and test/ "
+        "above them), personalize the run's base model, and write the payload to --out for "
+        "`fedbip inspect`. The run config must be the federation's: this project's "
+        "[tool.flwr.app.config] defaults, overridden by --run-config (a TOML file or "
+        "'key=value ...', as `flwr run` takes it).",
+    )
+    personalize.add_argument("data_root", type=Path, metavar="DATA_ROOT", help="the institution's image folder")
+    personalize.add_argument("--domain", required=True, help="the words S starts from, e.g. 'dermatoscopic image'")
+    personalize.add_argument("--client-id", required=True, help="the name the institution uploads under")
+    personalize.add_argument("--out", type=Path, required=True, help="payload file to write (.safetensors)")
+    personalize.add_argument("--run-config", action="append", help="the federation's run config (TOML file or 'k=v ...')")
+    personalize.add_argument("--seed", type=int, help="this institution's own seed (default: OS entropy)")
+    personalize.add_argument("--model", help="this institution's copy of the base model")
+    personalize.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to run")
+    personalize.set_defaults(func=_run_personalize)
+
+
+def _run_personalize(args: argparse.Namespace) -> int:
+    """Write the payload and say how to audit it; one line on stderr for a bad config or folder."""
+    node_values = {"data-root": str(args.data_root.resolve()), "domain": args.domain,
+                   "client-id": args.client_id, "seed": args.seed, "model": args.model,
+                   "device": args.device}  # fmt: skip
+    try:
+        node = NodeConfig.from_flat({k: v for k, v in node_values.items() if v is not None})
+        run = {**project_run_config(), **parse_config_args(args.run_config)}
+        cfg = FedBiPConfig.from_flat({**run, **node.run_overrides()})
+        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        blob, metrics = institution_upload(cfg, node, ldm)
+    except (ConfigError, DataError, OSError, ValueError) as err:
+        print(f"fedbip personalize: {err}", file=sys.stderr)
+        return 1
+    atomic_write(args.out, blob)
+    print(f"wrote {args.out}: {len(blob)} bytes, {metrics['num-examples']} images of "
+          f"'{args.client_id}'; audit it with: fedbip inspect {args.out}")
+    return 0
+
+
+def project_run_config() -> dict[str, Any]:
+    """This project's run-config defaults ([tool.flwr.app.config] of its pyproject.toml)."""
+    folder = project_dir() or Path.cwd()
+    return get_project_config(folder)["tool"]["flwr"]["app"]["config"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

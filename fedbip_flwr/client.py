@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import dataset
 from .classifier import evaluate
 from .concepts import learn_concepts, prompt_layout
 from .config import FedBiPConfig, NodeConfig
 from .instance import personalize_instances, start_timestep
 from .ldm import LDM
 from .paths import resolve
-from .payload import SCHEMA_VERSION, Payload, PayloadMeta
+from .payload import SCHEMA_VERSION, Payload, PayloadMeta, encode_payload
 from .server import client_seed
 from .shapes import ImageSet
 
@@ -146,6 +147,31 @@ def personalize(
         meta=meta,
     )
     return payload, report
+
+
+def institution_upload(cfg: FedBiPConfig, node: NodeConfig, ldm: LDM) -> tuple[bytes, dict]:
+    """An institution's whole job: its own images -> the one payload's bytes, and the metrics
+    sent beside it. The ClientApp and ``fedbip personalize`` both call this, so what an
+    institution computes and audits offline is exactly what it would upload."""
+    started = time.perf_counter()
+    data = dataset.institution_data(cfg, node)
+    log.info("[%s] %d private images, personalizing", data.client_id, len(data))
+    payload, report = personalize(
+        ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
+        client_generator(cfg, node, data.client_id),
+    )  # fmt: skip
+    blob = encode_payload(payload)
+    metrics = {
+        "num-examples": len(data),
+        "payload-bytes": len(blob),
+        "seconds-instance": report.seconds["instance"],
+        "seconds-concept": report.seconds["concept"],
+        "seconds-total": time.perf_counter() - started,
+        "concept-losses": report.concept_losses,
+        "concept-drift-s": report.concept_drift["s"],
+        "concept-drift-v": report.concept_drift["v"],
+    }
+    return blob, metrics
 
 
 def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int) -> dict:

@@ -19,8 +19,9 @@ import torch
 from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, with_header
 from test_report import ACCEPTED, completed_metrics, run_folder
 
-from fedbip_flwr.cli import main
+from fedbip_flwr.cli import main, project_run_config
 from fedbip_flwr.payload import encode_payload, save_payload
+from tests.flower_helpers import ROOT
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,3 +194,44 @@ def test_export_concepts_refuses_hidden_space_in_one_line(
     assert 'concept-space = "token"' in captured.err
     assert len(captured.err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """An institution computes and audits its upload offline, through the ClientApp's own path."""
+    from fedbip_flwr import shapes
+    from fedbip_flwr.config import FedBiPConfig
+    from fedbip_flwr.ldm import load_ldm
+    from fedbip_flwr.payload import decode_payload
+    from fedbip_flwr.server import expectations
+
+    data = shapes.write_image_folder(tmp_path / "data", "quickdraw", 2, 1, size=32)
+    run_config = (f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '
+                  f'model="{tiny_model_dir}" image-size=32 concept-epochs=1 num-inference-steps=4')
+    out = tmp_path / "upload.safetensors"
+    made = subprocess.run(
+        [sys.executable, "-m", "fedbip_flwr.cli", "personalize", str(data), "--domain",
+         "quickdraw", "--client-id", "lab-b", "--out", str(out), "--run-config", run_config],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert made.returncode == 0, made.stderr[-3000:]
+    assert f"fedbip inspect {out}" in made.stdout
+    inspected = subprocess.run([sys.executable, "-m", "fedbip_flwr.cli", "inspect", str(out)],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert inspected.returncode == 0 and "client_id: lab-b" in inspected.stdout
+    cfg = FedBiPConfig.from_flat({**project_run_config(), "dataset": "imagefolder",
+                                  "classes": ",".join(shapes.CLASSES), "model": str(tiny_model_dir),
+                                  "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4})
+    ldm = load_ldm(tiny_model_dir)
+    payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list))
+    assert (payload.meta.domain, payload.meta.num_examples) == ("quickdraw", 12)
+
+
+def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> None:
+    made = subprocess.run(
+        [sys.executable, "-m", "fedbip_flwr.cli", "personalize", str(tmp_path / "missing"),
+         "--domain", "sketch", "--client-id", "lab", "--out", str(tmp_path / "x.safetensors"),
+         "--run-config", 'dataset="imagefolder" classes="a,b"'],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert made.returncode == 1
+    last = made.stderr.strip().splitlines()[-1]
+    assert last.startswith("fedbip personalize: ") and "is not a folder" in last
+    assert not (tmp_path / "x.safetensors").exists()
