@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +305,15 @@ def build_ldm(spec: LDMSpec, words: Iterable[str], seed: int = 0) -> LDM:
 
 
 CPU_MAX_IMAGE_SIZE = 256  # at and above this, a run is SD-sized: refused on a CPU
+# "I know it takes hours: run the SD-sized model on this CPU anyway" (the 512-px CPU proof in
+# BENCHMARKS.md). An environment variable, not a run-config key: whether a machine may spend
+# hours is the machine owner's call, and every process of a federation (SuperLink, SuperNodes,
+# their apps) inherits it from the shell that starts it.
+ALLOW_CPU_ENV = "FEDBIP_ALLOW_SD_ON_CPU"
+
+
+def cpu_full_size_allowed() -> bool:
+    return os.environ.get(ALLOW_CPU_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 def select_device(choice: str) -> torch.device:
@@ -319,15 +329,16 @@ def load_for_run(model: str, device_choice: str, half_precision: bool, image_siz
     """Resolve the run config's model (local folder or hub id) and place it on the device.
 
     The device is checked before any weight is read: a Stable Diffusion-sized run on a CPU
-    would take days, so it stops at once with what to do. On CUDA the frozen LDM runs in fp16
+    would take days, so it stops at once with what to do, unless the environment sets
+    ``FEDBIP_ALLOW_SD_ON_CPU=1`` (tiny federations at 512 px, to prove the full-size path). On CUDA the frozen LDM runs in fp16
     when ``half_precision``; on CPU always float32.
     """
     device = select_device(device_choice)
-    if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE:
+    if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE and not cpu_full_size_allowed():
         raise ModelLoadError(
             f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "
             "this machine has none: run it where a GPU is visible, or use the miniature model "
-            "(the default config) on the CPU"
+            f"(the default config) on the CPU (or set {ALLOW_CPU_ENV}=1 to spend the hours anyway)"
         )
     local = resolve(model)
     ldm = load_ldm(local if local.exists() else model)

@@ -9,6 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from fedbip_flwr.ldm import (
+    ALLOW_CPU_ENV,
     TINY,
     ModelLoadError,
     build_ldm,
@@ -38,6 +39,16 @@ def test_sd_sized_run_on_cpu_is_refused_before_loading(tmp_path):
     """No weights are read: the folder does not even exist, the device check comes first."""
     with pytest.raises(ModelLoadError, match="image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU"):
         load_for_run(str(tmp_path / "absent"), "cpu", half_precision=True, image_size=512)
+
+
+def test_sd_sized_run_on_cpu_when_the_environment_opts_in(tmp_path, tiny_model_dir, monkeypatch):
+    """FEDBIP_ALLOW_SD_ON_CPU=1 (the 512-px CPU proof) lifts the refusal; anything else keeps it."""
+    monkeypatch.setenv(ALLOW_CPU_ENV, "0")
+    with pytest.raises(ModelLoadError, match=f"set {ALLOW_CPU_ENV}=1"):
+        load_for_run(str(tmp_path / "absent"), "cpu", half_precision=True, image_size=512)
+    monkeypatch.setenv(ALLOW_CPU_ENV, "1")
+    ldm = load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=512)
+    assert ldm.device.type == "cpu" and ldm.dtype == torch.float32
 
 
 def test_uncached_hub_id_offline_is_one_clear_sentence(monkeypatch):

@@ -1,0 +1,319 @@
+"""Stable Diffusion v1-4's architecture at 512 px through the real Flower deployment engine, on CPU.
+
+    FEDBIP_ALLOW_SD_ON_CPU=1 python scripts/sd_cpu_proof.py WORK_DIR [--model /tmp/sd-v1-4-random]
+
+Two institutions with DomainNet's prompt template, real CLIP tokens for their domain phrases
+("quickdraw" = quick draw, "clipart" = cli part) and a few images each in their own folder (the
+built-in world's images, class folders named after DomainNet classes, resized to 512 px), one
+SuperLink and two SuperNodes (``--insecure``, all on 127.0.0.1: a simulation cannot give each
+node its own node config, which dataset "imagefolder" needs), then ``flwr run`` with 1 concept
+epoch, 3 PNDM steps, multiplier 1 and 1 classifier epoch. While it runs, every process of the
+federation is sampled each second (RSS, threads) with the load average; WORK_DIR/proof.json
+gets the timeline, the peak RSS per process and phase, the payload shapes and metrics.json.
+Every process started here is stopped by PID. Exit status 0 only if the run completed.
+
+The model folder is built first if missing (scripts/build_sd_architecture.py, ~4.3 GB).
+Needs ~12 GB of free memory (three processes map the 4.3 GB model; the two institutions run
+concurrently) and ~40 min on 2 cores shared with other jobs (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CLASSES = {"circle": "airplane", "square": "clock"}  # built-in shape folder -> DomainNet class
+INSTITUTIONS = ("quickdraw", "clipart")
+RUN_CONFIG = {
+    "dataset": '"imagefolder"',
+    "classes": '"' + ",".join(CLASSES.values()) + '"',
+    "prompt-template": '"A {S} of {V}."',  # DomainNet's (Table 5), n_s = n_v = 1
+    "n-s": "1",
+    "n-v": "1",
+    "device": '"cpu"',
+    "image-size": "512",
+    "concept-epochs": "1",
+    "concept-batch-size": "2",
+    "num-inference-steps": "3",
+    "guidance-scale": "7.5",
+    "multiplier": "1",
+    "vae-batch-size": "2",
+    "synthesis-batch-size": "2",
+    "classifier-init": '"random"',
+    "classifier-epochs": "1",
+    "classifier-image-size": "512",
+    "classifier-batch-size": "8",
+    "evaluation": '"clients"',
+    "min-clients": "2",
+    "wait-for-clients-s": "600.0",
+    "reply-timeout-s": "7200.0",
+    "run-name": '"sd-cpu-proof"',
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_institution(folder: Path, domain: str, shots: int, test: int, index: int) -> Path:
+    """The built-in world's images of ``domain``, two classes renamed to DomainNet's."""
+    from fedbip_flwr.shapes import write_image_folder
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    write_image_folder(folder, domain, shots, test, client_index=index, size=64)
+    for split in ("train", "test"):
+        for sub in (folder / split).iterdir():
+            if sub.name in CLASSES:
+                sub.rename(folder / split / f"_{CLASSES[sub.name]}")
+            else:
+                shutil.rmtree(sub)
+        for sub in (folder / split).iterdir():
+            sub.rename(folder / split / sub.name[1:])
+    return folder
+
+
+class Sampler(threading.Thread):
+    """Each second: RSS and threads of every process under the given roots, and the load."""
+
+    def __init__(self, roles: dict[int, str]):
+        super().__init__(daemon=True)
+        self.roles, self.samples, self.stop_flag = roles, [], threading.Event()
+        self.started = time.time()
+
+    def role_of(self, proc: psutil.Process, root_role: str) -> str:
+        cmd = " ".join(proc.cmdline())
+        if "flwr-serverapp" in cmd:
+            return "serverapp"
+        if "flwr-clientapp" in cmd:
+            return f"clientapp-{root_role.split('-', 1)[1]}"
+        return root_role
+
+    def run(self) -> None:
+        while not self.stop_flag.wait(1.0):
+            row = {"t": round(time.time() - self.started, 1), "load1": os.getloadavg()[0], "procs": {}}
+            for pid, role in list(self.roles.items()):
+                try:
+                    root = psutil.Process(pid)
+                    family = [(root, role)] + [(c, None) for c in root.children(recursive=True)]
+                    for proc, known in family:
+                        name = known or self.role_of(proc, role)
+                        info = proc.memory_info().rss, proc.num_threads()
+                        old = row["procs"].get(name, (0, 0))
+                        row["procs"][name] = (old[0] + info[0], old[1] + info[1])
+                except psutil.NoSuchProcess:
+                    continue
+            self.samples.append(row)
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    try:
+        root = psutil.Process(proc.pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        try:
+            member.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=20)
+    for member in alive:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args[0]} exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def payload_shapes(run: Path) -> dict:
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted((run / "payloads").glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            shapes[path.stem] = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+            shapes[path.stem]["_bytes"] = path.stat().st_size
+    return shapes
+
+
+def phase_peaks(samples: list[dict], metrics: dict) -> dict:
+    """Peak RSS (MB) and threads per process over the whole run."""
+    peaks: dict[str, dict] = {}
+    for row in samples:
+        for name, (rss, threads) in row["procs"].items():
+            p = peaks.setdefault(name, {"peak_rss_mb": 0, "max_threads": 0, "first_t": row["t"]})
+            p["peak_rss_mb"] = max(p["peak_rss_mb"], round(rss / 2**20))
+            p["max_threads"] = max(p["max_threads"], threads)
+            p["last_t"] = row["t"]
+    return peaks
+
+
+def window_peak(samples: list[dict], name: str, start: float, end: float) -> dict:
+    rows = [r for r in samples if name in r["procs"] and start <= r["t"] <= end]
+    if not rows:
+        return {}
+    return {
+        "seconds": round(end - start, 1),
+        "peak_rss_mb": round(max(r["procs"][name][0] for r in rows) / 2**20),
+        "max_threads": max(r["procs"][name][1] for r in rows),
+        "mean_load1": round(sum(r["load1"] for r in rows) / len(rows), 2),
+    }
+
+
+def phases(samples: list[dict], metrics: dict) -> dict:
+    """Peak RSS per phase: windows from the run's own timings, placed on the sampled timeline.
+
+    A client's train process is placed by its first sample and ``seconds-total`` (instance and
+    concept are its last two phases); the server's phases follow its process start in the order
+    of metrics.json ``seconds``. Windows are accurate to the ~1 s sampling and the few seconds
+    of imports before a process starts timing.
+    """
+    found: dict[str, dict] = {}
+    for client in metrics.get("clients", []):
+        name = f"clientapp-{client['domain']}"
+        first = next((r["t"] for r in samples if name in r["procs"]), None)
+        m = client.get("metrics", {})
+        if first is None or "seconds-total" not in m:
+            continue
+        end = first + m["seconds-total"]
+        concept = end - m["seconds-concept"]
+        instance = concept - m["seconds-instance"]
+        found[f"{client['client_id']}: start, data, model load"] = window_peak(samples, name, first, instance)
+        found[f"{client['client_id']}: instance (VAE encode, z(T))"] = window_peak(samples, name, instance, concept)
+        found[f"{client['client_id']}: concept learning"] = window_peak(samples, name, concept, end)
+    first = next((r["t"] for r in samples if "serverapp" in r["procs"]), None)
+    if first is not None:
+        t = first
+        for phase, seconds in metrics.get("seconds", {}).items():
+            found[f"server: {phase}"] = window_peak(samples, "serverapp", t, t + seconds)
+            t += seconds
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--model", type=Path, default=Path("/tmp/sd-v1-4-random"))
+    parser.add_argument("--shots", type=int, default=3, help="training images per class")
+    parser.add_argument("--test-per-class", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=7200)
+    args = parser.parse_args(argv)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if not (args.model / "build_info.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"),
+                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    home = work / "flwr-home"
+    home.mkdir(exist_ok=True)
+    link_port, api_ports = free_port(), [free_port(), free_port()]
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FEDBIP_PROJECT_DIR": str(ROOT),
+        "FEDBIP_ALLOW_SD_ON_CPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sd"\n\n[superlink.sd]\naddress = "127.0.0.1:{link_port}"\n'
+        "insecure = true\n"
+    )
+    logs = work / "logs"
+    logs.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen] = []
+    roles: dict[int, str] = {}
+
+    def start(name: str, cmd: list[str]) -> subprocess.Popen:
+        out = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        roles[proc.pid] = name
+        return proc
+
+    result: dict = {"run_config": RUN_CONFIG, "model": str(args.model)}
+    sampler = Sampler(roles)
+    sampler.start()
+    try:
+        link = start("superlink", [str(BIN / "flower-superlink"), "--insecure", "--host",
+                                   "127.0.0.1", "--port", str(link_port),
+                                   "--disable-runtime-dependency-installation"])
+        wait_port(link_port, link)
+        for i, domain in enumerate(INSTITUTIONS):
+            data = write_institution(work / "data" / domain, domain, args.shots,
+                                     args.test_per_class, i)
+            node_config = (f'data-root="{data}" domain="{domain}" client-id="{domain}-0" '
+                           f'output-dir="{work / "institutions" / domain}"')
+            start(f"supernode-{domain}", [
+                str(BIN / "flower-supernode"), "--insecure", "--superlink",
+                f"127.0.0.1:{link_port}", "--port", str(api_ports[i]),
+                "--node-config", node_config])
+        values = {**RUN_CONFIG, "model": f'"{args.model}"', "output-dir": f'"{work / "outputs"}"'}
+        run_config = " ".join(f"{k}={v}" for k, v in values.items())
+        result["command"] = ["flwr", "run", str(ROOT), "sd", "--stream", "--run-config", run_config]
+        started = time.time()
+        result["run_started_t"] = round(started - sampler.started, 1)
+        proc = subprocess.run(
+            [str(BIN / "flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+        result["seconds_wall"] = round(time.time() - started, 1)
+        (logs / "flwr-run.log").write_text(proc.stdout + proc.stderr)
+        match = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
+        if match:
+            status = subprocess.run(
+                [str(BIN / "flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+            try:
+                result["status"] = json.loads(status.stdout)["runs"][0]["status"]
+            except (ValueError, KeyError, IndexError):
+                result["status"] = f"unknown: {status.stdout[-500:]}"
+    finally:
+        sampler.stop_flag.set()
+        sampler.join()
+        for proc in reversed(procs):
+            stop_tree(proc)
+    run = work / "outputs" / "sd-cpu-proof"
+    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
+    result.update(
+        metrics=metrics,
+        payload_shapes=payload_shapes(run) if run.exists() else {},
+        processes=phase_peaks(sampler.samples, metrics),
+        phases=phases(sampler.samples, metrics),
+        max_load1=max((r["load1"] for r in sampler.samples), default=0),
+        samples=sampler.samples,
+    )
+    (work / "proof.json").write_text(json.dumps(result, indent=1))
+    summary = {k: v for k, v in result.items() if k not in ("samples", "metrics")}
+    print(json.dumps(summary, indent=1))
+    return 0 if result.get("status") == "finished:completed" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
