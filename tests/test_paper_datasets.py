@@ -18,10 +18,12 @@ from fedbip_flwr import dataset, shapes
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.folders import TEST_FRACTION, medmnist_file
+from fedbip_flwr.ldm import TINY, build_ldm
 from fedbip_flwr.partitions import DataError, label_partition
 from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.server import RunFolder, accept_payload, expectations
 from fedbip_flwr.specs import SPECS
+from tests.conftest import WORDS
 
 STEP = 12  # colour quantum: channel value = STEP * code, decodable after JPEG and resizing
 SIZE = 8  # image-size of every test (the config's minimum)
@@ -368,9 +370,13 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------
 # a paper dataset's client, through the real client and server code (tiny LDM)
 # --------------------------------------------------------------------------------------------
-def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path, tiny_ldm) -> None:
+def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None:
     """UCM's one domain has spaces ("centered satellite photo"): the payload must still be
-    accepted, and its domain must name the test set the server scores it on."""
+    accepted, and its domain must name the test set the server scores it on. The tiny model
+    knows UCM's words, as CLIP does: concepts start from whole phrases, and a tokenizer that
+    spells unknown words letter by letter would not fit the prompt in its 16 tokens."""
+    words = {w for phrase in (*SPECS["ucm"].classes, *SPECS["ucm"].domains) for w in phrase.split()}
+    tiny_ldm = build_ldm(TINY, [*WORDS, *sorted(words)], seed=0)
     make_tree(tmp_path / "ucm", ["Images"], list(SPECS["ucm"].folder_of_class()), 3, suffix=".tif")
     cfg = FedBiPConfig.from_flat(
         {"dataset": "ucm", "data-root": str(tmp_path / "ucm"), "partitioning": "iid",
