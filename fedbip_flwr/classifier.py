@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torchvision
-from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from .storage import tensor_location, write_tensors
+from .storage import read_small_tensor, tensor_location, write_tensors
 from .viz import dequantize, quantize
 
 
@@ -130,8 +129,7 @@ class ShardImages(Dataset):
             offset, dtype, shape = tensor_location(path, "images")
             if dtype != "U8" or len(shape) != 4:
                 raise ValueError(f"{path}: images must be uint8 (N, C, H, W), not {dtype} {shape}")
-            with safe_open(path, framework="pt") as handle:
-                labels.append(handle.get_tensor("labels"))
+            labels.append(read_small_tensor(path, "labels"))
             if len(labels[-1]) != shape[0]:
                 raise ValueError(f"{path}: {shape[0]} images but {len(labels[-1])} labels")
             self.offsets.append(offset)

@@ -150,6 +150,19 @@ def write_tensors_streamed(
     return path
 
 
+def read_small_tensor(path: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file by a plain read of its bytes (no memory map)."""
+    offset, dtype, shape = tensor_location(path, name)
+    torch_dtype = {code: d for d, code in _DTYPE_CODES.items()}[dtype]
+    size = int(torch.Size(shape).numel()) * torch.empty((), dtype=torch_dtype).element_size()
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = bytearray(handle.read(size))
+    if len(data) != size:
+        raise OSError(f"{path}: {name} is truncated")
+    return torch.frombuffer(data, dtype=torch_dtype).reshape(shape) if size else torch.empty(shape, dtype=torch_dtype)
+
+
 def tensor_location(path: str | Path, name: str) -> tuple[int, str, list[int]]:
     """(absolute byte offset, safetensors dtype code, shape) of one tensor, from the header only."""
     with open(path, "rb") as handle:
