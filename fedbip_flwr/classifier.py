@@ -7,7 +7,8 @@ crop with padding, horizontal flip) keeps small synthetic sets from collapsing t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,9 @@ import torch.nn.functional as F
 import torchvision
 from safetensors.torch import load as load_safetensors
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
-from .storage import write_tensors
+from .storage import read_small_tensor, tensor_location, write_tensors
 from .viz import dequantize, quantize
 
 
@@ -71,6 +73,101 @@ class TrainSettings:
     batch_size: int
     image_size: int
     augment: bool = True
+    num_workers: int = 0  # DataLoader processes reading batches (0: in the training process)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the classifier computes: float32 on the CPU; on CUDA channels_last and fp16 autocast
+    with a GradScaler (the ResNet's BatchNorm and the loss stay float32 under autocast)."""
+
+    autocast: torch.dtype | None = None
+    channels_last: bool = False
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> Precision:
+        if torch.device(device).type == "cuda":
+            return cls(autocast=torch.float16, channels_last=True)
+        return cls()
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+
+class TensorImages(Dataset):
+    """An in-memory (images, labels) set, indexed a batch at a time like :class:`ShardImages`."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[rows], self.labels[rows]
+
+
+class ShardImages(Dataset):
+    """Synthetic images in uint8 safetensors shards (``images``, ``labels``), read by rows.
+
+    Only the labels (8 bytes an image) are held; ``dataset[rows]`` reads exactly those rows'
+    bytes with plain file reads (no memory map, so nothing read stays resident) and returns
+    them resized to ``image_size`` (never enlarged), uint8, with their labels: at most a batch
+    of images is in memory at a time, whatever the size of the synthetic set. Row ``i`` of the
+    dataset is row ``i`` of the shards concatenated in the order given.
+    """
+
+    def __init__(self, paths: Sequence[str | Path], image_size: int) -> None:
+        self.paths = [str(p) for p in paths]
+        self.image_size = image_size
+        self.offsets: list[int] = []
+        counts, shapes, labels = [], set(), []
+        for path in self.paths:
+            offset, dtype, shape = tensor_location(path, "images")
+            if dtype != "U8" or len(shape) != 4:
+                raise ValueError(f"{path}: images must be uint8 (N, C, H, W), not {dtype} {shape}")
+            labels.append(read_small_tensor(path, "labels"))
+            if len(labels[-1]) != shape[0]:
+                raise ValueError(f"{path}: {shape[0]} images but {len(labels[-1])} labels")
+            self.offsets.append(offset)
+            counts.append(shape[0])
+            shapes.add(tuple(shape[1:]))
+        if len(shapes) > 1:
+            raise ValueError(f"shards of different image shapes: {sorted(shapes)}")
+        self.row_shape = shapes.pop() if shapes else (3, image_size, image_size)
+        self.labels = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
+        self.starts = torch.tensor([0, *counts]).cumsum(0)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, rows: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The rows as stored (uint8, the LDM's size), in the order asked."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+            raise IndexError(f"rows outside 0..{len(self) - 1}")
+        out = torch.empty((len(rows), *self.row_shape), dtype=torch.uint8)
+        row_bytes = out[0].numel() if len(rows) else 0
+        shard = torch.searchsorted(self.starts[1:], rows, right=True)
+        for index in shard.unique().tolist():
+            mine = torch.nonzero(shard == index).flatten().tolist()
+            fd = os.open(self.paths[index], os.O_RDONLY)
+            try:
+                for slot in mine:
+                    local = int(rows[slot] - self.starts[index])
+                    at = self.offsets[index] + local * row_bytes
+                    if os.preadv(fd, [out[slot].numpy()], at) != row_bytes:
+                        raise OSError(f"{self.paths[index]}: short read at byte {at}")
+            finally:
+                os.close(fd)
+        return out
+
+    def __getitem__(self, rows: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        return shrink(self.read(rows), self.image_size), self.labels[rows]
 
 
 def _prepare(images: torch.Tensor, size: int) -> torch.Tensor:
@@ -92,48 +189,98 @@ def shrink(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
     return torch.cat([quantize(_prepare(part, size)) for part in images.split(chunk)])
 
 
+def fit_to_classifier(images: torch.Tensor, size: int, chunk: int = 256) -> torch.Tensor:
+    """A (test) set held at the classifier's input size instead of the LDM's: uint8 stays
+    uint8 (:func:`shrink`), floats are resized as :func:`evaluate` would, so scores are unchanged."""
+    if images.dtype == torch.uint8 or images.shape[-1] <= size:
+        return shrink(images, size, chunk)
+    return torch.cat([_prepare(part, size) for part in images.split(chunk)])
+
+
 def _augment(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random 1/8-padded crop and horizontal flip, per image."""
+    """Random 1/8-padded crop (edge pixels replicated) and horizontal flip, per image.
+
+    One gather over the whole batch, on the batch's device: replicate padding is a clamped
+    index, a flip a reversed one. The draws (``dy``, ``dx``, then ``flip``, from the CPU
+    ``generator``) and so the result are those of a crop-then-flip loop over the images.
+    Returns (N, C, H, W) with channels-last strides.
+    """
     n, _, h, w = batch.shape
     pad = max(1, h // 8)
-    padded = F.pad(batch, (pad, pad, pad, pad), mode="replicate")
     dy = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
     dx = torch.randint(0, 2 * pad + 1, (n,), generator=generator)
     flip = torch.rand(n, generator=generator) < 0.5
-    out = torch.stack([padded[i, :, dy[i] : dy[i] + h, dx[i] : dx[i] + w] for i in range(n)])
-    out[flip] = out[flip].flip(-1)
-    return out
+    rows = (dy[:, None] + torch.arange(h) - pad).clamp(0, h - 1)
+    cols = (dx[:, None] + torch.arange(w) - pad).clamp(0, w - 1)
+    cols = torch.where(flip[:, None], cols.flip(-1), cols)
+    device = batch.device
+    picked = batch.permute(0, 2, 3, 1)[
+        torch.arange(n, device=device)[:, None, None],
+        rows.to(device)[:, :, None],
+        cols.to(device)[:, None, :],
+    ]
+    return picked.permute(0, 3, 1, 2)
+
+
+def _train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    precision: Precision,
+) -> torch.Tensor:
+    """One SGD step (autocast and loss scaling where ``precision`` says); the loss, float32."""
+    with torch.autocast(x.device.type, dtype=precision.autocast or torch.float32,
+                        enabled=precision.autocast is not None):  # fmt: skip
+        loss = F.cross_entropy(model(x), y)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return loss.detach().float()
 
 
 def train_classifier(
     model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
+    images: torch.Tensor | Dataset,
+    labels: torch.Tensor | None,
     settings: TrainSettings,
     *,
     seed: int,
     device: torch.device | str = "cpu",
     on_epoch: Callable[[int, float], None] | None = None,
+    precision: Precision | None = None,
 ) -> nn.Module:
-    """Train in place on (images, labels) and return the model in eval mode."""
+    """Train in place and return the model in eval mode.
+
+    ``images`` is a tensor with its ``labels``, or a dataset indexed by a batch of rows that
+    returns (images, labels) (:class:`ShardImages`, with ``labels`` None): batches are read
+    through a DataLoader, so a synthetic set on disk is never whole in memory. The data order
+    and the augmentation draws come from one generator seeded with ``seed``, in the same
+    sequence whatever the data source. ``precision`` defaults to the device's.
+    """
+    data = images if labels is None else TensorImages(images, labels)
+    device = torch.device(device)
+    precision = precision or Precision.for_device(device)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model.to(device).train()
+    model.to(device, memory_format=precision.memory_format).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
-    # BatchNorm cannot train on a batch of one: drop a last batch of size 1.
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.autocast == torch.float16)
     for epoch in range(settings.epochs):
-        order = torch.randperm(len(labels), generator=generator)
+        order = torch.randperm(len(data), generator=generator)
+        # BatchNorm cannot train on a batch of one: drop a last batch of size 1.
+        batches = [batch for batch in order.split(settings.batch_size) if len(batch) >= 2]
+        loader = DataLoader(data, sampler=batches, batch_size=None,
+                            num_workers=settings.num_workers, pin_memory=device.type == "cuda")  # fmt: skip
         total, seen = 0.0, 0
-        for batch in order.split(settings.batch_size):
-            if len(batch) < 2:
-                continue
-            x = _prepare(images[batch], settings.image_size)
+        for x, y in loader:
+            x = _prepare(x.to(device, non_blocking=True), settings.image_size)
             x = _augment(x, generator) if settings.augment else x
-            loss = F.cross_entropy(model(x.to(device)), labels[batch].to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total, seen = total + loss.item() * len(batch), seen + len(batch)
+            x = x.contiguous(memory_format=precision.memory_format)
+            loss = _train_step(model, optimizer, scaler, x, y.to(device), precision)
+            total, seen = total + loss.item() * len(y), seen + len(y)
         if on_epoch is not None:
             on_epoch(epoch, total / max(seen, 1))
     return model.eval()

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +24,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .classifier import (
+    ShardImages,
     TrainSettings,
     build_classifier,
     evaluate,
     save_classifier,
-    shrink,
     train_classifier,
 )
 from .concepts import count_tokens
@@ -35,8 +36,8 @@ from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
 from .payload import Expectations, Payload, PayloadError, decode_payload
-from .storage import atomic_write, read_metadata, read_tensors, write_tensors
-from .synthesis import SynthesisSettings, draw_etas, synthesize_pass
+from .storage import atomic_write, read_metadata, write_tensors_streamed
+from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
 
 log = logging.getLogger(__name__)
@@ -162,22 +163,23 @@ def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) 
 
 def synthesize_all(
     ldm: LDM, payloads: Mapping[str, Payload], cfg: FedBiPConfig, folder: RunFolder
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Synthetic (images, labels) per client; shards on disk are reused, missing ones made.
+) -> dict[str, list[Path]]:
+    """The synthetic shards per client, in pass order; shards on disk are reused, missing ones made.
 
-    Images are stored as uint8 (what a PNG holds) and always read back from the shard, so a
-    resumed run trains on exactly the bytes an uninterrupted one would; they stay uint8 in
-    memory, no larger than the classifier's input. Every shard depends
-    only on its own payload, pass and seed, never on which shards were made before it.
+    Each shard holds one pass over a client's z(T) as uint8 (what a PNG holds), written batch by
+    batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
+    reads the shards back (:class:`ShardImages`), so a resumed run trains on exactly the bytes
+    an uninterrupted one would. Every shard depends only on its own payload, pass and seed,
+    never on which shards were made before it.
     """
     settings = synthesis_settings(cfg)
     total = sum(len(p.labels) for p in payloads.values()) * settings.multiplier
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    out: dict[str, list[Path]] = {}
     with tqdm(total=total, desc="synthesis", unit="img", mininterval=5) as bar:
         for client_id, payload in sorted(payloads.items()):
             etas = draw_etas(payload, settings, client_seed(cfg.seed, client_id))
             payload_sha = payload_digest(payload)
-            images, labels = [], []
+            out[client_id] = []
             for index, eta in enumerate(etas):
                 path = folder.shard_path(client_id, index)
                 key = shard_key(payload_sha, settings, eta)
@@ -187,27 +189,56 @@ def synthesize_all(
                 else:
                     if path.exists():
                         log.warning("synthesis: %s was made under other settings; redoing it", path)
-                    made = synthesize_pass(ldm, payload, settings, eta, on_batch=bar.update)
-                    tensors = {"images": quantize(made), "labels": payload.labels}
-                    write_tensors(path, tensors, {SHARD_KEY: key})
+                    write_shard(path, ldm, payload, settings, eta, key, on_batch=bar.update)
                     log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
-                shard = read_tensors(path)
-                images.append(shrink(shard["images"], cfg.classifier_image_size))
-                labels.append(shard["labels"])
-            out[client_id] = (torch.cat(images), torch.cat(labels))
+                out[client_id].append(path)
     return out
+
+
+def write_shard(
+    path: Path,
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    eta: torch.Tensor,
+    key: str,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path:
+    """One pass as a shard (``labels`` int64, ``images`` uint8), each batch quantized and
+    written as it is decoded; the same bytes as saving the whole pass at once."""
+    batches = (quantize(images) for images in iter_pass(ldm, payload, settings, eta, on_batch))
+    first = next(batches)
+    shape = (len(payload.labels), *first.shape[1:])
+    return write_tensors_streamed(
+        path, {"labels": payload.labels}, ("images", torch.uint8, shape),
+        itertools.chain([first], batches), {SHARD_KEY: key},
+    )  # fmt: skip
+
+
+def synthetic_dataset(synthetic: Mapping[str, Sequence[Path]], image_size: int) -> ShardImages:
+    """All clients' shards as one dataset (clients in name order), read at ``image_size``."""
+    return ShardImages([p for _, paths in sorted(synthetic.items()) for p in paths], image_size)
+
+
+def first_images(paths: Sequence[Path], n: int = 12) -> torch.Tensor:
+    """The first ``n`` synthetic images of a client as stored (for its grid PNG)."""
+    shards = ShardImages(paths, image_size=0)
+    return shards.read(torch.arange(min(n, len(shards))))
 
 
 def train_global(
     cfg: FedBiPConfig,
-    synthetic: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    synthetic: Mapping[str, Sequence[Path]],
     class_names: list[str],
     folder: RunFolder,
     device: torch.device | str,
 ) -> tuple[nn.Module, dict]:
-    """Train ResNet-18 on the pooled synthetic set (eq. 6), save it; (model, training facts)."""
-    images = torch.cat([x for x, _ in synthetic.values()])
-    labels = torch.cat([y for _, y in synthetic.values()])
+    """Train ResNet-18 on the pooled synthetic set (eq. 6), save it; (model, training facts).
+
+    ``synthetic`` is :func:`synthesize_all`'s shards per client: they are read a batch at a
+    time, so memory does not grow with the synthetic set.
+    """
+    data = synthetic_dataset(synthetic, cfg.classifier_image_size)
     settings = train_settings(cfg)
     started = time.perf_counter()
     # The initial weights come from the global RNG: seed it here, or they would depend on
@@ -222,12 +253,11 @@ def train_global(
         bar.update()
 
     with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
-        train_classifier(
-            model, images, labels, settings, seed=cfg.seed, device=device, on_epoch=on_epoch
-        )
+        train_classifier(model, data, None, settings, seed=cfg.seed, device=device,
+                         on_epoch=on_epoch)  # fmt: skip
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
     return model, {
-        "num_synthetic_images": len(labels),
+        "num_synthetic_images": len(data),
         "classifier_seconds": time.perf_counter() - started,
         "epoch_loss": losses,
     }
@@ -249,7 +279,10 @@ def evaluate_on_server(
     image_size: int,
     device: torch.device | str,
 ) -> dict:
-    """Accuracy per domain on test sets the server holds (simulations, paper presets), and mean."""
+    """Accuracy per domain on test sets the server holds (simulations, paper presets), and mean.
+
+    Hold them at the classifier's size (:func:`fedbip_flwr.classifier.fit_to_classifier`): the
+    scores are the same and the memory that of the classifier's input, not the LDM's."""
     per_domain = {}
     for domain, (x, y) in sorted(test_sets.items()):
         result = evaluate(model, x, y, image_size, device=device)
@@ -263,7 +296,7 @@ def evaluate_on_server(
 
 def train_and_evaluate(
     cfg: FedBiPConfig,
-    synthetic: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    synthetic: Mapping[str, Sequence[Path]],
     test_sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
     class_names: list[str],
     folder: RunFolder,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +89,84 @@ def read_metadata(path: str | Path) -> dict[str, str]:
             return handle.metadata() or {}
     except (OSError, SafetensorError):
         return {}
+
+
+_DTYPE_CODES = {torch.uint8: "U8", torch.int64: "I64", torch.float32: "F32", torch.float16: "F16"}
+
+
+def write_tensors_streamed(
+    path: str | Path,
+    first: dict[str, torch.Tensor],
+    streamed: tuple[str, torch.dtype, tuple[int, ...]],
+    parts: Iterable[torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """A safetensors file whose largest tensor arrives in parts, written atomically and durably.
+
+    ``first`` holds small tensors known up front (written before the streamed one); the
+    tensor named ``streamed[0]`` of dtype ``streamed[1]`` and shape ``streamed[2]`` is the
+    concatenation of ``parts`` along dim 0, never held whole in memory. The bytes equal
+    ``safetensors.torch.save`` of the same tensors when ``first``'s dtypes are at least as wide
+    as the streamed one's (safetensors orders tensors by alignment, then name).
+    """
+    name, dtype, shape = streamed
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key, tensor in first.items():
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    total = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape),
+                    "data_offsets": [offset, offset + total]}  # fmt: skip
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path = Path(path)
+    _make_folders(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(struct.pack("<Q", len(text)) + text)
+            for tensor in first.values():
+                handle.write(tensor.detach().cpu().contiguous().numpy().tobytes())
+            written = 0
+            for part in parts:
+                if part.dtype != dtype or tuple(part.shape[1:]) != tuple(shape[1:]):
+                    raise ValueError(f"{name}: part {tuple(part.shape)} {part.dtype} does not fit "
+                                     f"{tuple(shape)} {dtype}")  # fmt: skip
+                data = part.detach().cpu().contiguous().numpy().tobytes()
+                handle.write(data)
+                written += len(data)
+            if written != total:
+                raise ValueError(f"{name}: {written} bytes streamed, {total} expected")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+    return path
+
+
+def read_small_tensor(path: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file by a plain read of its bytes (no memory map)."""
+    offset, dtype, shape = tensor_location(path, name)
+    torch_dtype = {code: d for d, code in _DTYPE_CODES.items()}[dtype]
+    size = int(torch.Size(shape).numel()) * torch.empty((), dtype=torch_dtype).element_size()
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = bytearray(handle.read(size))
+    if len(data) != size:
+        raise OSError(f"{path}: {name} is truncated")
+    return torch.frombuffer(data, dtype=torch_dtype).reshape(shape) if size else torch.empty(shape, dtype=torch_dtype)
+
+
+def tensor_location(path: str | Path, name: str) -> tuple[int, str, list[int]]:
+    """(absolute byte offset, safetensors dtype code, shape) of one tensor, from the header only."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    entry = header[name]
+    return 8 + length + entry["data_offsets"][0], entry["dtype"], entry["shape"]

@@ -15,7 +15,7 @@ means the same in token and hidden space. A prompt embedding is computed once pe
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +126,20 @@ def synthesize_pass(
     on_batch: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """One pass over a client's z(T) with the domain concept shifted by scale * ``eta`` (n_s, d)."""
+    return torch.cat(list(iter_pass(ldm, payload, settings, eta, on_batch)))
+
+
+def iter_pass(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    eta: torch.Tensor,
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterator[torch.Tensor]:
+    """:func:`synthesize_pass` one batch at a time (images in [-1, 1], float32, CPU), in order.
+
+    The server writes each batch to its shard as it comes, so a pass is never whole in memory.
+    """
     meta = payload.meta
     layout = payload_layout(ldm, payload, settings)
     classes = torch.arange(len(meta.class_names))
@@ -135,7 +149,6 @@ def synthesize_pass(
     )
     uncond = unconditional_embedding(ldm)
     timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, meta.timestep)
-    images = []
     for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
         cond = cond_per_class[payload.labels[batch].to(cond_per_class.device)]
         z0 = denoise(
@@ -147,10 +160,10 @@ def synthesize_pass(
             settings.num_inference_steps,
             settings.guidance_scale,
         )
-        images.append(decode_latents(ldm, z0, settings.vae_batch_size))
+        images = decode_latents(ldm, z0, settings.vae_batch_size)
         if on_batch is not None:
             on_batch(len(batch))
-    return torch.cat(images)
+        yield images
 
 
 def draw_etas(payload: Payload, settings: SynthesisSettings, seed: int) -> torch.Tensor:

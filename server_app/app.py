@@ -16,7 +16,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedbip_flwr import dataset
-from fedbip_flwr.classifier import check_classifier_init
+from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
@@ -26,6 +26,7 @@ from fedbip_flwr.server import (
     RunFolder,
     evaluate_on_server,
     expectations,
+    first_images,
     load_persisted,
     save_grid,
     synthesize_all,
@@ -38,6 +39,7 @@ from server_app.strategy import FedBiPStrategy, NotEnoughClients, outcomes_json
 
 log = logging.getLogger("fedbip_flwr.server_app")
 app = ServerApp()
+GRID_COLUMNS = 12  # images per row of grid-<client>.png
 
 
 @app.main()
@@ -98,10 +100,16 @@ def main(grid: Grid, context: Context) -> None:
 
     on_server = cfg.evaluation in ("server", "both")
     domains = sorted({p.meta.domain for p in payloads.values()})
-    test_sets = dataset.load_test_sets(cfg, domains) if on_server else {}
+    # Test sets are held at the classifier's input size, not the LDM's; the grids keep a row.
+    tests, grid_rows = {}, {}
+    for domain in domains if on_server else []:
+        test = dataset.load_test_sets(cfg, [domain])[domain]
+        grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
+        tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
+        del test
     for client_id, payload in payloads.items():
-        real = test_sets[payload.meta.domain].images if on_server else None
-        save_grid(folder, client_id, real, synthetic[client_id][0])
+        real = grid_rows.get(payload.meta.domain)
+        save_grid(folder, client_id, real, first_images(synthetic[client_id], GRID_COLUMNS))
 
     started = time.perf_counter()
     device = select_device(cfg.device)
@@ -109,7 +117,6 @@ def main(grid: Grid, context: Context) -> None:
     metrics["classifier"] = {"epoch_loss": facts["epoch_loss"]}
     metrics["accuracy"] = {k: facts[k] for k in ("num_synthetic_images", "classifier_seconds")}
     if on_server:
-        tests = {d: (t.images, t.labels) for d, t in test_sets.items()}
         metrics["accuracy"].update(
             evaluate_on_server(model, tests, cfg.classifier_image_size, device)
         )

@@ -24,6 +24,8 @@ import torch
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import RunFolder, synthesize_all, train_and_evaluate
+from fedbip_flwr.storage import write_tensors
+from fedbip_flwr.viz import quantize
 from tests.flower_helpers import (
     FLWR,
     ROOT,
@@ -221,11 +223,13 @@ def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path)
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(8, 3, 16, 16, generator=generator) * 2 - 1
     labels = torch.arange(8) % 2
+    shard = write_tensors(tmp_path / "a-0-pass0.safetensors",
+                          {"images": quantize(images), "labels": labels})  # fmt: skip
     classifiers = []
     for index, earlier_draws in enumerate((0, 1000)):
         torch.rand(earlier_draws)  # work done (or skipped) before training
         folder = RunFolder(tmp_path / f"run-{index}")
-        train_and_evaluate(cfg, {"a-0": (images, labels)}, {"a": (images, labels)},
+        train_and_evaluate(cfg, {"a-0": [shard]}, {"a": (images, labels)},
                            ["zero", "one"], folder, "cpu")
         classifiers.append(folder.classifier.read_bytes())
     assert classifiers[0] == classifiers[1]
@@ -243,13 +247,18 @@ def test_shards_are_reused_under_the_same_settings_and_redone_under_others(tiny_
     def shard_identities() -> list[tuple[int, int]]:
         return [(p.stat().st_ino, p.stat().st_mtime_ns) for p in sorted(folder.shards.iterdir())]
 
+    def contents(paths: list[Path]) -> list[bytes]:
+        return [p.read_bytes() for p in paths]
+
     first = synthesize_all(tiny_ldm, {"sketch-0": payload}, cfg, folder)["sketch-0"]
+    assert first == [folder.shard_path("sketch-0", k) for k in (0, 1)]
+    first_bytes = contents(first)
     made = shard_identities()
     assert len(made) == 2
     again = synthesize_all(tiny_ldm, {"sketch-0": payload}, cfg, folder)["sketch-0"]
     assert shard_identities() == made
-    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert again == first and contents(again) == first_bytes
     other_seed = cfg.model_copy(update={"seed": 1})
     redone = synthesize_all(tiny_ldm, {"sketch-0": payload}, other_seed, folder)["sketch-0"]
     assert all(new != old for new, old in zip(shard_identities(), made, strict=True))
-    assert not torch.equal(redone[0], first[0])
+    assert contents(redone) != first_bytes
