@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import Self
 
 from .specs import OWN_FOLDER, SPECS
 
@@ -40,12 +41,27 @@ def _split_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
-class FedBiPConfig(BaseModel):
-    """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
+class FlatConfig(BaseModel):
+    """A configuration Flower hands over as a flat dict with kebab-case keys."""
 
     model_config = ConfigDict(
         extra="forbid", alias_generator=_kebab, populate_by_name=True, frozen=True
     )
+    WHAT: ClassVar[str] = "config"  # how error messages name it
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, Any]) -> Self:
+        """Build from Flower's flat dict; raise :class:`ConfigError` with one sentence."""
+        try:
+            return cls.model_validate(dict(flat))
+        except ValidationError as err:
+            raise ConfigError(f"Invalid {cls.WHAT}: {_problems(err)}.") from None
+
+
+class FedBiPConfig(FlatConfig):
+    """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
+
+    WHAT: ClassVar[str] = "FedBiP run config"
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -261,20 +277,12 @@ class FedBiPConfig(BaseModel):
     def class_list(self) -> list[str]:
         return _split_list(self.classes)
 
-    @classmethod
-    def from_flat(cls, flat: Mapping[str, Any]) -> FedBiPConfig:
-        """Build from Flower's flat run config; raise :class:`ConfigError` with one sentence."""
-        try:
-            return cls.model_validate(dict(flat))
-        except ValidationError as err:
-            raise ConfigError(f"Invalid FedBiP run config: {_problems(err)}.") from None
-
     def to_flat(self) -> dict[str, Any]:
         """The kebab-case dict form, as written to metrics.json and accepted by from_flat."""
         return self.model_dump(by_alias=True)
 
 
-class NodeConfig(BaseModel):
+class NodeConfig(FlatConfig):
     """What one institution's SuperNode says about itself (``--node-config``); the server never sees it.
 
     A simulation gives every node ``partition-id`` / ``num-partitions`` and the run config picks
@@ -282,9 +290,7 @@ class NodeConfig(BaseModel):
     may name its own model copy, device, precision, seed and output folder.
     """
 
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=_kebab, populate_by_name=True, frozen=True
-    )
+    WHAT: ClassVar[str] = "node config"
 
     partition_id: int | None = Field(None, ge=0, description="Simulation: this node's partition.")
     num_partitions: int | None = Field(None, ge=1)
@@ -305,16 +311,8 @@ class NodeConfig(BaseModel):
         "", description="Where the classifier sent back is kept; \"\" = the run's output-dir."
     )
 
-    # run-config keys an institution may set for itself, and the field that holds each
+    # the run-config keys an institution may set for itself (fields of both models)
     RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "device", "half_precision")
-
-    @classmethod
-    def from_flat(cls, flat: Mapping[str, Any]) -> NodeConfig:
-        """Build from Flower's node config; raise :class:`ConfigError` with one sentence."""
-        try:
-            return cls.model_validate(dict(flat))
-        except ValidationError as err:
-            raise ConfigError(f"Invalid node config: {_problems(err)}.") from None
 
     def run_overrides(self) -> dict[str, Any]:
         """The run-config keys this institution sets for itself (they win over the server's)."""

@@ -7,27 +7,30 @@ created on the way). A crash leaves either the old file or the new one, never a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 
-def atomic_write(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically and durably."""
+@contextlib.contextmanager
+def _atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A handle on a temporary file beside ``path``: fsynced and renamed over ``path`` when the
+    block ends, removed if it raises. Every durable write of this module goes through here."""
     path = Path(path)
     _make_folders(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -35,7 +38,13 @@ def atomic_write(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
-    return path
+
+
+def atomic_write(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably."""
+    with _atomic_file(path) as handle:
+        handle.write(data)
+    return Path(path)
 
 
 def remove_partial_writes(root: str | Path) -> list[Path]:
@@ -122,32 +131,21 @@ def write_tensors_streamed(
                     "data_offsets": [offset, offset + total]}  # fmt: skip
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    path = Path(path)
-    _make_folders(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(struct.pack("<Q", len(text)) + text)
-            for tensor in first.values():
-                handle.write(tensor.detach().cpu().contiguous().numpy().tobytes())
-            written = 0
-            for part in parts:
-                if part.dtype != dtype or tuple(part.shape[1:]) != tuple(shape[1:]):
-                    raise ValueError(f"{name}: part {tuple(part.shape)} {part.dtype} does not fit "
-                                     f"{tuple(shape)} {dtype}")  # fmt: skip
-                data = part.detach().cpu().contiguous().numpy().tobytes()
-                handle.write(data)
-                written += len(data)
-            if written != total:
-                raise ValueError(f"{name}: {written} bytes streamed, {total} expected")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_folder(path.parent)
-    return path
+    with _atomic_file(path) as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        for tensor in first.values():
+            handle.write(tensor.detach().cpu().contiguous().numpy().tobytes())
+        written = 0
+        for part in parts:
+            if part.dtype != dtype or tuple(part.shape[1:]) != tuple(shape[1:]):
+                raise ValueError(f"{name}: part {tuple(part.shape)} {part.dtype} does not fit "
+                                 f"{tuple(shape)} {dtype}")  # fmt: skip
+            data = part.detach().cpu().contiguous().numpy().tobytes()
+            handle.write(data)
+            written += len(data)
+        if written != total:
+            raise ValueError(f"{name}: {written} bytes streamed, {total} expected")
+    return Path(path)
 
 
 def read_small_tensor(path: str | Path, name: str) -> torch.Tensor:
