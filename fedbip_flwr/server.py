@@ -294,19 +294,6 @@ def evaluate_on_server(
     return {"per_domain": per_domain, "mean": mean}
 
 
-def train_and_evaluate(
-    cfg: FedBiPConfig,
-    synthetic: Mapping[str, Sequence[Path]],
-    test_sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
-    class_names: list[str],
-    folder: RunFolder,
-    device: torch.device | str,
-) -> dict:
-    """:func:`train_global` then :func:`evaluate_on_server`: the simulation's whole scoring."""
-    model, facts = train_global(cfg, synthetic, class_names, folder, device)
-    return {**evaluate_on_server(model, test_sets, cfg.classifier_image_size, device), **facts}
-
-
 def weighted_mean(per_client: Mapping[str, Mapping]) -> float:
     """Example-weighted mean accuracy over the institutions that scored the classifier."""
     scored = [r for r in per_client.values() if r.get("status") == "ok" and r["num_examples"]]

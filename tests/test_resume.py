@@ -23,7 +23,7 @@ import torch
 
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.server import RunFolder, synthesize_all, train_and_evaluate
+from fedbip_flwr.server import RunFolder, synthesize_all, train_global
 from fedbip_flwr.storage import write_tensors
 from fedbip_flwr.viz import quantize
 from tests.flower_helpers import (
@@ -229,8 +229,7 @@ def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path)
     for index, earlier_draws in enumerate((0, 1000)):
         torch.rand(earlier_draws)  # work done (or skipped) before training
         folder = RunFolder(tmp_path / f"run-{index}")
-        train_and_evaluate(cfg, {"a-0": [shard]}, {"a": (images, labels)},
-                           ["zero", "one"], folder, "cpu")
+        train_global(cfg, {"a-0": [shard]}, ["zero", "one"], folder, "cpu")
         classifiers.append(folder.classifier.read_bytes())
     assert classifiers[0] == classifiers[1]
 
