@@ -103,14 +103,23 @@ def forward_noise(
 
 @dataclass(frozen=True)
 class InstanceLatents:
-    """What instance-level personalization produces; z0 is kept for concept learning."""
+    """What instance-level personalization produces; z0 is kept for concept learning.
+
+    ``zT`` holds ``draws`` independent z(T) per image (each its own partner, gamma and
+    noise), draw by draw: row ``k * N + i`` comes from image ``i``.
+    """
 
     z0: torch.Tensor
     zT: torch.Tensor
-    labels: torch.Tensor
-    partners: torch.Tensor
-    gammas: torch.Tensor
+    labels: torch.Tensor  # of z0, one per image
+    partners: torch.Tensor  # per row of zT
+    gammas: torch.Tensor  # per row of zT
     timestep: int
+
+    @property
+    def zT_labels(self) -> torch.Tensor:
+        """The label of every row of ``zT`` (what the payload's labels are)."""
+        return self.labels.repeat(len(self.zT) // len(self.labels))
 
 
 def personalize_instances(
@@ -123,14 +132,21 @@ def personalize_instances(
     gamma_mean: float = 0.5,
     gamma_std: float = 0.1,
     vae_batch_size: int = 8,
+    draws: int = 1,
     generator: torch.Generator,
 ) -> InstanceLatents:
-    """Encode once, mix each latent with a same-class partner, forward-noise to T."""
+    """Encode once; then ``draws`` times: mix each latent with a same-class partner and
+    forward-noise to T (eq. 3). With ``draws`` = m every image gets m independent z(T), so the
+    server's m images of it differ by more than the concept perturbation eta."""
     z0 = encode_images(vae, images, vae_batch_size)
-    partners = pick_partners(labels, generator)
-    gammas = sample_gammas(len(labels), gamma_mean, gamma_std, generator)
-    g = gammas.view(-1, 1, 1, 1)
-    zbar = g * z0 + (1 - g) * z0[partners]
-    noise = torch.randn(z0.shape, generator=generator)
-    zT = forward_noise(scheduler, zbar, timestep, noise)
-    return InstanceLatents(z0, zT, labels.clone(), partners, gammas, timestep)
+    partners, gammas, noised = [], [], []
+    for _ in range(draws):
+        partners.append(pick_partners(labels, generator))
+        gammas.append(sample_gammas(len(labels), gamma_mean, gamma_std, generator))
+        g = gammas[-1].view(-1, 1, 1, 1)
+        zbar = g * z0 + (1 - g) * z0[partners[-1]]
+        noise = torch.randn(z0.shape, generator=generator)
+        noised.append(forward_noise(scheduler, zbar, timestep, noise))
+    return InstanceLatents(
+        z0, torch.cat(noised), labels.clone(), torch.cat(partners), torch.cat(gammas), timestep
+    )

@@ -97,3 +97,23 @@ def test_encoding_in_slices_equals_one_batch(tiny_ldm):
     whole = encode_images(tiny_ldm.vae, images, batch_size=10)
     assert torch.allclose(encode_images(tiny_ldm.vae, images, batch_size=3), whole, atol=1e-5)
     assert torch.allclose(encode_images(tiny_ldm.vae, images, batch_size=1), whole, atol=1e-5)
+
+
+def test_several_draws_give_independent_z_T_per_image_each_by_the_equation(tiny_ldm):
+    """latents-per-image = k: k rows of z(T) per image, each its own partner, gamma and noise."""
+    images = torch.rand(12, 3, 32, 32) * 2 - 1
+    labels = torch.arange(12) % 3
+    out = personalize_instances(tiny_ldm.vae, tiny_ldm.scheduler, images, labels, 981, draws=3,
+                                generator=torch.Generator().manual_seed(5))  # fmt: skip
+    assert out.zT.shape == (36, *tiny_ldm.latent_shape()) and out.z0.shape[0] == 12
+    assert torch.equal(out.zT_labels, labels.repeat(3))
+    assert torch.equal(labels[out.partners], out.zT_labels), "partners share the class"
+    g = out.gammas.view(-1, 1, 1, 1)
+    zbar = g * out.z0.repeat(3, 1, 1, 1) + (1 - g) * out.z0[out.partners]
+    abar = tiny_ldm.scheduler.alphas_cumprod[981]
+    eps = ((out.zT - abar.sqrt() * zbar) / (1 - abar).sqrt()).view(3, 12, -1)
+    assert abs(eps.std().item() - 1) < 0.05
+    # the draws' noises are independent: correlation between draws ~ 0, not 1
+    corr = torch.corrcoef(eps.flatten(1))
+    assert corr[0, 1].abs() < 0.05 and corr[1, 2].abs() < 0.05
+    assert not torch.equal(out.gammas[:12], out.gammas[12:24])
