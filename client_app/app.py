@@ -1,4 +1,6 @@
-"""FedBiP ClientApp: personalize and upload once on ``train``; score the classifier on ``evaluate``.
+"""ClientApp: compute and upload once on ``train`` (the run's method: FedBiP personalizes, the
+peers do their own); score the classifier sent back on ``evaluate``. FedAvg's rounds come here
+too (``train`` carries the global weights).
 
 Thin over the library. Who this node is and where its data lives come from its own node config
 (:class:`fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase and
@@ -17,10 +19,11 @@ from flwr.clientapp import ClientApp
 
 from fedbip_flwr import dataset
 from fedbip_flwr.classifier import load_classifier_bytes
-from fedbip_flwr.client import institution_upload, kept_classifier_path, score_classifier
+from fedbip_flwr.client import kept_classifier_path, score_classifier
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
-from fedbip_flwr.ldm import LDM, load_for_run
+from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
+from fedbip_flwr.methods import fedavg, institution_upload
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.wire import (
     METRICS_RECORD,
@@ -52,12 +55,14 @@ def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     cfg, node = configs(context)
+    if cfg.method == fedavg.NAME:
+        return Message(content=fedavg.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
     _, client_id = dataset.institution_identity(cfg, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return Message(content=skipped_content(client_id), reply_to=msg)
-    ldm = _model(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    blob, metrics = institution_upload(cfg, node, ldm)
+    ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+    blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
     return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
 
@@ -67,6 +72,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Score the classifier the server sent on this institution's held-out images; keep it."""
     setup_logging()
     cfg, node = configs(context)
+    if cfg.method == fedavg.NAME:
+        return Message(content=fedavg.client_evaluate(msg, cfg, node), reply_to=msg)
     domain, client_id = dataset.institution_identity(cfg, node)
     settings = message_config(msg)
     blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))

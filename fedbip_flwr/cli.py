@@ -8,6 +8,7 @@ exactly what a client uploads (or what a server stored) before trusting it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -18,9 +19,9 @@ from typing import Any
 from flwr.common.config import get_project_config, parse_config_args
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import institution_upload
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
-from fedbip_flwr.ldm import load_for_run
+from fedbip_flwr.ldm import load_for_run, select_device
+from fedbip_flwr.methods import institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
@@ -232,8 +233,8 @@ def _run_personalize(args: argparse.Namespace) -> int:
         node = NodeConfig.from_flat({k: v for k, v in node_values.items() if v is not None})
         run = {**project_run_config(), **parse_config_args(args.run_config)}
         cfg = FedBiPConfig.from_flat({**run, **node.run_overrides()})
-        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-        blob, metrics = institution_upload(cfg, node, ldm)
+        ldm = functools.partial(load_for_run, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
     except (ConfigError, DataError, OSError, ValueError) as err:
         print(f"fedbip personalize: {err}", file=sys.stderr)
         return 1

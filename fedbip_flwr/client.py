@@ -1,6 +1,8 @@
-"""A client's whole job: private images -> z(T) and concepts -> one payload (Algorithm 1, ClientUpdate).
+"""A client's side: its own randomness, FedBiP's personalization (Algorithm 1, ClientUpdate),
+and scoring the classifier it gets back.
 
-Plain library code: the Flower ClientApp only loads the partition and calls :func:`personalize`.
+Plain library code. Which method's upload a client computes is
+:func:`fedbip_flwr.methods.institution_upload`; FedBiP's is :func:`personalize`.
 """
 
 from __future__ import annotations
@@ -15,14 +17,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from . import dataset
 from .classifier import evaluate
 from .concepts import learn_concepts, prompt_layout
 from .config import FedBiPConfig, NodeConfig
 from .instance import personalize_instances, start_timestep
 from .ldm import LDM
 from .paths import resolve
-from .payload import SCHEMA_VERSION, Payload, PayloadMeta, encode_payload
+from .payload import SCHEMA_VERSION, Payload, PayloadMeta
 from .server import client_seed
 from .shapes import ImageSet
 
@@ -90,6 +91,7 @@ def personalize(
         gamma_std=cfg.gamma_std,
         generator=generator,
         vae_batch_size=cfg.vae_batch_size,
+        draws=cfg.latents_per_image,
     )
     report.seconds["instance"] = time.perf_counter() - started
 
@@ -137,41 +139,16 @@ def personalize(
         base_model=ldm.fingerprint,
         latent_shape=list(instances.zT.shape[1:]),
         latent_dtype=cfg.latent_dtype,
-        num_examples=len(labels),
+        num_examples=len(instances.zT),
     )
     payload = Payload(
         latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
-        labels=instances.labels.to(torch.int64),
+        labels=instances.zT_labels.to(torch.int64),
         domain_concept=concepts.domain,
         class_concepts=concepts.classes,
         meta=meta,
     )
     return payload, report
-
-
-def institution_upload(cfg: FedBiPConfig, node: NodeConfig, ldm: LDM) -> tuple[bytes, dict]:
-    """An institution's whole job: its own images -> the one payload's bytes, and the metrics
-    sent beside it. The ClientApp and ``fedbip personalize`` both call this, so what an
-    institution computes and audits offline is exactly what it would upload."""
-    started = time.perf_counter()
-    data = dataset.institution_data(cfg, node)
-    log.info("[%s] %d private images, personalizing", data.client_id, len(data))
-    payload, report = personalize(
-        ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
-        client_generator(cfg, node, data.client_id),
-    )  # fmt: skip
-    blob = encode_payload(payload)
-    metrics = {
-        "num-examples": len(data),
-        "payload-bytes": len(blob),
-        "seconds-instance": report.seconds["instance"],
-        "seconds-concept": report.seconds["concept"],
-        "seconds-total": time.perf_counter() - started,
-        "concept-losses": report.concept_losses,
-        "concept-drift-s": report.concept_drift["s"],
-        "concept-drift-v": report.concept_drift["v"],
-    }
-    return blob, metrics
 
 
 def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int) -> dict:

@@ -20,6 +20,8 @@ from .specs import OWN_FOLDER, SPECS
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
+# Every method the registry (fedbip_flwr.methods) can create, by run-config name.
+METHODS = ("fedbip", "oscar", "fedlmg", "prompts-only", "central", "local", "fedavg")
 SD_V1_4 = "CompVis/stable-diffusion-v1-4"
 
 
@@ -62,6 +64,26 @@ class FedBiPConfig(FlatConfig):
     """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
 
     WHAT: ClassVar[str] = "FedBiP run config"
+
+    # --- method (fedbip_flwr.methods) ----------------------------------------------------------
+    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+        "fedbip",
+        description="Which method the federation runs: fedbip (this paper), the peers oscar "
+        "and fedlmg, or the references prompts-only, central (clients upload their images: "
+        "not private), local (each client's own classifier) and fedavg (multi-round).",
+    )
+    images_per_class: int = Field(
+        0,
+        ge=0,
+        description="Synthetic images per class per client for methods that sample from fresh "
+        "noise (oscar, fedlmg, prompts-only); 0 = as many as FedBiP makes from the same "
+        "client (multiplier x its images of that class), so every method trains on as much.",
+    )
+    local_epochs: int = Field(
+        30, ge=1, description="Epochs of a client's own classifier (fedlmg, local)."
+    )
+    fedavg_rounds: int = Field(10, ge=1, description="fedavg: rounds of Flower's FedAvg.")
+    fedavg_local_epochs: int = Field(2, ge=1, description="fedavg: local epochs per round.")
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -118,6 +140,13 @@ class FedBiPConfig(FlatConfig):
         description="T for z(T); 0 = the first timestep of the synthesis schedule (paper).",
     )
     latent_dtype: Literal["float32", "float16"] = "float32"
+    latents_per_image: int = Field(
+        1,
+        ge=1,
+        description="Independent z(T) per private image (each its own partner, gamma and "
+        "noise). With k the upload is k times larger and the server's multiplier applies to "
+        "all k*N: FedBiP-M as k=5, multiplier=1 instead of k=1, multiplier=5 (issue 18).",
+    )
     vae_batch_size: int = Field(
         8,
         ge=1,

@@ -20,14 +20,15 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import safetensors.torch
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from typing_extensions import Self
 
 from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, FedBiPConfig
 from fedbip_flwr.storage import atomic_write
@@ -42,7 +43,7 @@ MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 1
 TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
 
 # Bytes per element of every dtype a payload may use; anything else is refused at the header.
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "I64": 8}
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "I64": 8, "U8": 1}
 _LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _TENSOR_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _MAX_RANK = 8
@@ -60,33 +61,48 @@ class PayloadError(ValueError):
         return (type(self), (self.reason,))
 
 
-class PayloadMeta(BaseModel):
-    """Everything the server needs to denoise a client's z(T) exactly as the client meant."""
+class UploadMeta(BaseModel):
+    """What every method's upload says about itself; each method's metadata adds its own fields
+    and fixes ``method`` to its name (:mod:`fedbip_flwr.methods`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     schema_version: int
+    method: str
     client_id: str = Field(pattern=CLIENT_ID_PATTERN)  # the server's file name for it
     domain: str = Field(min_length=1)
+    class_names: list[str] = Field(min_length=1)
+    num_examples: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _check_class_names(self) -> Self:
+        if any(not name for name in self.class_names):
+            raise ValueError("class_names must not contain empty names")
+        if len(set(self.class_names)) != len(self.class_names):
+            raise ValueError("class_names must be unique")
+        return self
+
+
+M = TypeVar("M", bound=UploadMeta)
+
+
+class PayloadMeta(UploadMeta):
+    """Everything the server needs to denoise a client's z(T) exactly as the client meant."""
+
+    method: Literal["fedbip"] = "fedbip"
     timestep: int = Field(ge=0)
     scheduler: str = Field(min_length=1)
     num_inference_steps: int = Field(ge=1)
     n_s: int = Field(ge=1)
     n_v: int = Field(ge=1)
     concept_space: Literal["token", "hidden"]
-    class_names: list[str] = Field(min_length=1)
     prompt_template: str
     base_model: str = Field(min_length=1)
     latent_shape: list[int] = Field(min_length=3, max_length=3)
     latent_dtype: Literal["float32", "float16"]
-    num_examples: int = Field(ge=1)
 
     @model_validator(mode="after")
     def _check_fields(self) -> PayloadMeta:
-        if any(not name for name in self.class_names):
-            raise ValueError("class_names must not contain empty names")
-        if len(set(self.class_names)) != len(self.class_names):
-            raise ValueError("class_names must be unique")
         for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
             if self.prompt_template.count(slot) != 1:
                 raise ValueError(f"prompt_template must contain {slot} exactly once")
@@ -146,17 +162,22 @@ class Expectations:
 
 
 def encode_payload(p: Payload) -> bytes:
-    """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway.
-
-    Equal payloads give equal bytes, in any process: safetensors writes ``__metadata__`` in a
-    per-process random order (a Rust HashMap), so the header is rewritten in sorted order.
-    """
+    """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway."""
     check_payload(p)
+    return encode_tensors(p.tensors(), _meta_to_strings(p.meta))
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """Any method's upload as safetensors bytes; equal inputs give equal bytes, in any process.
+
+    safetensors writes ``__metadata__`` in a per-process random order (a Rust HashMap), so the
+    header is rewritten in sorted order.
+    """
     tensors = {
         name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        for name, t in p.tensors().items()
+        for name, t in tensors.items()
     }
-    blob = safetensors.torch.save(tensors, metadata=_meta_to_strings(p.meta))
+    blob = safetensors.torch.save(tensors, metadata=dict(metadata))
     size = _header_len(blob)
     header = json.loads(blob[8 : 8 + size])
     metadata = dict(sorted(header.pop("__metadata__").items()))
@@ -166,9 +187,13 @@ def encode_payload(p: Payload) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + blob[8 + size :]
 
 
-def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
+def meta_strings(meta: BaseModel) -> dict[str, str]:
     """safetensors metadata is str -> str; JSON values keep types and stay human-readable."""
     return {META_PREFIX + key: json.dumps(value) for key, value in meta.model_dump().items()}
+
+
+def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
+    return meta_strings(meta)
 
 
 def save_payload(p_or_blob: Payload | bytes, path: str | os.PathLike[str]) -> Path:
@@ -208,18 +233,40 @@ def decode_payload(
 
     The cap is ``expect.max_bytes`` when expectations are given, else ``max_bytes``.
     """
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
-    check_size(memoryview(blob).nbytes, expect.max_bytes if expect is not None else max_bytes)
-    blob = bytes(blob)
-    entries, metadata = read_header(blob)
-    _check_layout(entries, data_len=len(blob) - 8 - _header_len(blob))
+    tensors, metadata = read_tensors(
+        blob, TENSOR_NAMES, expect.max_bytes if expect is not None else max_bytes, "fedbip"
+    )
     meta = parse_meta(metadata)
-    payload = Payload(**_load_tensors(blob), meta=meta)
+    payload = Payload(**tensors, meta=meta)
     check_payload(payload)
     if expect is not None:
         check_expectations(payload, expect)
     return payload
+
+
+def read_tensors(
+    blob: bytes, names: Collection[str], max_bytes: int, method: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Any method's upload, untrusted: ``(tensors, metadata)`` or :class:`PayloadError`.
+
+    Size cap before parsing, our own header parse, the schema version and ``method`` (so an
+    upload for another method says so), exactly ``names`` tiling the data with no gap or
+    overlap, safetensors' load, and finite floats. What the tensors must look like is the
+    method's own check, after this.
+    """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
+    check_size(memoryview(blob).nbytes, max_bytes)
+    blob = bytes(blob)
+    entries, metadata = read_header(blob)
+    _check_schema_version(_meta_value(metadata, "schema_version"))
+    _check_method(metadata, method)
+    _check_layout(entries, len(blob) - 8 - _header_len(blob), tuple(names))
+    tensors = _load_tensors(blob)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise PayloadError(f"{name} contain NaN or Inf")
+    return tensors, metadata
 
 
 def check_size(size: int, limit: int) -> None:
@@ -320,7 +367,7 @@ def _check_entry(name: str, entry: Any) -> None:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
         raise PayloadError(
-            f"tensor {name!r} has dtype {dtype!r}; payload tensors are F32, F16 or I64"
+            f"tensor {name!r} has dtype {dtype!r}; uploads hold F32, F16, I64 or U8 tensors"
         )
     if not _is_int_list(shape) or len(shape) > _MAX_RANK or any(s < 0 for s in shape):
         raise PayloadError(f"tensor {name!r} has an invalid shape {shape!r}")
@@ -334,13 +381,15 @@ def _is_int_list(value: Any) -> bool:
     )
 
 
-def _check_layout(entries: dict[str, dict[str, Any]], data_len: int) -> None:
+def _check_layout(
+    entries: dict[str, dict[str, Any]], data_len: int, wanted: tuple[str, ...] = TENSOR_NAMES
+) -> None:
     """Exact tensor names, and byte ranges that tile the data section with no gap or overlap."""
     names = set(entries)
-    if missing := sorted(set(TENSOR_NAMES) - names):
-        raise PayloadError(f"missing tensor(s) {missing}; a payload holds {list(TENSOR_NAMES)}")
-    if extra := sorted(names - set(TENSOR_NAMES)):
-        raise PayloadError(f"unexpected tensor(s) {extra}; a payload holds {list(TENSOR_NAMES)}")
+    if missing := sorted(set(wanted) - names):
+        raise PayloadError(f"missing tensor(s) {missing}; this upload holds {list(wanted)}")
+    if extra := sorted(names - set(wanted)):
+        raise PayloadError(f"unexpected tensor(s) {extra}; this upload holds {list(wanted)}")
     for name, entry in entries.items():
         begin, end = entry["data_offsets"]
         nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]
@@ -363,26 +412,37 @@ def _check_layout(entries: dict[str, dict[str, Any]], data_len: int) -> None:
         )
 
 
-def parse_meta(metadata: dict[str, str]) -> PayloadMeta:
-    """Turn ``fedbip.*`` metadata strings into a :class:`PayloadMeta`, version first.
+def parse_meta(metadata: dict[str, str], model: type[M] = PayloadMeta) -> M:  # type: ignore[assignment]
+    """Turn ``fedbip.*`` metadata strings into ``model`` (a method's metadata), version first.
 
     The version is checked before anything else so that a payload from a newer schema gets a
-    "version" message rather than a confusing one about fields it added.
+    "version" message rather than a confusing one about fields it added; then the method, so
+    an upload meant for another method says so.
     """
     _check_schema_version(_meta_value(metadata, "schema_version"))
-    expected = {META_PREFIX + field for field in PayloadMeta.model_fields}
+    _check_method(metadata, model.model_fields["method"].default)
+    expected = {META_PREFIX + field for field in model.model_fields}
     if missing := sorted(expected - set(metadata)):
         raise PayloadError(f"metadata is missing {missing} (written by an incomplete encoder?)")
     if unknown := sorted(set(metadata) - expected):
         raise PayloadError(f"metadata has unknown key(s) {unknown}")
-    values = {field: _meta_value(metadata, field) for field in PayloadMeta.model_fields}
+    values = {field: _meta_value(metadata, field) for field in model.model_fields}
     try:
-        return PayloadMeta.model_validate(values, strict=True)
+        return model.model_validate(values, strict=True)
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(part) for part in first["loc"])
         where = f"metadata field '{META_PREFIX}{loc}'" if loc else "metadata"
         raise PayloadError(f"{where} is invalid: {first['msg']}") from None
+
+
+def _check_method(metadata: dict[str, str], wanted: str) -> None:
+    method = _meta_value(metadata, "method")
+    if method != wanted:
+        raise PayloadError(
+            f"this is an upload for method {method!r} but the server runs {wanted!r} "
+            "(clients and server must share run config method)"
+        )
 
 
 def _meta_value(metadata: dict[str, str], field: str) -> Any:

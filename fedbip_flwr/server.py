@@ -1,7 +1,8 @@
-"""The server's whole job after the one round: payloads -> synthetic set -> classifier -> metrics.
+"""The server's whole job after the one round: uploads -> training set -> classifier -> metrics.
 
-Plain library code over a run folder; the Flower strategy only collects the replies and calls
-:func:`accept_payload` for each, then :func:`synthesize_all`, :func:`train_global` and, where
+Plain library code over a run folder; the Flower strategy only collects the replies and hands
+each to the run's method (:mod:`fedbip_flwr.methods`), whose training set is written as shards
+(:func:`keyed_shard`; FedBiP's by :func:`synthesize_all`), then :func:`train_global` and, where
 the server holds test data, :func:`evaluate_on_server`.
 Everything accepted is on disk before any heavy work, synthesis is written in shards (one per
 client and pass), and a restart over the same folder resumes from what is there.
@@ -15,9 +16,10 @@ import itertools
 import logging
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,8 +37,8 @@ from .concepts import count_tokens
 from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
-from .payload import Expectations, Payload, PayloadError, decode_payload
-from .storage import atomic_write, read_metadata, write_tensors_streamed
+from .payload import Expectations, Payload
+from .storage import read_metadata, write_tensors_streamed
 from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
 
@@ -110,22 +112,6 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
     )
 
 
-def accept_payload(
-    blob: bytes, expect: Expectations, folder: RunFolder, taken: set[str]
-) -> Payload:
-    """Validate an upload and persist it durably; raise PayloadError with the reason if not.
-
-    The metadata's client_id pattern keeps it a safe file name, so it names the file directly.
-    """
-    payload = decode_payload(blob, expect)
-    client_id = payload.meta.client_id
-    if client_id in taken:
-        raise PayloadError(f"a payload from '{client_id}' was already accepted")
-    atomic_write(folder.payload_path(client_id), blob)
-    taken.add(client_id)
-    return payload
-
-
 def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
     return SynthesisSettings(
         multiplier=cfg.multiplier,
@@ -162,9 +148,12 @@ def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) 
 
 
 def synthesize_all(
-    ldm: LDM, payloads: Mapping[str, Payload], cfg: FedBiPConfig, folder: RunFolder
+    ldm: LDM,
+    payloads: Mapping[str, Payload],
+    cfg: FedBiPConfig,
+    shard_path: Callable[[str, int], Path],
 ) -> dict[str, list[Path]]:
-    """The synthetic shards per client, in pass order; shards on disk are reused, missing ones made.
+    """FedBiP's synthetic shards per client, in pass order; shards on disk are reused.
 
     Each shard holds one pass over a client's z(T) as uint8 (what a PNG holds), written batch by
     batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
@@ -179,40 +168,49 @@ def synthesize_all(
         for client_id, payload in sorted(payloads.items()):
             etas = draw_etas(payload, settings, client_seed(cfg.seed, client_id))
             payload_sha = payload_digest(payload)
-            out[client_id] = []
-            for index, eta in enumerate(etas):
-                path = folder.shard_path(client_id, index)
-                key = shard_key(payload_sha, settings, eta)
-                if read_metadata(path).get(SHARD_KEY) == key:
-                    bar.update(len(payload.labels))
-                    log.info("synthesis: %s pass %d reused from %s", client_id, index, path.name)
-                else:
-                    if path.exists():
-                        log.warning("synthesis: %s was made under other settings; redoing it", path)
-                    write_shard(path, ldm, payload, settings, eta, key, on_batch=bar.update)
-                    log.info("synthesis: %s pass %d/%d written", client_id, index + 1, len(etas))
-                out[client_id].append(path)
+            out[client_id] = [
+                keyed_shard(
+                    shard_path(client_id, index),
+                    shard_key(payload_sha, settings, eta),
+                    payload.labels,
+                    functools.partial(iter_pass, ldm, payload, settings, eta, bar.update),
+                    on_reuse=bar.update,
+                )
+                for index, eta in enumerate(etas)
+            ]
     return out
 
 
-def write_shard(
+def keyed_shard(
     path: Path,
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    eta: torch.Tensor,
     key: str,
-    on_batch: Callable[[int], None] | None = None,
+    labels: torch.Tensor,
+    batches: Callable[[], Iterable[torch.Tensor]],
+    on_reuse: Callable[[int], None] | None = None,
 ) -> Path:
-    """One pass as a shard (``labels`` int64, ``images`` uint8), each batch quantized and
-    written as it is decoded; the same bytes as saving the whole pass at once."""
-    batches = (quantize(images) for images in iter_pass(ldm, payload, settings, eta, on_batch))
-    first = next(batches)
-    shape = (len(payload.labels), *first.shape[1:])
-    return write_tensors_streamed(
-        path, {"labels": payload.labels}, ("images", torch.uint8, shape),
-        itertools.chain([first], batches), {SHARD_KEY: key},
+    """A training-set shard: reused when the file on disk was made under ``key``, else written
+    from ``batches()`` (images in [-1, 1], in label order) as uint8, batch by batch, atomically.
+
+    ``key`` digests everything the pixels depend on, so a restart with another seed or setting
+    recomputes instead of silently mixing two configurations. Every method's training set goes
+    through here.
+    """
+    if read_metadata(path).get(SHARD_KEY) == key:
+        log.info("%s reused", path.name)
+        if on_reuse is not None:
+            on_reuse(len(labels))
+        return path
+    if path.exists():
+        log.warning("%s was made under other settings; redoing it", path)
+    quantized = (quantize(images) for images in batches())
+    first = next(quantized)
+    shape = (len(labels), *first.shape[1:])
+    write_tensors_streamed(
+        path, {"labels": labels.to(torch.int64)}, ("images", torch.uint8, shape),
+        itertools.chain([first], quantized), {SHARD_KEY: key},
     )  # fmt: skip
+    log.info("%s written (%d images)", path.name, len(labels))
+    return path
 
 
 def synthetic_dataset(synthetic: Mapping[str, Sequence[Path]], image_size: int) -> ShardImages:
@@ -294,6 +292,25 @@ def evaluate_on_server(
     return {"per_domain": per_domain, "mean": mean}
 
 
+def evaluate_models(
+    models: Mapping[str, nn.Module],
+    test_sets: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    image_size: int,
+    device: torch.device | str,
+) -> dict:
+    """:func:`evaluate_on_server` for one global classifier; for several (Local: one per
+    client) each is scored on every domain and the per-domain accuracies averaged over them."""
+    scores = {name: evaluate_on_server(m, test_sets, image_size, device) for name, m in models.items()}
+    if len(scores) == 1:
+        return next(iter(scores.values()))
+    per_domain = {
+        domain: sum(s["per_domain"][domain] for s in scores.values()) / len(scores)
+        for domain in test_sets
+    }
+    mean = sum(per_domain.values()) / len(per_domain) if per_domain else float("nan")
+    return {"per_domain": per_domain, "mean": mean, "per_model": scores}
+
+
 def weighted_mean(per_client: Mapping[str, Mapping]) -> float:
     """Example-weighted mean accuracy over the institutions that scored the classifier."""
     scored = [r for r in per_client.values() if r.get("status") == "ok" and r["num_examples"]]
@@ -301,12 +318,9 @@ def weighted_mean(per_client: Mapping[str, Mapping]) -> float:
     return sum(r["accuracy"] * r["num_examples"] for r in scored) / total if total else float("nan")
 
 
-def load_persisted(folder: RunFolder, expect: Expectations) -> dict[str, Payload]:
-    """Re-read payloads accepted before a restart (they were validated when they arrived)."""
-    loaded = {}
-    for client_id, path in folder.persisted_payloads().items():
-        loaded[client_id] = decode_payload(path.read_bytes(), expect)
-    return loaded
+def load_persisted(folder: RunFolder, accept: Callable[[bytes], Any]) -> dict[str, Any]:
+    """Re-read uploads accepted before a restart, through the method's ``accept`` again."""
+    return {client_id: accept(path.read_bytes()) for client_id, path in folder.persisted_payloads().items()}
 
 
 def save_grid(

@@ -192,6 +192,42 @@ def synthesize_client(
 
 
 @torch.no_grad()
+def encode_texts(ldm: LDM, texts: list[str]) -> torch.Tensor:
+    """Plain text -> the text encoder's hidden states (len(texts), L, d): the conditioning a
+    prompt gives the UNet."""
+    tok = ldm.tokenizer
+    ids = tok(texts, padding="max_length", max_length=tok.model_max_length,
+              truncation=True, return_tensors="pt").input_ids  # fmt: skip
+    return ldm.text_encoder(ids.to(ldm.device)).last_hidden_state
+
+
+@torch.no_grad()
+def iter_from_noise(
+    ldm: LDM,
+    cond_per_class: torch.Tensor,
+    labels: torch.Tensor,
+    settings: SynthesisSettings,
+    generator: torch.Generator,
+) -> Iterator[torch.Tensor]:
+    """Images (batches in [-1, 1], float32, CPU) from fresh Gaussian noise over the full
+    schedule, guided toward each label's conditioning ``cond_per_class[label]`` (C, L, d).
+
+    How every method without uploaded latents samples (Prompts-only, OSCAR's per-class caption
+    embeddings). The noise comes from ``generator`` batch by batch, so the images do not
+    depend on how many were drawn before them in other shards.
+    """
+    uncond = unconditional_embedding(ldm)
+    first = start_timestep(ldm.scheduler, settings.num_inference_steps)
+    grid = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, first)
+    shape = ldm.latent_shape()
+    for batch in labels.split(settings.batch_size):
+        cond = cond_per_class[batch.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
+        z_t = torch.randn((len(batch), *shape), generator=generator)
+        z0 = denoise(ldm, z_t, cond, uncond, grid, settings.num_inference_steps,
+                     settings.guidance_scale)  # fmt: skip
+        yield decode_latents(ldm, z0, settings.vae_batch_size)
+
+
 def sample_from_prompts(
     ldm: LDM,
     prompts: list[str],
@@ -203,19 +239,5 @@ def sample_from_prompts(
     What a server could do with a pretrained LDM and no personalization at all; also how the
     miniature model's class fidelity is measured.
     """
-    tok = ldm.tokenizer
-    uncond = unconditional_embedding(ldm)
-    grid = denoising_timesteps(
-        ldm.scheduler, settings.num_inference_steps, start_timestep(ldm.scheduler, settings.num_inference_steps)
-    )
-    shape = ldm.latent_shape()
-    images = []
-    for start in range(0, len(prompts), settings.batch_size):
-        batch = prompts[start : start + settings.batch_size]
-        ids = tok(batch, padding="max_length", max_length=tok.model_max_length,
-                  truncation=True, return_tensors="pt").input_ids
-        cond = ldm.text_encoder(ids.to(ldm.device)).last_hidden_state
-        z_t = torch.randn((len(batch), *shape), generator=generator)
-        z0 = denoise(ldm, z_t, cond, uncond, grid, settings.num_inference_steps, settings.guidance_scale)
-        images.append(decode_latents(ldm, z0, settings.vae_batch_size))
-    return torch.cat(images)
+    cond = encode_texts(ldm, prompts)
+    return torch.cat(list(iter_from_noise(ldm, cond, torch.arange(len(prompts)), settings, generator)))

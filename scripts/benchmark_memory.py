@@ -74,7 +74,7 @@ def child(args: argparse.Namespace) -> None:
     facts = {"after_payloads_mb": peak_mb()}
     folder = RunFolder(Path(args.folder))
     started = time.perf_counter()
-    synthetic = synthesize_all(ldm, payloads, cfg, folder)
+    synthetic = synthesize_all(ldm, payloads, cfg, folder.shard_path)
     facts["synthesis_s"] = time.perf_counter() - started
     facts["after_synthesis_mb"] = peak_mb()
     started = time.perf_counter()

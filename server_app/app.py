@@ -1,6 +1,7 @@
-"""FedBiP ServerApp: one round of uploads, then synthesis, classifier training and scoring.
+"""ServerApp: one round of uploads, then the method's training set, the classifier and scores.
 
-Thin over the library. The classifier is scored where ``evaluation`` says: on the server's test
+Thin over the library: the run config's ``method`` names what clients upload and what the
+server makes of it (:mod:`fedbip_flwr.methods`; FedAvg runs Flower's own multi-round strategy). The classifier is scored where ``evaluation`` says: on the server's test
 sets (simulations, paper presets) and/or by the institutions on their own held-out images,
 which also keep the classifier. A restart with the same ``run-name`` finds the uploads on disk
 and never asks a client that uploaded to upload again.
@@ -8,34 +9,35 @@ and never asks a client that uploaded to upload again.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedbip_flwr import dataset
+from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.ldm import load_for_run, select_device
+from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
+from fedbip_flwr.methods import ServerJob, fedavg
 from fedbip_flwr.paths import resolve
 from fedbip_flwr.report import write_report
 from fedbip_flwr.server import (
     RunFolder,
-    evaluate_on_server,
-    expectations,
+    evaluate_models,
     first_images,
     load_persisted,
     save_grid,
-    synthesize_all,
     train_global,
     weighted_mean,
 )
 from fedbip_flwr.storage import remove_partial_writes, write_json
 from fedbip_flwr.wire import RUN_FOLDER
-from server_app.strategy import FedBiPStrategy, NotEnoughClients, outcomes_json
+from server_app.strategy import NotEnoughClients, OneShotStrategy, outcomes_json
 
 log = logging.getLogger("fedbip_flwr.server_app")
 app = ServerApp()
@@ -48,81 +50,77 @@ def main(grid: Grid, context: Context) -> None:
     cfg = FedBiPConfig.from_flat(context.run_config)
     folder = RunFolder(resolve(cfg.output_dir) / (cfg.run_name or f"run-{context.run_id}"))
     folder.root.mkdir(parents=True, exist_ok=True)
-    log.info("run folder: %s", folder.root)
+    log.info("run folder: %s (method %s)", folder.root, cfg.method)
     for path in remove_partial_writes(folder.root):
         log.warning("removed %s, an unfinished write from an interrupted run", path)
-    seconds: dict[str, float] = {}
-
     dataset.verify(cfg)
     check_classifier_init(cfg.classifier_init)  # an offline server fails now, not after synthesis
-    started = time.perf_counter()
-    ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    class_names = dataset.class_names(cfg)
-    expect = expectations(cfg, ldm, class_names)
-    seconds["load-model"] = time.perf_counter() - started
+    device = select_device(cfg.device)
+    if cfg.method == fedavg.NAME:
+        _run_fedavg(grid, cfg, folder, device)
+        return
+    seconds: dict[str, float] = {}
+    method = methods.create(cfg.method)
+    job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
 
     started = time.perf_counter()
-    payloads = load_persisted(folder, expect)
-    strategy = FedBiPStrategy(
-        expect,
+    accept = functools.partial(method.accept, server=job)
+    uploads = load_persisted(folder, accept)
+    strategy = OneShotStrategy(
+        accept,
+        job.max_bytes,
         folder,
         min_clients=cfg.min_clients,
         wait_for_clients_s=cfg.wait_for_clients_s,
-        already_accepted=payloads,
+        already_accepted=uploads,
         uploaded_by_node=read_uploaders(folder),
     )
     if folder.clients.exists():
         clients = json.loads(folder.clients.read_text())
-        log.info("resuming: %d payloads on disk, no client is asked to upload again", len(payloads))
+        log.info("resuming: %d payloads on disk, no client is asked to upload again", len(uploads))
     else:
-        if payloads:
-            log.info("restarting the round: %d upload(s) already on disk", len(payloads))
+        if uploads:
+            log.info("restarting the round: %d upload(s) already on disk", len(uploads))
         strategy.start(grid, num_rounds=1, timeout=cfg.reply_timeout_s)
-        payloads.update(strategy.accepted)
+        uploads.update(strategy.accepted)
         clients = outcomes_json(strategy.outcomes)
         write_json(folder.clients, clients)
-    seconds["round"] = time.perf_counter() - started
+    seconds["round"] = time.perf_counter() - started - seconds.get("load-model", 0.0)
 
     metrics: dict = {"status": "running", "clients": clients, "config": cfg.to_flat()}
-    if len(payloads) < cfg.min_clients:
+    if len(uploads) < cfg.min_clients:
         metrics["status"] = "failed"
-        metrics["reason"] = (
-            f"only {len(payloads)} valid payload(s); min-clients is {cfg.min_clients}"
-        )
+        metrics["reason"] = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
         write_json(folder.metrics, metrics)
         write_report(folder.root)
         raise NotEnoughClients(metrics["reason"] + f" (see {folder.clients})")
-    log.info("%d valid payloads: %s", len(payloads), ", ".join(sorted(payloads)))
+    log.info("%d valid payloads: %s", len(uploads), ", ".join(sorted(uploads)))
 
     started = time.perf_counter()
-    synthetic = synthesize_all(ldm, payloads, cfg, folder)
+    training_set = method.train_set(uploads, job, folder.shard_path)
     seconds["synthesis"] = time.perf_counter() - started
 
     on_server = cfg.evaluation in ("server", "both")
-    domains = sorted({p.meta.domain for p in payloads.values()})
-    # Test sets are held at the classifier's input size, not the LDM's; the grids keep a row.
-    tests, grid_rows = {}, {}
-    for domain in domains if on_server else []:
-        test = dataset.load_test_sets(cfg, [domain])[domain]
-        grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
-        tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
-        del test
-    for client_id, payload in payloads.items():
-        real = grid_rows.get(payload.meta.domain)
-        save_grid(folder, client_id, real, first_images(synthetic[client_id], GRID_COLUMNS))
+    tests, grid_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}) if on_server else [])
+    for client_id, upload in sorted(uploads.items()):
+        if training_set.get(client_id):
+            real = grid_rows.get(upload.domain)
+            save_grid(folder, client_id, real, first_images(training_set[client_id], GRID_COLUMNS))
 
     started = time.perf_counter()
-    device = select_device(cfg.device)
-    model, facts = train_global(cfg, synthetic, class_names, folder, device)
-    metrics["classifier"] = {"epoch_loss": facts["epoch_loss"]}
-    metrics["accuracy"] = {k: facts[k] for k in ("num_synthetic_images", "classifier_seconds")}
+    models = method.final_models(uploads, job)
+    if models is None:
+        model, facts = train_global(cfg, training_set, job.class_names, folder, device)
+        models = {"global": model}
+        metrics["classifier"] = {"epoch_loss": facts["epoch_loss"]}
+        metrics["accuracy"] = {k: facts[k] for k in ("num_synthetic_images", "classifier_seconds")}
+    else:
+        metrics["accuracy"] = {"models": sorted(models)}
     if on_server:
-        metrics["accuracy"].update(
-            evaluate_on_server(model, tests, cfg.classifier_image_size, device)
-        )
+        metrics["accuracy"].update(evaluate_models(models, tests, cfg.classifier_image_size, device))
     seconds["classifier"] = time.perf_counter() - started
 
-    if cfg.evaluation in ("clients", "both"):
+    if cfg.evaluation in ("clients", "both") and folder.classifier.exists() and "global" in models:
         started = time.perf_counter()
         per_client = strategy.evaluate_at_institutions(
             grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
@@ -138,6 +136,43 @@ def main(grid: Grid, context: Context) -> None:
     write_json(folder.metrics, metrics)
     write_report(folder.root)
     log.info("done: %s; results in %s", headline(metrics), folder.root)
+
+
+def _run_fedavg(grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device) -> None:
+    """FedAvg's rounds on Flower's own strategy, scored like every other method."""
+    on_server = cfg.evaluation in ("server", "both")
+    tests, _ = _test_sets(cfg, cfg.domain_list if on_server else [])
+    metrics = fedavg.run_server(
+        grid, cfg, folder,
+        lambda model: evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
+        if on_server else {},
+    )  # fmt: skip
+    write_report(folder.root)
+    log.info("done: %s; results in %s", headline(metrics), folder.root)
+
+
+def _model_loader(cfg: FedBiPConfig, seconds: dict[str, float]) -> Callable[[], LDM]:
+    """The frozen LDM, loaded on first use (Central and Local never need it), timed."""
+
+    @functools.cache
+    def load() -> LDM:
+        started = time.perf_counter()
+        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        seconds["load-model"] = time.perf_counter() - started
+        return ldm
+
+    return load
+
+
+def _test_sets(cfg: FedBiPConfig, domains: list[str]) -> tuple[dict, dict]:
+    """Test sets held at the classifier's input size, not the LDM's; and a row of real images
+    per domain for the grids."""
+    tests, grid_rows = {}, {}
+    for domain in domains:
+        test = dataset.load_test_sets(cfg, [domain])[domain]
+        grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
+        tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
+    return tests, grid_rows
 
 
 def read_uploaders(folder: RunFolder) -> dict[int, str]:

@@ -1,7 +1,9 @@
-"""The one-shot FedBiP strategy: one ``train`` message per client, one reply each, never more.
+"""The one-shot strategy (FedBiP and every one-shot peer): one ``train`` message per client, one
+reply each, never more.
 
 Replies are pulled as they arrive and each is size-checked, decoded and validated as untrusted
-input and, if accepted, persisted atomically at once, with the node it came from: a ServerApp
+input by the run's method (:meth:`fedbip_flwr.methods.Method.accept`) and, if accepted,
+persisted atomically at once, with the node it came from: a ServerApp
 that dies mid-round loses no upload, and its restart sends ``train`` only to the nodes whose
 upload is not on disk (nodes that reconnect under a new id are told which client ids are held,
 and answer without personalizing). Institutions that connect while the round is open are sent
@@ -9,7 +11,7 @@ and answer without personalizing). Institutions that connect while the round is 
 default. A failed, missing or invalid reply is recorded with its reason; nothing a client
 sends can crash the server.
 
-After training, :meth:`FedBiPStrategy.evaluate_at_institutions` sends the classifier back to
+After training, :meth:`OneShotStrategy.evaluate_at_institutions` sends the classifier back to
 every node that uploaded, in one ``evaluate`` message each, and records the metrics they reply.
 """
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from flwr.app import (
@@ -30,9 +32,10 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from fedbip_flwr.payload import Expectations, Payload, PayloadError
-from fedbip_flwr.server import RunFolder, accept_payload
-from fedbip_flwr.storage import write_json
+from fedbip_flwr.methods import Upload
+from fedbip_flwr.payload import PayloadError
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import atomic_write, write_json
 from fedbip_flwr.wire import (
     CLIENT_ID,
     blob_record,
@@ -80,12 +83,17 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, poll_s: float = 1
         time.sleep(poll_s)
 
 
-class FedBiPStrategy(Strategy):
-    """Exactly one round: ``train`` once to every node, each payload persisted as it arrives."""
+class OneShotStrategy(Strategy):
+    """Exactly one round: ``train`` once to every node, each upload persisted as it arrives.
+
+    ``accept`` is the method's validation of one upload's bytes (it raises PayloadError with
+    the reason); ``max_bytes`` caps a reply before anything parses it.
+    """
 
     def __init__(
         self,
-        expect: Expectations,
+        accept: Callable[[bytes], Upload],
+        max_bytes: int,
         folder: RunFolder,
         *,
         min_clients: int,
@@ -94,14 +102,15 @@ class FedBiPStrategy(Strategy):
         uploaded_by_node: Mapping[int, str] | None = None,
         poll_s: float = 1.0,
     ) -> None:
-        self.expect = expect
+        self.accept = accept
+        self.max_bytes = max_bytes
         self.folder = folder
         self.min_clients = min_clients
         self.wait_for_clients_s = wait_for_clients_s
         self.poll_s = poll_s
         self.sent_to: list[int] = []
         self._replied: set[int] = set()
-        self.accepted: dict[str, Payload] = {}
+        self.accepted: dict[str, Upload] = {}
         self._taken = set(already_accepted)
         self.uploaded_by_node: dict[int, str] = dict(uploaded_by_node or {})
         self.outcomes = [
@@ -159,9 +168,9 @@ class FedBiPStrategy(Strategy):
 
     def summary(self) -> None:
         log.info(
-            "FedBiPStrategy: one round, min-clients %d, payload cap %.0f MB",
+            "OneShotStrategy: one round, min-clients %d, payload cap %.0f MB",
             self.min_clients,
-            self.expect.max_bytes / 2**20,
+            self.max_bytes / 2**20,
         )
 
     def start(
@@ -227,9 +236,9 @@ class FedBiPStrategy(Strategy):
             outcome.metrics = reply_metrics(reply)
             if not carries_payload(reply) and message_config(reply).get(CLIENT_ID) in self._taken:
                 return self._kept(outcome, str(message_config(reply)[CLIENT_ID]))
-            blob = payload_bytes(reply, self.expect.max_bytes)  # size-capped before decoding
+            blob = payload_bytes(reply, self.max_bytes)  # size-capped before decoding
             outcome.payload_bytes = len(blob)
-            payload = accept_payload(blob, self.expect, self.folder, self._taken)
+            upload = self._persist(self.accept(blob), blob)
         except PayloadError as err:
             outcome.reason = str(err)
         except Exception as err:  # a bug of ours, not the client's: record it, keep the round
@@ -237,14 +246,23 @@ class FedBiPStrategy(Strategy):
             outcome.reason = f"unexpected {type(err).__name__}: {err}"
         else:
             outcome.status = "accepted"
-            outcome.client_id, outcome.domain = payload.meta.client_id, payload.meta.domain
-            self.accepted[payload.meta.client_id] = payload
-            self._remember(node, payload.meta.client_id)
+            outcome.client_id, outcome.domain = upload.client_id, upload.domain
+            self.accepted[upload.client_id] = upload
+            self._remember(node, upload.client_id)
             log.info("accepted %s (%s, %d images, %.2f MB)", outcome.client_id, outcome.domain,
-                     payload.meta.num_examples, outcome.payload_bytes / 1e6)
+                     upload.meta.num_examples, outcome.payload_bytes / 1e6)
             return outcome
         log.warning("rejected the reply of node %d: %s", node, outcome.reason)
         return outcome
+
+    def _persist(self, upload: Upload, blob: bytes) -> Upload:
+        """A valid upload durably on disk under its client id (a safe file name by its
+        metadata's pattern), once per client id."""
+        if upload.client_id in self._taken:
+            raise PayloadError(f"an upload from '{upload.client_id}' was already accepted")
+        atomic_write(self.folder.payload_path(upload.client_id), blob)
+        self._taken.add(upload.client_id)
+        return upload
 
     def _kept(self, outcome: ClientOutcome, client_id: str) -> ClientOutcome:
         """A node whose upload an earlier attempt of this run already holds (its id changed)."""

@@ -2,7 +2,7 @@
 
 Malformed uploads (structured cases, each with the reason it must be refused for, and seeded
 random ones) travel in real Flower replies, deflated into Flower's wire objects and inflated
-again as the ServerApp's grid does, through ``FedBiPStrategy.aggregate_train`` in one batch with
+again as the ServerApp's grid does, through ``OneShotStrategy.aggregate_train`` in one batch with
 valid uploads, which must still be accepted and persisted. Two real `flwr run`s check what a
 user sees: a client uploading a payload made for another base model is refused, the reason is
 in metrics.json and clients.json, and the run completes with the other two; a bad run config
@@ -36,7 +36,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 
-from fedbip_flwr.payload import MAX_HEADER_BYTES, Payload, encode_payload
+from fedbip_flwr.methods.fedbip import as_upload
+from fedbip_flwr.payload import MAX_HEADER_BYTES, Payload, decode_payload, encode_payload
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.wire import (
     BLOB_ARRAY,
@@ -45,7 +46,7 @@ from fedbip_flwr.wire import (
     PAYLOAD_RECORD,
     payload_content,
 )
-from server_app.strategy import ClientOutcome, FedBiPStrategy
+from server_app.strategy import ClientOutcome, OneShotStrategy
 from tests.test_flower_e2e import SMALL, as_run_config
 from tests.test_payload import (
     LATENT_SHAPE,
@@ -197,7 +198,7 @@ def over_the_wire(node: int, content: RecordDict | Error) -> Message:
 
 def one_round(folder: Path, contents: list[RecordDict | Error]) -> dict[int, ClientOutcome]:
     """Replies 1..n for ``contents`` plus node n+1, which never replies; outcomes by node."""
-    strategy = FedBiPStrategy(SERVER, RunFolder(folder), min_clients=1, wait_for_clients_s=1)
+    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(folder), min_clients=1, wait_for_clients_s=1)
     strategy.sent_to = list(range(1, len(contents) + 2))  # what configure_train records
     strategy.aggregate_train(1, [over_the_wire(n, c) for n, c in enumerate(contents, start=1)])
     strategy.finish_round()

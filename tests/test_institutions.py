@@ -16,9 +16,9 @@ import torch
 from fedbip_flwr import dataset, shapes
 from fedbip_flwr.client import client_generator, kept_classifier_path, personalize
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
+from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.payload import encode_payload
-from fedbip_flwr.server import RunFolder, accept_payload, expectations
 
 RUN_CLASSES = ("star", "circle", "square", "triangle", "cross", "heart")  # not folder order
 
@@ -134,8 +134,8 @@ def test_an_institutions_upload_is_accepted_under_any_domain_phrase(tmp_path, ow
     data = dataset.institution_data(cfg, node)
     payload, _ = personalize(tiny_ldm, data.images, data.labels, list(data.classes), data.domain,
                              data.client_id, cfg, client_generator(cfg, node, data.client_id))
-    expect = expectations(run_config(), tiny_ldm, dataset.class_names(run_config()))
-    accepted = accept_payload(encode_payload(payload), expect, RunFolder(tmp_path / "run"), set())
+    job = ServerJob(run_config(), dataset.class_names(run_config()), lambda: tiny_ldm)
+    accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.domain, accepted.meta.client_id) == ("painting", "hospital-a")
     assert accepted.meta.class_names == list(RUN_CLASSES)
 

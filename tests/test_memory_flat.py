@@ -64,7 +64,7 @@ def synthesized(tiny_model_dir, tmp_path_factory):
     ldm = load_ldm(tiny_model_dir)
     payloads = {c: make_payload(ldm, c) for c in ("sketch-0", "painting-0")}
     folder = RunFolder(tmp_path_factory.mktemp("flat"))
-    return ldm, payloads, folder, synthesize_all(ldm, payloads, CFG, folder)
+    return ldm, payloads, folder, synthesize_all(ldm, payloads, CFG, folder.shard_path)
 
 
 def test_streamed_shard_is_the_whole_pass_saved_at_once(synthesized):

@@ -14,7 +14,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedbip_flwr.server import RunFolder
-from server_app.strategy import FedBiPStrategy
+from server_app.strategy import OneShotStrategy
 from tests.flower_helpers import ROOT, run_simulation, run_status, stop_local_superlink
 from tests.test_flower_e2e import SMALL, as_run_config
 
@@ -75,7 +75,7 @@ def test_failing_client_is_recorded_and_round_completes(tmp_path, tiny_model_dir
 
 
 def test_strategy_refuses_a_second_round(tmp_path):
-    strategy = FedBiPStrategy(None, RunFolder(tmp_path), min_clients=1, wait_for_clients_s=1)
+    strategy = OneShotStrategy(None, 0, RunFolder(tmp_path), min_clients=1, wait_for_clients_s=1)
     with pytest.raises(ValueError, match="exactly one round"):
         strategy.start(grid=None, num_rounds=2)
     strategy.sent_to = [1]

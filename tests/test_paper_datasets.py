@@ -19,9 +19,9 @@ from fedbip_flwr.client import personalize
 from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.folders import TEST_FRACTION, medmnist_file
 from fedbip_flwr.ldm import TINY, build_ldm
+from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.partitions import DataError, label_partition
 from fedbip_flwr.payload import encode_payload
-from fedbip_flwr.server import RunFolder, accept_payload, expectations
 from fedbip_flwr.specs import SPECS
 from tests.conftest import WORDS
 
@@ -387,9 +387,8 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
         tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
         torch.Generator().manual_seed(0),
     )
-    expect = expectations(cfg, tiny_ldm, dataset.class_names(cfg))
-    folder = RunFolder(tmp_path / "run")
-    accepted = accept_payload(encode_payload(payload), expect, folder, set())
+    job = ServerJob(cfg, dataset.class_names(cfg), lambda: tiny_ldm)
+    accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.client_id, accepted.meta.domain) == ("ucm-1", "centered satellite photo")
     assert accepted.meta.prompt_template == "A {S} of {V}." and accepted.meta.n_s == 3
     tests = dataset.load_test_sets(cfg, [accepted.meta.domain])

@@ -1,0 +1,50 @@
+"""One registry of one-shot FL methods, each one module, created by name (like timm's models).
+
+FedBiP and its peers OSCAR and FedLMG, and the references Prompts-only, Central and Local, all
+have the shape of :class:`~fedbip_flwr.methods.base.Method`; FedAvg (multi-round, Flower's own
+strategy) is :mod:`fedbip_flwr.methods.fedavg`. ``flwr run`` (run config ``method``), the
+benchmark and the tests create them here, so no method is implemented twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import dataset
+from ..client import client_generator
+from ..config import FedBiPConfig, NodeConfig
+from ..ldm import LDM
+from . import central, fedbip, local, prompts_only
+from .base import ClientJob, Method, ServerJob, Teacher, Upload, create, names, register
+
+__all__ = [
+    "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
+    "central", "create", "fedbip", "institution_upload", "local", "names", "prompts_only",
+    "register",
+]  # fmt: skip
+
+
+def institution_upload(
+    cfg: FedBiPConfig,
+    node: NodeConfig,
+    ldm: Callable[[], LDM],
+    device: torch.device | None = None,
+) -> tuple[bytes, dict[str, Any]]:
+    """An institution's whole job: its own images -> the one upload's bytes, and the metrics
+    sent beside it, for the run's method. The ClientApp and ``fedbip personalize`` both call
+    this, so what an institution computes and audits offline is exactly what it would upload."""
+    started = time.perf_counter()
+    data = dataset.institution_data(cfg, node)
+    generator = client_generator(cfg, node, data.client_id)
+    job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
+    blob, metrics = create(cfg.method).upload(job)
+    return blob, {
+        "num-examples": len(data),
+        "payload-bytes": len(blob),
+        **metrics,
+        "seconds-total": time.perf_counter() - started,
+    }

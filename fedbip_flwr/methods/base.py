@@ -1,0 +1,257 @@
+"""The shape every one-shot method has, and the registry that creates one by name.
+
+A method is three steps, each plain library code that ``flwr run``, the benchmark and the
+tests call alike:
+
+1. :meth:`Method.upload` runs once on a client: its private images (and its own randomness)
+   -> the bytes of one safetensors upload, and metrics sent beside it.
+2. :meth:`Method.accept` runs on the server for every reply: untrusted bytes -> a validated
+   :class:`Upload`, or :class:`~fedbip_flwr.payload.PayloadError` with the reason.
+3. :meth:`Method.train_set` turns all accepted uploads into the classifier's training set,
+   written as uint8 shards (one or more per client), which the shared classifier recipe
+   (:func:`fedbip_flwr.server.train_global`) reads back; :meth:`Method.teacher` optionally
+   adds soft targets (FedLMG's distillation variants).
+
+Methods are registered by name with :func:`register` and created with :func:`create`, as in
+timm. The names are :data:`fedbip_flwr.config.METHODS`, the run config's ``method`` key.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from ..config import METHODS, FedBiPConfig
+from ..dataset import ClientSet
+from ..ldm import LDM
+from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
+from ..payload import encode_tensors as _encode_tensors
+from ..payload import read_tensors as _read_tensors
+from ..server import client_seed, keyed_shard, synthesis_settings
+from ..synthesis import iter_from_noise
+
+__all__ = [
+    "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
+    "create", "decode_upload", "encode_upload", "names", "register",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """What one client's one upload is computed from."""
+
+    cfg: FedBiPConfig
+    data: ClientSet  # private images (N, 3, s, s) in [-1, 1] at image-size, labels, id, domain
+    generator: torch.Generator  # the client's only randomness (fedbip_flwr.client.client_generator)
+    ldm: Callable[[], LDM]  # the frozen LDM, loaded on first call: not every method needs it
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class ServerJob:
+    """What the server holds while it accepts uploads and builds the training set."""
+
+    cfg: FedBiPConfig
+    class_names: list[str]
+    ldm: Callable[[], LDM]  # loaded once, on first call (central and local never load it)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.cfg.max_payload_mb * 2**20)
+
+
+@dataclass(frozen=True, eq=False)
+class Upload:
+    """One client's validated upload as the server keeps it."""
+
+    meta: UploadMeta  # client_id, domain, class_names, num_examples and the method's own fields
+    tensors: dict[str, torch.Tensor]
+    content: Any = None  # the method's own decoded form (FedBiP: its Payload)
+
+    @property
+    def client_id(self) -> str:
+        return self.meta.client_id
+
+    @property
+    def domain(self) -> str:
+        return self.meta.domain
+
+
+# Soft targets for distillation: (images at classifier size, source client ids) -> logits.
+Teacher = Callable[[torch.Tensor, list[str]], torch.Tensor]
+
+
+class Method(ABC):
+    """One one-shot FL method: what a client uploads once and what the server makes of it."""
+
+    name: ClassVar[str]
+    meta_model: ClassVar[type[UploadMeta]]  # its upload's metadata, ``method`` fixed to name
+    tensor_names: ClassVar[tuple[str, ...]]  # exactly the tensors its upload holds
+
+    @abstractmethod
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        """The client's one upload (safetensors bytes) and the metrics sent beside it."""
+
+    def accept(self, blob: bytes, server: ServerJob) -> Upload:
+        """Untrusted bytes -> a validated :class:`Upload`; :class:`PayloadError` and nothing
+        else otherwise. Subclasses add their own checks in :meth:`check`."""
+        names = self.expected_tensors(server)
+        upload = decode_upload(blob, self.meta_model, names, server.max_bytes)
+        if tuple(upload.meta.class_names) != tuple(server.class_names):
+            raise PayloadError(
+                f"class names {upload.meta.class_names} do not match the server's "
+                f"{server.class_names} (labels index the class list, so order matters)"
+            )
+        return self.check(upload, server)
+
+    def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
+        """Exactly the tensor names an upload must hold under this server's run config."""
+        return self.tensor_names
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        """The method's own schema (shapes, dtypes, ranges); returns the upload to keep."""
+        return upload
+
+    @abstractmethod
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        """The classifier's training data per client id, as uint8 shards (``images``,
+        ``labels``) at ``shard_path(client_id, index)``; shards already there under the same
+        key are reused, so a restarted server resumes."""
+
+    def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Teacher | None:
+        """Soft targets for the global classifier, or None for plain cross-entropy."""
+        return None
+
+    def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module] | None:
+        """Models to score instead of one global classifier (Local: each client's own), or
+        None: the server trains one classifier on :meth:`train_set`."""
+        return None
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+T = TypeVar("T", bound=type[Method])
+
+
+def register(cls: T) -> T:
+    """Class decorator: make a method creatable by its ``name``."""
+    if cls.name not in METHODS:
+        raise ValueError(f"method {cls.name!r} is not in fedbip_flwr.config.METHODS")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def create(name: str) -> Method:
+    """The method registered under ``name`` (the run config's ``method``)."""
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def encode_upload(meta: UploadMeta, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """One upload's bytes: the tensors plus ``fedbip.*`` metadata, deterministic."""
+    return _encode_tensors(tensors, meta_strings(meta))
+
+
+def decode_upload(
+    blob: bytes, meta_model: type[M], tensor_names: tuple[str, ...], max_bytes: int
+) -> Upload:
+    """Size cap, header, exact tensor names and layout, finite floats, metadata schema."""
+    tensors, metadata = _read_tensors(
+        blob, tensor_names, max_bytes, meta_model.model_fields["method"].default
+    )
+    return Upload(meta=parse_meta(metadata, meta_model), tensors=tensors)
+
+
+def common_meta(job: ClientJob) -> dict[str, Any]:
+    """The :class:`UploadMeta` fields every method fills the same way."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "client_id": job.data.client_id,
+        "domain": job.data.domain,
+        "class_names": list(job.data.classes),
+        "num_examples": len(job.data.labels),
+    }
+
+
+def check_tensor(upload: Upload, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """One of an upload's tensors with exactly this dtype and shape, or :class:`PayloadError`."""
+    tensor = upload.tensors[name]
+    if tensor.dtype != dtype:
+        raise PayloadError(f"{name} must be {dtype}, got {tensor.dtype}".replace("torch.", ""))
+    if tuple(tensor.shape) != tuple(shape):
+        raise PayloadError(f"{name} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
+def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
+    """(num_examples,) int64 labels within the class list."""
+    labels = check_tensor(upload, name, torch.int64, (upload.meta.num_examples,))
+    classes = len(upload.meta.class_names)
+    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        raise PayloadError(f"{name} must lie in [0, {classes}) (one per class name)")
+    return labels
+
+
+def check_class_counts(upload: Upload, name: str = "class_counts") -> torch.Tensor:
+    """(C,) int64 per-class counts, non-negative, summing to the upload's num_examples."""
+    counts = check_tensor(upload, name, torch.int64, (len(upload.meta.class_names),))
+    if bool((counts < 0).any()) or int(counts.sum()) != upload.meta.num_examples:
+        raise PayloadError(
+            f"{name} {counts.tolist()} must be non-negative and sum to num_examples "
+            f"{upload.meta.num_examples}"
+        )
+    return counts
+
+
+def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(C,) int64: how many private images a client holds per class (what it may tell)."""
+    return torch.bincount(labels.to(torch.int64), minlength=num_classes)
+
+
+def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
+    """Labels of a client's fresh-noise synthetic set, class by class: ``images-per-class``
+    each, or as many as FedBiP would make from the same client (multiplier x its count)."""
+    per_class = (
+        torch.full_like(counts, cfg.images_per_class) if cfg.images_per_class
+        else counts * cfg.multiplier
+    )  # fmt: skip
+    return torch.repeat_interleave(torch.arange(len(counts)), per_class)
+
+
+def fresh_noise_set(
+    server: ServerJob,
+    client_id: str,
+    cond_per_class: torch.Tensor,
+    labels: torch.Tensor,
+    path: Path,
+) -> Path:
+    """One client's training shard sampled from fresh noise toward per-class conditioning
+    (:func:`fedbip_flwr.synthesis.iter_from_noise`), seeded by the server's seed and client id."""
+    cfg = server.cfg
+    settings = synthesis_settings(cfg)
+    seed = client_seed(cfg.seed, client_id)
+    key = hashlib.sha256(
+        repr((seed, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)).encode()
+        + cond_per_class.float().contiguous().numpy().tobytes() + labels.numpy().tobytes()
+    ).hexdigest()
+    ldm = server.ldm()
+    batches = functools.partial(
+        iter_from_noise, ldm, cond_per_class, labels, settings, torch.Generator().manual_seed(seed)
+    )
+    return keyed_shard(path, key, labels, batches)

@@ -1,0 +1,60 @@
+"""Central (reference, NOT private): every client uploads its images and the server trains on
+the pooled real data. The upper bound a one-shot method is measured against; its upload is
+the raw images, which is exactly what the other methods exist to avoid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..payload import UploadMeta
+from ..server import keyed_shard
+from ..viz import dequantize, quantize
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Upload,
+    check_labels,
+    check_tensor,
+    common_meta,
+    encode_upload,
+    register,
+)
+
+
+class CentralMeta(UploadMeta):
+    method: Literal["central"] = "central"
+
+
+@register
+class Central(Method):
+    name = "central"
+    meta_model = CentralMeta
+    tensor_names = ("images", "labels")
+
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        tensors = {"images": quantize(job.data.images), "labels": job.data.labels.to(torch.int64)}
+        return encode_upload(CentralMeta(**common_meta(job)), tensors), {}
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        size = server.cfg.image_size
+        check_tensor(upload, "images", torch.uint8, (upload.meta.num_examples, 3, size, size))
+        check_labels(upload)
+        return upload
+
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        out = {}
+        for client_id, upload in sorted(uploads.items()):
+            images, labels = upload.tensors["images"], upload.tensors["labels"]
+            key = hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
+            path = keyed_shard(shard_path(client_id, 0), key, labels, lambda i=images: [dequantize(i)])
+            out[client_id] = [path]
+        return out

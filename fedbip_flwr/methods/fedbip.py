@@ -1,0 +1,55 @@
+"""FedBiP (this paper): z(T) of interpolated latents plus learned concepts S and V, uploaded
+once; the server denoises every z(T) m times with the client's concepts.
+
+The steps themselves are :mod:`fedbip_flwr.instance` (z(T)), :mod:`fedbip_flwr.concepts`
+(S, V), :mod:`fedbip_flwr.payload` (the upload's contract) and :mod:`fedbip_flwr.synthesis`
+(eq. 5); this module only plugs them into the method shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..client import personalize
+from ..payload import TENSOR_NAMES, Payload, PayloadMeta, decode_payload, encode_payload
+from ..server import expectations, synthesize_all
+from .base import ClientJob, Method, ServerJob, Upload, register
+
+
+@register
+class FedBiP(Method):
+    name = "fedbip"
+    meta_model = PayloadMeta
+    tensor_names = TENSOR_NAMES
+
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        data = job.data
+        payload, report = personalize(
+            job.ldm(), data.images, data.labels, list(data.classes), data.domain,
+            data.client_id, job.cfg, job.generator,
+        )  # fmt: skip
+        blob = encode_payload(payload)
+        return blob, {
+            "seconds-instance": report.seconds["instance"],
+            "seconds-concept": report.seconds["concept"],
+            "concept-losses": report.concept_losses,
+            "concept-drift-s": report.concept_drift["s"],
+            "concept-drift-v": report.concept_drift["v"],
+        }
+
+    def accept(self, blob: bytes, server: ServerJob) -> Upload:
+        """The full payload contract (docs/payload.md), against the server's model and config."""
+        return as_upload(decode_payload(blob, expectations(server.cfg, server.ldm(), server.class_names)))
+
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        payloads = {client_id: upload.content for client_id, upload in uploads.items()}
+        return synthesize_all(server.ldm(), payloads, server.cfg, shard_path)
+
+
+def as_upload(payload: Payload) -> Upload:
+    """A decoded (validated) payload as the server keeps every method's upload."""
+    return Upload(meta=payload.meta, tensors=payload.tensors(), content=payload)

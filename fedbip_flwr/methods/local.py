@@ -1,0 +1,93 @@
+"""Local (reference): every client trains a classifier on its own images only; each is scored
+on every domain and the scores averaged. What a client gets without any federation.
+
+The client's classifier and its upload (ResNet-18 weights and BatchNorm statistics as
+safetensors, checked name by name against the architecture) are also FedLMG's client step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..classifier import TrainSettings, build_classifier, train_classifier
+from ..config import FedBiPConfig
+from ..payload import PayloadError, UploadMeta
+from .base import ClientJob, Method, ServerJob, Upload, common_meta, encode_upload, register
+
+
+class LocalMeta(UploadMeta):
+    method: Literal["local"] = "local"
+
+
+def local_settings(cfg: FedBiPConfig) -> TrainSettings:
+    """The shared classifier recipe, for local-epochs over a client's own images."""
+    return TrainSettings(
+        epochs=cfg.local_epochs,
+        lr=cfg.classifier_lr,
+        momentum=cfg.classifier_momentum,
+        batch_size=cfg.classifier_batch_size,
+        image_size=cfg.classifier_image_size,
+    )
+
+
+def train_local_classifier(job: ClientJob) -> nn.Module:
+    """ResNet-18 trained on the client's private images (seeded from the client's own noise)."""
+    seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
+    torch.manual_seed(seed)
+    model = build_classifier(len(job.data.classes), job.cfg.classifier_init)
+    return train_classifier(model, job.data.images, job.data.labels, local_settings(job.cfg),
+                            seed=seed, device=job.device).cpu()  # fmt: skip
+
+
+def classifier_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Weights and BatchNorm statistics (running means, variances, counts), as uploaded."""
+    return {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+
+
+def classifier_names(num_classes: int) -> tuple[str, ...]:
+    return tuple(build_classifier(num_classes, "random").state_dict())
+
+
+def check_classifier(upload: Upload, prefix: str = "") -> nn.Module:
+    """The uploaded tensors (under ``prefix``) as a ResNet-18 for the run's classes: every
+    name, shape and dtype must be the architecture's own, or :class:`PayloadError`."""
+    model = build_classifier(len(upload.meta.class_names), "random")
+    for name, want in model.state_dict().items():
+        got = upload.tensors[prefix + name]
+        if got.dtype != want.dtype or got.shape != want.shape:
+            raise PayloadError(
+                f"{prefix}{name} is {got.dtype} {list(got.shape)}; the classifier's is "
+                f"{want.dtype} {list(want.shape)}".replace("torch.", "")
+            )
+    model.load_state_dict({name: upload.tensors[prefix + name] for name in model.state_dict()})
+    return model.eval()
+
+
+@register
+class Local(Method):
+    name = "local"
+    meta_model = LocalMeta
+    tensor_names = ()  # the classifier's own names, for the run's classes
+
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        model = train_local_classifier(job)
+        return encode_upload(LocalMeta(**common_meta(job)), classifier_tensors(model)), {}
+
+    def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
+        return classifier_names(len(server.class_names))
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        return Upload(upload.meta, upload.tensors, content=check_classifier(upload))
+
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        return {}
+
+    def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module]:
+        return {client_id: upload.content for client_id, upload in sorted(uploads.items())}

@@ -1,0 +1,232 @@
+"""The method registry: every method's client and server steps on tiny models, its upload's
+contract (malformed uploads refused like FedBiP's), and one real `flwr run` per method."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from fedbip_flwr import dataset, methods, shapes
+from fedbip_flwr.classifier import build_classifier
+from fedbip_flwr.config import METHODS, FedBiPConfig, NodeConfig
+from fedbip_flwr.methods import ClientJob, ServerJob, create
+from fedbip_flwr.methods.base import decode_upload, encode_upload, fresh_noise_labels
+from fedbip_flwr.payload import PayloadError, encode_tensors
+from fedbip_flwr.server import RunFolder, evaluate_models
+from fedbip_flwr.storage import read_tensors
+from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
+from tests.test_flower_e2e import SMALL, as_run_config
+
+CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
+       "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
+       "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
+ONE_SHOT = ("prompts-only", "central", "local")  # peers join as their modules land
+
+
+def config(method: str, **values) -> FedBiPConfig:
+    return FedBiPConfig.from_flat({**CFG, "method": method, **values})
+
+
+def client_job(cfg: FedBiPConfig, ldm, partition: int = 0) -> ClientJob:
+    data = dataset.load_client_data(cfg, partition)
+    return ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
+
+
+def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
+    return ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
+
+
+def test_every_method_of_the_run_config_is_registered_or_multi_round():
+    assert set(methods.names()) | {"fedavg"} <= set(METHODS)
+    assert set(ONE_SHOT) <= set(methods.names())
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        create("nope")
+
+
+def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_ldm, tmp_path):
+    cfg = config("prompts-only")
+    job = client_job(cfg, tiny_ldm)
+    blob, _ = create("prompts-only").upload(job)
+    upload = create("prompts-only").accept(blob, server_job(cfg, tiny_ldm))
+    counts = upload.tensors["class_counts"]
+    assert counts.tolist() == torch.bincount(job.data.labels, minlength=6).tolist()
+    assert len(blob) < 2000, "prompts-only uploads counts and names only"
+    shards = create("prompts-only").train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
+                                              RunFolder(tmp_path).shard_path)[upload.client_id]
+    stored = read_tensors(shards[0])
+    assert stored["images"].dtype == torch.uint8 and stored["images"].shape[1:] == (3, 32, 32)
+    assert stored["labels"].tolist() == torch.repeat_interleave(torch.arange(6), counts * 2).tolist()
+
+
+def test_images_per_class_overrides_the_fedbip_equal_count():
+    counts = torch.tensor([3, 0, 1])
+    assert fresh_noise_labels(counts, config("prompts-only")).tolist() == [0] * 6 + [2] * 2
+    fixed = fresh_noise_labels(counts, config("prompts-only", **{"images-per-class": 2}))
+    assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):
+    cfg = config("central")
+    job = client_job(cfg, tiny_ldm)
+    blob, _ = create("central").upload(job)
+    upload = create("central").accept(blob, server_job(cfg, tiny_ldm))
+    assert len(blob) >= job.data.images.numel(), "one byte per pixel value: the raw images"
+    shard = create("central").train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
+                                        RunFolder(tmp_path).shard_path)[upload.client_id][0]
+    stored = read_tensors(shard)
+    restored = stored["images"].float() / 127.5 - 1.0
+    assert (restored - job.data.images).abs().max() <= 1 / 127.5 + 1e-6
+    assert torch.equal(stored["labels"], job.data.labels)
+
+
+def test_local_uploads_a_trained_classifier_and_is_scored_per_client(tiny_ldm):
+    cfg = config("local")
+    server = server_job(cfg, tiny_ldm)
+    uploads = {}
+    for partition in (0, 1):
+        blob, _ = create("local").upload(client_job(cfg, tiny_ldm, partition))
+        upload = create("local").accept(blob, server)
+        uploads[upload.client_id] = upload
+    fresh = build_classifier(6, "random").state_dict()
+    sent = uploads["sketch-0"].tensors
+    assert set(sent) == set(fresh), "weights and every BatchNorm statistic"
+    assert not torch.equal(sent["bn1.running_mean"], fresh["bn1.running_mean"]), "trained locally"
+    models = create("local").final_models(uploads, server)
+    assert sorted(models) == ["quickdraw-0", "sketch-0"]
+    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(cfg, ["sketch", "painting"]).items()}
+    scores = evaluate_models(models, tests, 32, "cpu")
+    for domain in tests:
+        per_model = [scores["per_model"][m]["per_domain"][domain] for m in models]
+        assert scores["per_domain"][domain] == pytest.approx(sum(per_model) / 2)
+
+
+def valid_upload(method: str, ldm) -> tuple[bytes, FedBiPConfig]:
+    cfg = config(method)
+    blob, _ = create(method).upload(client_job(cfg, ldm))
+    return blob, cfg
+
+
+def tampered(blob: bytes, method: str, cfg: FedBiPConfig, change) -> bytes:
+    """The upload re-encoded after ``change(tensors, metadata)``: a client that lies."""
+    upload = decode_upload(blob, create(method).meta_model,
+                           tuple(create(method).expected_tensors(server_job(cfg, None))), 2**40)  # fmt: skip
+    tensors = dict(upload.tensors)
+    meta = {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()}
+    change(tensors, meta)
+    return encode_tensors(tensors, meta)
+
+
+def first_float(tensors: dict) -> str:
+    return next(n for n, t in sorted(tensors.items()) if t.is_floating_point() or t.dtype == torch.uint8)
+
+
+LIES = {
+    "another method": lambda t, m: m.update({"fedbip.method": '"fedbip"'}),
+    "a missing tensor": lambda t, m: t.pop(sorted(t)[0]),
+    "an extra tensor": lambda t, m: t.update({"extra": torch.zeros(1)}),
+    "a wrong dtype": lambda t, m: t.update({sorted(t)[0]: t[sorted(t)[0]].to(torch.float16)}),
+    "a wrong shape": lambda t, m: t.update({sorted(t)[0]: torch.cat([t[sorted(t)[0]]] * 2)}),
+    "an unknown class list": lambda t, m: m.update({"fedbip.class_names": json.dumps(list("abcdef"))}),
+    "a newer schema": lambda t, m: m.update({"fedbip.schema_version": "2"}),
+}
+
+
+@pytest.mark.parametrize("method", ONE_SHOT)
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_malformed_uploads_are_refused_with_a_reason(method, lie, tiny_ldm):
+    blob, cfg = valid_upload(method, tiny_ldm)
+    bad = tampered(blob, method, cfg, LIES[lie])
+    with pytest.raises(PayloadError):
+        create(method).accept(bad, server_job(cfg, tiny_ldm))
+
+
+@pytest.mark.parametrize("method", ONE_SHOT)
+def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm):
+    blob, cfg = valid_upload(method, tiny_ldm)
+    server = server_job(config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm)
+    with pytest.raises(PayloadError, match="above the cap"):
+        create(method).accept(blob, server)
+    with pytest.raises(PayloadError):
+        create(method).accept(blob[:-3], server_job(cfg, tiny_ldm))
+    with pytest.raises(PayloadError):
+        create(method).accept(struct.pack("<Q", 2**40) + blob[8:], server_job(cfg, tiny_ldm))
+
+    def poison(tensors, _meta):
+        name = next((n for n, t in sorted(tensors.items()) if t.is_floating_point()), None)
+        if name is None:  # no float tensor: a negative count is the lie instead
+            tensors["class_counts"] = -tensors["class_counts"]
+        else:
+            tensors[name] = tensors[name].clone().fill_(float("nan"))
+
+    if method != "central":  # central's tensors are uint8 images and labels: nothing to poison
+        with pytest.raises(PayloadError):
+            create(method).accept(tampered(blob, method, cfg, poison), server_job(cfg, tiny_ldm))
+
+
+def test_a_fedbip_payload_names_its_method(tiny_ldm):
+    upload_meta = methods.fedbip.FedBiP.meta_model.model_fields["method"].default
+    assert upload_meta == "fedbip"
+    blob = encode_upload(methods.prompts_only.PromptsOnlyMeta(
+        schema_version=1, client_id="a", domain="sketch", class_names=list(shapes.CLASSES),
+        num_examples=1), {"class_counts": torch.tensor([1, 0, 0, 0, 0, 0])})  # fmt: skip
+    with pytest.raises(PayloadError, match="upload for method 'prompts-only' but the server runs 'fedbip'"):
+        create("fedbip").accept(blob, server_job(FedBiPConfig.from_flat(CFG), tiny_ldm))
+
+
+# --- every method through the real `flwr run` ------------------------------------------------
+
+E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local-epochs": 1,
+       "fedavg-rounds": 2, "fedavg-local-epochs": 1, "domains": '"sketch,quickdraw"'}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir):
+    """One `flwr run` per method, two SuperNodes each, each on its own local SuperLink."""
+    out = tmp_path_factory.mktemp("outputs")
+    results = {}
+    for method in (*ONE_SHOT, "fedavg"):
+        home = tmp_path_factory.mktemp(f"flwr-home-{method}")
+        values = {**E2E, "method": f'"{method}"', "run-name": f'"{method}"',
+                  "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}  # fmt: skip
+        try:
+            run_id, log = run_simulation(home, as_run_config(values), supernodes=2, timeout=900)
+            results[method] = {"status": run_status(home, run_id), "log": log, "folder": out / method}
+        finally:
+            stop_local_superlink(home)
+    return results
+
+
+@pytest.mark.parametrize("method", (*ONE_SHOT, "fedavg"))
+def test_each_method_runs_end_to_end_through_flwr(runs, method):
+    run = runs[method]
+    assert run["status"] == "finished:completed", run["log"][-4000:]
+    metrics = json.loads((run["folder"] / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["config"]["method"] == method
+    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "quickdraw"}
+    assert (run["folder"] / "classifier.safetensors").exists() or method == "local"
+    if method == "fedavg":
+        return
+    accepted = [c for c in metrics["clients"] if c["status"] == "accepted"]
+    assert sorted(c["client_id"] for c in accepted) == ["quickdraw-0", "sketch-0"]
+    stored = sorted(p.name for p in RunFolder(run["folder"]).payloads.iterdir())
+    assert stored == ["quickdraw-0.safetensors", "sketch-0.safetensors"], "persisted on arrival"
+
+
+def test_the_node_config_cannot_change_the_method():
+    with pytest.raises(ValueError, match="method"):
+        NodeConfig.from_flat({"method": "central"})
+
+
+def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
+    cfg = config("fedbip", **{"latents-per-image": 2})
+    job = client_job(cfg, tiny_ldm)
+    blob, _ = create("fedbip").upload(job)
+    upload = create("fedbip").accept(blob, server_job(cfg, tiny_ldm))
+    n = len(job.data.labels)
+    assert upload.meta.num_examples == 2 * n and upload.tensors["latents"].shape[0] == 2 * n
+    assert torch.equal(upload.tensors["labels"], job.data.labels.repeat(2))
+    one, _ = create("fedbip").upload(client_job(config("fedbip"), tiny_ldm))
+    assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
