@@ -3,6 +3,8 @@
 SGD (lr 0.01, momentum 0.9), batch 64, cross-entropy. Inputs are images in [-1, 1] (the
 authors normalise with mean = std = 0.5), resized to ``image_size``. Light augmentation (random
 crop with padding, horizontal flip) keeps small synthetic sets from collapsing to one class.
+A :class:`Distillation` (FedLMG's MD / SD) adds a divergence to a teacher's soft targets on the
+same augmented batch; everything else about the recipe stays the same.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -95,19 +98,52 @@ class Precision:
         return torch.channels_last if self.channels_last else torch.contiguous_format
 
 
-class TensorImages(Dataset):
-    """An in-memory (images, labels) set, indexed a batch at a time like :class:`ShardImages`."""
+# Soft targets: (a batch at the classifier's input, the source client id of each row) -> logits.
+Teacher = Callable[[torch.Tensor, list[str]], torch.Tensor]
+# KL(student || teacher), as FedLMG's eqs. 12-13 write it, or the soft cross-entropy
+# -sum p_teacher log p_student (= KL(teacher || student) + a constant) of its authors' code.
+Divergence = Literal["kl-student-teacher", "soft-ce"]
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        if len(images) != len(labels):
-            raise ValueError(f"{len(images)} images but {len(labels)} labels")
-        self.images, self.labels = images, labels
+
+@dataclass(frozen=True)
+class Distillation:
+    """Adds ``weight * divergence(student, teacher)`` to the cross-entropy, temperature 1,
+    the teacher's logits computed without gradient on the same augmented batch."""
+
+    teacher: Teacher
+    divergence: Divergence = "kl-student-teacher"
+    weight: float = 1.0
+
+
+def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, divergence: Divergence) -> torch.Tensor:
+    """Batch mean of the divergence between softmax(student) and softmax(teacher) logits."""
+    log_s, log_t = student.float().log_softmax(-1), teacher.float().log_softmax(-1)
+    if divergence == "kl-student-teacher":
+        return (log_s.exp() * (log_s - log_t)).sum(-1).mean()
+    return -(log_t.exp() * log_s).sum(-1).mean()
+
+
+class TensorImages(Dataset):
+    """An in-memory (images, labels) set, indexed a batch at a time like :class:`ShardImages`;
+    ``sources`` names each row's source client where a teacher needs it."""
+
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, sources: Sequence[str] | None = None
+    ) -> None:
+        if len(images) != len(labels) or (sources is not None and len(sources) != len(labels)):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels / sources")
+        self.images, self.labels, self.row_sources = images, labels, sources
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[rows], self.labels[rows]
+
+    def sources(self, rows: torch.Tensor) -> list[str]:
+        if self.row_sources is None:
+            raise ValueError("these images name no source client: pass sources")
+        return [self.row_sources[int(r)] for r in rows]
 
 
 class ShardImages(Dataset):
@@ -117,11 +153,17 @@ class ShardImages(Dataset):
     bytes with plain file reads (no memory map, so nothing read stays resident) and returns
     them resized to ``image_size`` (never enlarged), uint8, with their labels: at most a batch
     of images is in memory at a time, whatever the size of the synthetic set. Row ``i`` of the
-    dataset is row ``i`` of the shards concatenated in the order given.
+    dataset is row ``i`` of the shards concatenated in the order given. ``groups`` names each
+    shard's source client (default: its file stem), which :meth:`sources` tells per row.
     """
 
-    def __init__(self, paths: Sequence[str | Path], image_size: int) -> None:
+    def __init__(
+        self, paths: Sequence[str | Path], image_size: int, groups: Sequence[str] | None = None
+    ) -> None:
         self.paths = [str(p) for p in paths]
+        self.groups = list(groups) if groups is not None else [Path(p).stem for p in self.paths]
+        if len(self.groups) != len(self.paths):
+            raise ValueError(f"{len(self.paths)} shards but {len(self.groups)} group names")
         self.image_size = image_size
         self.offsets: list[int] = []
         counts, shapes, labels = [], set(), []
@@ -144,14 +186,22 @@ class ShardImages(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def read(self, rows: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """The rows as stored (uint8, the LDM's size), in the order asked."""
+    def _shards(self, rows: torch.Tensor | Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, the shard index of each), rows checked to lie in the dataset."""
         rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
         if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
             raise IndexError(f"rows outside 0..{len(self) - 1}")
+        return rows, torch.searchsorted(self.starts[1:], rows, right=True)
+
+    def sources(self, rows: torch.Tensor | Sequence[int]) -> list[str]:
+        """The source client (shard group) of each row, from the offsets alone: no file read."""
+        return [self.groups[i] for i in self._shards(rows)[1].tolist()]
+
+    def read(self, rows: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """The rows as stored (uint8, the LDM's size), in the order asked."""
+        rows, shard = self._shards(rows)
         out = torch.empty((len(rows), *self.row_shape), dtype=torch.uint8)
         row_bytes = out[0].numel() if len(rows) else 0
-        shard = torch.searchsorted(self.starts[1:], rows, right=True)
         for index in shard.unique().tolist():
             mine = torch.nonzero(shard == index).flatten().tolist()
             fd = os.open(self.paths[index], os.O_RDONLY)
@@ -229,11 +279,23 @@ def _train_step(
     x: torch.Tensor,
     y: torch.Tensor,
     precision: Precision,
+    distillation: Distillation | None = None,
+    sources: list[str] | None = None,
 ) -> torch.Tensor:
-    """One SGD step (autocast and loss scaling where ``precision`` says); the loss, float32."""
+    """One SGD step (autocast and loss scaling where ``precision`` says); the loss, float32.
+
+    With ``distillation``, the teacher scores the same (augmented) ``x`` whose rows came from
+    ``sources``, and its divergence joins the cross-entropy."""
     with torch.autocast(x.device.type, dtype=precision.autocast or torch.float32,
                         enabled=precision.autocast is not None):  # fmt: skip
-        loss = F.cross_entropy(model(x), y)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        if distillation is not None:
+            with torch.no_grad():
+                target = distillation.teacher(x, sources or [])
+            loss = loss + distillation.weight * distillation_loss(
+                logits, target, distillation.divergence
+            )
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
@@ -251,6 +313,7 @@ def train_classifier(
     device: torch.device | str = "cpu",
     on_epoch: Callable[[int, float], None] | None = None,
     precision: Precision | None = None,
+    distillation: Distillation | None = None,
 ) -> nn.Module:
     """Train in place and return the model in eval mode.
 
@@ -259,6 +322,7 @@ def train_classifier(
     through a DataLoader, so a synthetic set on disk is never whole in memory. The data order
     and the augmentation draws come from one generator seeded with ``seed``, in the same
     sequence whatever the data source. ``precision`` defaults to the device's.
+    ``distillation`` needs a dataset that names each row's source client (``sources(rows)``).
     """
     data = images if labels is None else TensorImages(images, labels)
     device = torch.device(device)
@@ -275,11 +339,13 @@ def train_classifier(
         loader = DataLoader(data, sampler=batches, batch_size=None,
                             num_workers=settings.num_workers, pin_memory=device.type == "cuda")  # fmt: skip
         total, seen = 0.0, 0
-        for x, y in loader:
+        for rows, (x, y) in zip(batches, loader, strict=True):  # the loader keeps this order
             x = _prepare(x.to(device, non_blocking=True), settings.image_size)
             x = _augment(x, generator) if settings.augment else x
             x = x.contiguous(memory_format=precision.memory_format)
-            loss = _train_step(model, optimizer, scaler, x, y.to(device), precision)
+            sources = data.sources(rows) if distillation is not None else None
+            loss = _train_step(model, optimizer, scaler, x, y.to(device), precision,
+                               distillation, sources)  # fmt: skip
             total, seen = total + loss.item() * len(y), seen + len(y)
         if on_epoch is not None:
             on_epoch(epoch, total / max(seen, 1))

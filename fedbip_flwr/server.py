@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .classifier import (
+    Distillation,
     ShardImages,
     TrainSettings,
     build_classifier,
@@ -214,8 +215,10 @@ def keyed_shard(
 
 
 def synthetic_dataset(synthetic: Mapping[str, Sequence[Path]], image_size: int) -> ShardImages:
-    """All clients' shards as one dataset (clients in name order), read at ``image_size``."""
-    return ShardImages([p for _, paths in sorted(synthetic.items()) for p in paths], image_size)
+    """All clients' shards as one dataset (clients in name order), read at ``image_size``; each
+    row's source client is its shard's key in ``synthetic``."""
+    shards = [(client_id, p) for client_id, paths in sorted(synthetic.items()) for p in paths]
+    return ShardImages([p for _, p in shards], image_size, groups=[c for c, _ in shards])
 
 
 def first_images(paths: Sequence[Path], n: int = 12) -> torch.Tensor:
@@ -230,11 +233,13 @@ def train_global(
     class_names: list[str],
     folder: RunFolder,
     device: torch.device | str,
+    distillation: Distillation | None = None,
 ) -> tuple[nn.Module, dict]:
     """Train ResNet-18 on the pooled synthetic set (eq. 6), save it; (model, training facts).
 
     ``synthetic`` is :func:`synthesize_all`'s shards per client: they are read a batch at a
-    time, so memory does not grow with the synthetic set.
+    time, so memory does not grow with the synthetic set. ``distillation`` (the method's
+    :meth:`~fedbip_flwr.methods.base.Method.teacher`) adds soft targets to the same recipe.
     """
     data = synthetic_dataset(synthetic, cfg.classifier_image_size)
     settings = train_settings(cfg)
@@ -252,7 +257,7 @@ def train_global(
 
     with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
         train_classifier(model, data, None, settings, seed=cfg.seed, device=device,
-                         on_epoch=on_epoch)  # fmt: skip
+                         on_epoch=on_epoch, distillation=distillation)  # fmt: skip
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
     return model, {
         "num_synthetic_images": len(data),

@@ -110,7 +110,8 @@ def main(grid: Grid, context: Context) -> None:
     started = time.perf_counter()
     models = method.final_models(uploads, job)
     if models is None:
-        model, facts = train_global(cfg, training_set, job.class_names, folder, device)
+        model, facts = train_global(cfg, training_set, job.class_names, folder, device,
+                                    method.teacher(uploads, job))  # fmt: skip
         models = {"global": model}
         metrics["classifier"] = {"epoch_loss": facts["epoch_loss"]}
         metrics["accuracy"] = {k: facts[k] for k in ("num_synthetic_images", "classifier_seconds")}

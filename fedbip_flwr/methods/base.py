@@ -10,7 +10,7 @@ tests call alike:
 3. :meth:`Method.train_set` turns all accepted uploads into the classifier's training set,
    written as uint8 shards (one or more per client), which the shared classifier recipe
    (:func:`fedbip_flwr.server.train_global`) reads back; :meth:`Method.teacher` optionally
-   adds soft targets (FedLMG's distillation variants).
+   adds soft targets (FedLMG's distillation variants) to that same recipe.
 
 Methods are registered by name with :func:`register` and created with :func:`create`, as in
 timm. The names are :data:`fedbip_flwr.config.METHODS`, the run config's ``method`` key.
@@ -29,6 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import nn
 
+from ..classifier import Distillation, Teacher
 from ..config import METHODS, FedBiPConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
@@ -39,7 +40,7 @@ from ..server import client_seed, keyed_shard, synthesis_settings
 from ..synthesis import iter_from_noise
 
 __all__ = [
-    "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
+    "ClientJob", "Distillation", "Method", "ServerJob", "Teacher", "Upload",
     "create", "decode_upload", "encode_upload", "names", "register",
 ]  # fmt: skip
 
@@ -86,10 +87,6 @@ class Upload:
         return self.meta.domain
 
 
-# Soft targets for distillation: (images at classifier size, source client ids) -> logits.
-Teacher = Callable[[torch.Tensor, list[str]], torch.Tensor]
-
-
 class Method(ABC):
     """One one-shot FL method: what a client uploads once and what the server makes of it."""
 
@@ -129,8 +126,9 @@ class Method(ABC):
         ``labels``) at ``shard_path(client_id, index)``; shards already there under the same
         key are reused, so a restarted server resumes."""
 
-    def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Teacher | None:
-        """Soft targets for the global classifier, or None for plain cross-entropy."""
+    def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Distillation | None:
+        """Soft targets for the global classifier (a :data:`Teacher` and how its divergence
+        joins the cross-entropy), or None for plain cross-entropy."""
         return None
 
     def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module] | None:
