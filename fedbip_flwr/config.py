@@ -20,6 +20,7 @@ from .specs import OWN_FOLDER, SPECS
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
+CLASS_SLOT = "{class}"  # fedlmg-prompt's class name
 # Every method the registry (fedbip_flwr.methods) can create, by run-config name.
 METHODS = ("fedbip", "oscar", "fedlmg", "prompts-only", "central", "local", "fedavg")
 SD_V1_4 = "CompVis/stable-diffusion-v1-4"
@@ -84,6 +85,59 @@ class FedBiPConfig(FlatConfig):
     )
     fedavg_rounds: int = Field(10, ge=1, description="fedavg: rounds of Flower's FedAvg.")
     fedavg_local_epochs: int = Field(2, ge=1, description="fedavg: local epochs per round.")
+    fedlmg_variant: Literal["paper", "code"] = Field(
+        "paper",
+        description="fedlmg: paper = eq. 10 (eps shifted by sqrt(1 - abar_t) * step * grad, "
+        "descending the loss), w_BN 0.2, "
+        "distillation KL(student || teacher) as eqs. 12-13 write it; code = the authors' code "
+        "(x_t -= step * grad, then a fresh noise estimate at the edited x_t; w_BN 0.1; soft "
+        "cross-entropy to the teacher).",
+    )
+    fedlmg_prompt: str = Field(
+        "an image of {class}",
+        description="fedlmg: the class-only prompt the server samples with; {class} is the "
+        "class name (paper: \"an image of {class}\").",
+    )
+    fedlmg_guidance_scale: float = Field(
+        3.0, ge=1.0, description="fedlmg: classifier-free guidance scale (paper: 3)."
+    )
+    fedlmg_guidance_step: float = Field(
+        1.0,
+        ge=0.0,
+        description="fedlmg: multiplies the gradient of CE + w_BN * L_BN w.r.t. x_t at every "
+        "step (paper and code: 1, at Stable Diffusion's scale); 0 = no local-model guidance.",
+    )
+    fedlmg_noise_edits: int = Field(
+        10,
+        ge=0,
+        description="fedlmg: gradient steps on the BN loss that edit the initial noise before "
+        "sampling (Algorithm 1's M; the paper gives no number, the code makes 10).",
+    )
+    fedlmg_edit_step: float = Field(
+        0.1,
+        ge=0.0,
+        description="fedlmg: each noise edit is x_T -= edit-step * grad L_BN (Algorithm 1's "
+        "eta; the code's step, 1 x grad of 0.1 L_BN, is 0.1).",
+    )
+    fedlmg_batch_size: int = Field(
+        8,
+        ge=1,
+        description="fedlmg: images per guided batch; each step back-propagates through the "
+        "UNet, the VAE decoder and the client's classifier, so memory grows with it.",
+    )
+    fedlmg_global: Literal["ft", "md", "sd"] = Field(
+        "md",
+        description="fedlmg: how the global model learns from the synthetic set: ft = "
+        "cross-entropy only (eq. 11), md = plus distillation from the mean of all clients' "
+        "models (eq. 12, the paper's best on DomainNet), sd = plus distillation from the "
+        "model of the client that generated the image (eq. 13).",
+    )
+    fedlmg_kd_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="fedlmg: w_MD / w_SD, the distillation term's weight (the paper gives no "
+        "number; the code uses 1).",
+    )
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -265,6 +319,8 @@ class FedBiPConfig(FlatConfig):
         for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
             if self.prompt_template.count(slot) != 1:
                 raise ValueError(f"prompt-template must contain {slot} exactly once")
+        if self.fedlmg_prompt.count(CLASS_SLOT) != 1:
+            raise ValueError(f"fedlmg-prompt must contain {CLASS_SLOT} exactly once")
         spec = SPECS[self.dataset]
         if spec.layout == OWN_FOLDER:
             return self._check_own_folders()

@@ -23,7 +23,7 @@ from tests.test_flower_e2e import SMALL, as_run_config
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
        "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
-ONE_SHOT = ("prompts-only", "central", "local")  # peers join as their modules land
+ONE_SHOT = ("prompts-only", "central", "local", "fedlmg")  # peers join as their modules land
 
 
 def config(method: str, **values) -> FedBiPConfig:
@@ -179,7 +179,8 @@ def test_a_fedbip_payload_names_its_method(tiny_ldm):
 # --- every method through the real `flwr run` ------------------------------------------------
 
 E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local-epochs": 1,
-       "fedavg-rounds": 2, "fedavg-local-epochs": 1, "domains": '"sketch,quickdraw"'}  # fmt: skip
+       "fedavg-rounds": 2, "fedavg-local-epochs": 1, "domains": '"sketch,quickdraw"',
+       "fedlmg-noise-edits": 1, "fedlmg-batch-size": 12}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
