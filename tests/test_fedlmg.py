@@ -161,8 +161,8 @@ def test_ce_and_bn_losses_are_eqs_7_and_9_computed_by_hand():
 
 
 def settings(**changes) -> GuidanceSettings:
-    base = GuidanceSettings(num_inference_steps=4, guidance_scale=3.0, step=1.0, bn_weight=0.2,
-                            noise_edits=2, edit_step=0.1, batch_size=4, classifier_size=32)  # fmt: skip
+    base = GuidanceSettings(num_inference_steps=3, guidance_scale=3.0, step=1.0, bn_weight=0.2,
+                            noise_edits=1, edit_step=0.1, batch_size=4, classifier_size=32)  # fmt: skip
     return dataclasses.replace(base, **changes)
 
 
@@ -278,8 +278,7 @@ def test_the_shared_recipe_distils_on_the_same_batch_with_each_rows_source(tmp_p
         return torch.zeros(len(x), 3)
 
     def train(distillation: Distillation | None) -> dict:
-        torch.manual_seed(0)
-        model = build_classifier(3, "random")
+        model = toy_classifier(seed=0)  # any model: the recipe is what is under test
         return train_classifier(model, data, None, recipe, seed=0, distillation=distillation).state_dict()
 
     plain = train(None)
@@ -289,7 +288,7 @@ def test_the_shared_recipe_distils_on_the_same_batch_with_each_rows_source(tmp_p
     for name in plain:
         torch.testing.assert_close(weightless[name], plain[name], msg=name)  # the same recipe
     distilled = train(Distillation(teacher, weight=1.0))
-    assert not torch.equal(distilled["fc.weight"], plain["fc.weight"])
+    assert not torch.equal(distilled["8.weight"], plain["8.weight"]), "the teacher's term counts"
 
 
 def test_the_global_mode_picks_the_teacher_and_the_variant_its_divergence(tiny_ldm):

@@ -120,14 +120,16 @@ def guidance_settings(cfg: FedBiPConfig) -> GuidanceSettings:
 # --- the guidance loss (eqs. 7, 9) --------------------------------------------------------------
 
 
-def bn_layers(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+def bn_layers(model: nn.Module) -> list[nn.BatchNorm2d]:
+    """The layers eq. 7 sums over: per-image statistics need pixels, so BatchNorm2d (the only
+    kind ResNet-18 has)."""
+    return [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
 
 
 def per_image_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, C) mean and (biased) variance of each image's features over its own pixels."""
-    dims = tuple(range(2, features.dim()))
-    return features.mean(dims), features.var(dims, unbiased=False)
+    """(N, C) mean and (biased) variance of each image's (N, C, H, W) features over its own
+    pixels."""
+    return features.mean((2, 3)), features.var((2, 3), unbiased=False)
 
 
 def forward_with_bn_inputs(
@@ -352,7 +354,7 @@ class FedLMG(Method):
         check_class_counts(upload)
         model = check_classifier(upload, PREFIX)
         for layer_name, layer in model.named_modules():
-            if isinstance(layer, nn.modules.batchnorm._BatchNorm) and bool((layer.running_var < 0).any()):
+            if isinstance(layer, nn.BatchNorm2d) and bool((layer.running_var < 0).any()):
                 raise PayloadError(f"{PREFIX}{layer_name}.running_var must be non-negative")
         return Upload(upload.meta, upload.tensors, content=model.requires_grad_(False))
 
