@@ -92,7 +92,17 @@ class FedBiPConfig(FlatConfig):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     half_precision: bool = Field(
-        True, description="fp16 for the frozen LDM on CUDA; CPU always runs float32."
+        True,
+        description="CUDA: the frozen LDM in fp16. CPU with bf16 instructions: sampling "
+        "under bfloat16 autocast (weights and concept learning stay float32).",
+    )
+    channels_last: bool = Field(
+        False, description="Server's UNet in channels-last memory format (measured in BENCHMARKS.md)."
+    )
+    compile_unet: bool = Field(
+        False,
+        description="torch.compile the server's UNet: pays a compile at start for faster "
+        "steps; worth it for long syntheses (BENCHMARKS.md).",
     )
 
     # --- data --------------------------------------------------------------------------------

@@ -51,7 +51,9 @@ def denoise(
     context = torch.cat([uncond.expand_as(cond), cond]) if guided else cond
     for t in timesteps:
         model_in = scheduler.scale_model_input(torch.cat([z, z]) if guided else z, t)
-        eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
+        with ldm.sampling_precision():
+            eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
+        eps = eps.to(z.dtype)
         if guided:
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
@@ -67,10 +69,11 @@ def decode_latents(ldm: LDM, z0: torch.Tensor, batch_size: int = 8) -> torch.Ten
     so it gets its own, smaller batch than the UNet.
     """
     scale = float(ldm.vae.config.scaling_factor)
-    images = [
-        ldm.vae.decode(part.to(ldm.device, ldm.vae.dtype) / scale).sample.float().cpu()
-        for part in z0.split(batch_size)
-    ]
+    with ldm.sampling_precision():
+        images = [
+            ldm.vae.decode(part.to(ldm.device, ldm.vae.dtype) / scale).sample.float().cpu()
+            for part in z0.split(batch_size)
+        ]
     return torch.cat(images).clamp(-1.0, 1.0)
 
 

@@ -157,7 +157,8 @@ def _model_loader(cfg: FedBiPConfig, seconds: dict[str, float]) -> Callable[[], 
     @functools.cache
     def load() -> LDM:
         started = time.perf_counter()
-        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size,
+                           channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)
         seconds["load-model"] = time.perf_counter() - started
         return ldm
 
