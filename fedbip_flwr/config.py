@@ -208,10 +208,22 @@ class FedBiPConfig(FlatConfig):
         "coordinate scale.",
     )
     synthesis_batch_size: int = Field(32, ge=1)
+    synthesis_start: Literal["uploaded", "fresh-noise"] = Field(
+        "uploaded",
+        description="fedbip: denoise from each uploaded z(T) (the method), or from fresh noise "
+        "with the learned concepts only (the paper's concept-only ablation).",
+    )
 
     # --- classifier (eq. 6) ------------------------------------------------------------------
     classifier_init: Literal["imagenet", "random"] = "imagenet"
     classifier_epochs: int = Field(50, ge=1)
+    classifier_steps: int = Field(
+        0,
+        ge=0,
+        description="> 0: train the global classifier for exactly this many SGD steps instead "
+        "of classifier-epochs, so methods with training sets of different sizes get the same "
+        "budget (the benchmark's rule).",
+    )
     classifier_lr: float = Field(0.01, gt=0.0)
     classifier_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     classifier_batch_size: int = Field(64, ge=1)

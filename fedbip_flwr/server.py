@@ -74,6 +74,11 @@ class RunFolder:
         return self.root / "classifier.safetensors"
 
     @property
+    def training_set(self) -> Path:
+        """The shards the classifier trained on, per client (shards/ may hold more)."""
+        return self.root / "training-set.json"
+
+    @property
     def uploaders(self) -> Path:
         """Which node uploaded which client id: written as each upload is accepted."""
         return self.root / "uploaders.json"
@@ -250,7 +255,7 @@ def train_global(
         bar.set_postfix(loss=f"{loss:.3f}")
         bar.update()
 
-    with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
+    with tqdm(total=settings.epochs_for(len(data)), desc="classifier", unit="epoch", mininterval=5) as bar:
         train_classifier(model, data, None, settings, seed=cfg.seed, device=device,
                          on_epoch=on_epoch)  # fmt: skip
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
@@ -268,6 +273,7 @@ def train_settings(cfg: FedBiPConfig) -> TrainSettings:
         momentum=cfg.classifier_momentum,
         batch_size=cfg.classifier_batch_size,
         image_size=cfg.classifier_image_size,
+        steps=cfg.classifier_steps,
     )
 
 

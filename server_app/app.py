@@ -99,6 +99,7 @@ def main(grid: Grid, context: Context) -> None:
     started = time.perf_counter()
     training_set = method.train_set(uploads, job, folder.shard_path)
     seconds["synthesis"] = time.perf_counter() - started
+    write_json(folder.training_set, {c: [p.name for p in paths] for c, paths in training_set.items()})
 
     on_server = cfg.evaluation in ("server", "both")
     tests, grid_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}) if on_server else [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
@@ -230,3 +231,23 @@ def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
     assert torch.equal(upload.tensors["labels"], job.data.labels.repeat(2))
     one, _ = create("fedbip").upload(client_job(config("fedbip"), tiny_ldm))
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
+
+
+def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(tiny_ldm, tmp_path):
+    cfg = config("fedbip", **{"synthesis-start": "fresh-noise"})
+    server = server_job(cfg, tiny_ldm)
+    upload = create("fedbip").accept(create("fedbip").upload(client_job(cfg, tiny_ldm))[0], server)
+    shards = create("fedbip").train_set({upload.client_id: upload}, server,
+                                        RunFolder(tmp_path / "a").shard_path)[upload.client_id]  # fmt: skip
+    first, second = (read_tensors(p) for p in shards)
+    assert len(shards) == cfg.multiplier and torch.equal(first["labels"], upload.tensors["labels"])
+    assert not torch.equal(first["images"], second["images"]), "every pass has noise of its own"
+    # The uploaded z(T) play no part: other latents, the same images.
+    payload = upload.content
+    other = methods.fedbip.as_upload(replace(payload, latents=torch.randn_like(payload.latents)))
+    again = create("fedbip").train_set({upload.client_id: other}, server,
+                                       RunFolder(tmp_path / "b").shard_path)[upload.client_id]  # fmt: skip
+    assert torch.equal(read_tensors(again[0])["images"], first["images"])
+    from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(config("fedbip"), tiny_ldm),
+                                              RunFolder(tmp_path / "c").shard_path)[upload.client_id]  # fmt: skip
+    assert not torch.equal(read_tensors(from_latents[0])["images"], first["images"])

@@ -236,16 +236,17 @@ def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
 
 def fresh_noise_set(
     server: ServerJob,
-    client_id: str,
+    stream: str,
     cond_per_class: torch.Tensor,
     labels: torch.Tensor,
     path: Path,
 ) -> Path:
-    """One client's training shard sampled from fresh noise toward per-class conditioning
-    (:func:`fedbip_flwr.synthesis.iter_from_noise`), seeded by the server's seed and client id."""
+    """A training shard sampled from fresh noise toward per-class conditioning
+    (:func:`fedbip_flwr.synthesis.iter_from_noise`); the noise is seeded by the server's seed
+    and ``stream`` (a client id, or a client's pass), so every shard has noise of its own."""
     cfg = server.cfg
     settings = synthesis_settings(cfg)
-    seed = client_seed(cfg.seed, client_id)
+    seed = client_seed(cfg.seed, stream)
     key = hashlib.sha256(
         repr((seed, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)).encode()
         + cond_per_class.float().contiguous().numpy().tobytes() + labels.numpy().tobytes()

@@ -14,8 +14,9 @@ from typing import Any
 
 from ..client import personalize
 from ..payload import TENSOR_NAMES, Payload, PayloadMeta, decode_payload, encode_payload
-from ..server import expectations, synthesize_all
-from .base import ClientJob, Method, ServerJob, Upload, register
+from ..server import client_seed, expectations, synthesis_settings, synthesize_all
+from ..synthesis import draw_etas, pass_conditioning
+from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
 
 
 @register
@@ -47,7 +48,30 @@ class FedBiP(Method):
         self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
     ) -> dict[str, list[Path]]:
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
+        if server.cfg.synthesis_start == "fresh-noise":
+            return concept_only(payloads, server, shard_path)
         return synthesize_all(server.ldm(), payloads, server.cfg, shard_path)
+
+
+def concept_only(
+    payloads: Mapping[str, Payload], server: ServerJob, shard_path: Callable[[str, int], Path]
+) -> dict[str, list[Path]]:
+    """The paper's concept-only ablation: each pass's images from fresh noise toward the
+    client's learned concepts (S perturbed by that pass's eta, as in synthesis), never from
+    its z(T); as many images as FedBiP makes."""
+    settings = synthesis_settings(server.cfg)
+    out = {}
+    for client_id, payload in sorted(payloads.items()):
+        etas = draw_etas(payload, settings, client_seed(server.cfg.seed, client_id))
+        out[client_id] = [
+            fresh_noise_set(
+                server, f"{client_id}/pass{index}",
+                pass_conditioning(server.ldm(), payload, settings, eta),
+                payload.labels, shard_path(client_id, index),
+            )  # fmt: skip
+            for index, eta in enumerate(etas)
+        ]
+    return out
 
 
 def as_upload(payload: Payload) -> Upload:
