@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_concepts(subcommands)
     _add_shapes_folder(subcommands)
     _add_personalize(subcommands)
+    _add_benchmark(subcommands)
     return parser
 
 
@@ -241,6 +242,46 @@ def _run_personalize(args: argparse.Namespace) -> int:
     atomic_write(args.out, blob)
     print(f"wrote {args.out}: {len(blob)} bytes, {metrics['num-examples']} images of "
           f"'{args.client_id}'; audit it with: fedbip inspect {args.out}")
+    return 0
+
+
+def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = subcommands.add_parser(
+        "benchmark",
+        help="every method side by side through flwr run (accuracy, bytes, time, fidelity)",
+        description="Run each method variant as a real flwr simulation on the shapes world "
+        "for each seed, with one classifier budget for all; cache results per seed under "
+        "OUT/methods/, then write OUT/methods.json, a section of BENCHMARKS.md and pictures. "
+        "Seeds can run as separate processes; --report-only rebuilds the tables.",
+    )
+    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    bench.add_argument("--variants", default="", help="comma-separated rows (default: all)")
+    bench.add_argument("--steps", type=int, default=300, help="SGD steps of every classifier")
+    bench.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    bench.add_argument("--work", type=Path, default=Path("outputs/benchmark"),
+                       help="run folders (large: synthetic shards)")  # fmt: skip
+    bench.add_argument("--out", type=Path, default=Path("benchmarks"))
+    bench.add_argument("--report-only", action="store_true")
+    bench.set_defaults(func=_run_benchmark)
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    from fedbip_flwr import benchmark
+
+    root = project_dir() or Path.cwd()
+    bench = benchmark.Bench(
+        benchmark.Settings(classifier_steps=args.steps),
+        work=(root / args.work).resolve(), results=(root / args.out).resolve(), threads=args.threads,
+    )  # fmt: skip
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] or [
+        v.name for v in benchmark.VARIANTS
+    ]
+    if not args.report_only:
+        benchmark.run(bench, args.seeds, names)
+    command = "fedbip benchmark " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedbip benchmark"
+    summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
+    for name, entry in summary.items():
+        print(f"{name:32s} {100 * entry['mean']:5.1f} ± {100 * entry['std']:4.1f}  ({len(entry['seeds'])} seeds)")
     return 0
 
 
