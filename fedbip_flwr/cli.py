@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shapes_folder(subcommands)
     _add_personalize(subcommands)
     _add_benchmark(subcommands)
+    subcommands.add_parser(
+        "speed", add_help=False,
+        help="speed against the stock diffusers pipeline and the textual-inversion recipe "
+        "(fedbip speed --help)",
+    )  # fmt: skip
     return parser
 
 
@@ -293,6 +298,12 @@ def project_run_config() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedbip`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["speed"]:  # its own parser: it also parses its child processes' arguments
+        from fedbip_flwr import speed
+
+        speed.main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
