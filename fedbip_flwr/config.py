@@ -84,6 +84,15 @@ class FedBiPConfig(FlatConfig):
     )
     fedavg_rounds: int = Field(10, ge=1, description="fedavg: rounds of Flower's FedAvg.")
     fedavg_local_epochs: int = Field(2, ge=1, description="fedavg: local epochs per round.")
+    captioner: str = Field(
+        "models/miniature-captioner",
+        description="oscar: the clients' frozen captioner, a local folder or hub id: a BLIP "
+        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
+        "miniature captioner's folder (its stand-in on the miniature LDM).",
+    )
+    captions_per_image: int = Field(
+        1, ge=1, description="oscar: captions sampled per private image (OSCAR's code: 1)."
+    )
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -351,6 +360,7 @@ class NodeConfig(FlatConfig):
     )
     client_id: str = Field("", description="imagefolder: the name this institution uploads under.")
     model: str = Field("", description="This institution's copy of the run's base model.")
+    captioner: str = Field("", description="oscar: this institution's copy of the run's captioner.")
     device: Literal["", "auto", "cpu", "cuda"] = ""
     half_precision: bool | None = None
     seed: int | None = Field(
@@ -363,7 +373,7 @@ class NodeConfig(FlatConfig):
     )
 
     # the run-config keys an institution may set for itself (fields of both models)
-    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "device", "half_precision")
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "captioner", "device", "half_precision")
 
     def run_overrides(self) -> dict[str, Any]:
         """The run-config keys this institution sets for itself (they win over the server's)."""

@@ -24,7 +24,7 @@ from tests.test_flower_e2e import SMALL, as_run_config
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
        "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
-ONE_SHOT = ("prompts-only", "central", "local")  # peers join as their modules land
+ONE_SHOT = ("prompts-only", "central", "local", "oscar")  # peers join as their modules land
 
 
 def config(method: str, **values) -> FedBiPConfig:

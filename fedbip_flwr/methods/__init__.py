@@ -18,12 +18,12 @@ from .. import dataset
 from ..client import client_generator
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
-from . import central, fedbip, local, prompts_only
+from . import central, fedbip, local, oscar, prompts_only
 from .base import ClientJob, Method, ServerJob, Teacher, Upload, create, names, register
 
 __all__ = [
     "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
-    "central", "create", "fedbip", "institution_upload", "local", "names", "prompts_only",
+    "central", "create", "fedbip", "institution_upload", "local", "names", "oscar", "prompts_only",
     "register",
 ]  # fmt: skip
 
