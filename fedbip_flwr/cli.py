@@ -17,19 +17,20 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common.config import get_project_config, parse_config_args
+from pydantic import BaseModel
 
 from fedbip_flwr import shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_for_run, select_device
-from fedbip_flwr.methods import institution_upload
+from fedbip_flwr.methods import audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
-    Payload,
     PayloadError,
+    check_size,
     load_payload,
-    summarize,
+    tensor_summary,
 )
 from fedbip_flwr.report import write_report
 from fedbip_flwr.storage import atomic_write
@@ -84,9 +85,11 @@ def _positive_float(text: str) -> float:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    """Print metadata and a tensor table for a valid payload; one line on stderr otherwise."""
+    """Print metadata and a tensor table for a valid upload (any method); one line on stderr
+    otherwise."""
     try:
-        payload = load_payload(args.payload, max_bytes=int(args.max_mb * 2**20))
+        blob = _read_capped(args.payload, int(args.max_mb * 2**20))
+        upload = audit_upload(blob, int(args.max_mb * 2**20))
     except PayloadError as err:
         print(f"invalid payload: {err.reason}", file=sys.stderr)
         return 1
@@ -94,19 +97,25 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(f"fedbip inspect: cannot read '{args.payload}': {err.strerror or err}", file=sys.stderr)
         return 1
     print(f"file: {args.payload}")
-    print(f"bytes: {args.payload.stat().st_size}")
-    for line in _meta_lines(payload):
+    print(f"bytes: {len(blob)}")
+    for line in _meta_lines(upload.meta):
         print(line)
     print()
-    print(_format_table(summarize(payload)))
+    print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
     return 0
 
 
-def _meta_lines(payload: Payload) -> list[str]:
+def _read_capped(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes, refusing one above the cap before reading it."""
+    check_size(path.stat().st_size, max_bytes)
+    return path.read_bytes()
+
+
+def _meta_lines(meta: BaseModel) -> list[str]:
     """``key: value`` per metadata field: strings bare, everything else as JSON."""
     return [
         f"{key}: {value if isinstance(value, str) else json.dumps(value)}"
-        for key, value in payload.meta.model_dump().items()
+        for key, value in meta.model_dump().items()
     ]
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fedbip_flwr import dataset, methods, shapes
+from fedbip_flwr import cli, dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import METHODS, FedBiPConfig, NodeConfig
 from fedbip_flwr.methods import ClientJob, ServerJob, create
@@ -251,3 +251,18 @@ def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_conce
     from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(config("fedbip"), tiny_ldm),
                                               RunFolder(tmp_path / "c").shard_path)[upload.client_id]  # fmt: skip
     assert not torch.equal(read_tensors(from_latents[0])["images"], first["images"])
+
+
+@pytest.mark.parametrize("method", ("fedbip", *ONE_SHOT))
+def test_fedbip_inspect_audits_every_methods_upload(method, tiny_ldm, tmp_path, capsys):
+    blob, _ = valid_upload(method, tiny_ldm)
+    path = tmp_path / "upload.safetensors"
+    path.write_bytes(blob)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"method: {method}" in out and f"bytes: {len(blob)}" in out
+    for name in create(method).expected_tensors(server_job(config(method), tiny_ldm))[:3]:
+        assert name in out
+    path.write_bytes(blob[:-5])
+    assert cli.main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err.startswith("invalid payload: ")

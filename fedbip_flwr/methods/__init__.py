@@ -18,14 +18,47 @@ from .. import dataset
 from ..client import client_generator
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
+from ..payload import PayloadError, decode_payload, parse_meta, read_header, upload_method
 from . import central, fedbip, local, oscar, prompts_only
-from .base import ClientJob, Method, ServerJob, Teacher, Upload, create, names, register
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Teacher,
+    Upload,
+    create,
+    decode_upload,
+    names,
+    register,
+)
 
 __all__ = [
-    "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
-    "central", "create", "fedbip", "institution_upload", "local", "names", "oscar", "prompts_only",
-    "register",
+    "ClientJob", "Method", "ServerJob", "Teacher", "Upload", "audit_upload",
+    "central", "create", "fedbip", "institution_upload", "local", "names", "oscar",
+    "prompts_only", "register",
 ]  # fmt: skip
+
+
+def audit_upload(blob: bytes, max_bytes: int) -> Upload:
+    """Any method's upload checked on its own, without a server's model or run config: the
+    method its header names, then that method's exact tensor names, layout, finite floats and
+    metadata schema (FedBiP's full payload contract). What ``fedbip inspect`` shows; the
+    server's :meth:`Method.accept` adds the checks against its own model and classes."""
+    name = upload_method(blob, max_bytes)
+    if name == fedbip.FedBiP.name:
+        return fedbip.as_upload(decode_payload(blob, max_bytes=max_bytes))
+    try:
+        method = create(name)
+    except ValueError as err:
+        raise PayloadError(str(err)) from None
+    _, metadata = read_header(bytes(blob))
+    classes = parse_meta(metadata, method.meta_model).class_names
+    server = ServerJob(FedBiPConfig(method=name), list(classes), _no_model)
+    return decode_upload(blob, method.meta_model, method.expected_tensors(server), max_bytes)
+
+
+def _no_model() -> LDM:
+    raise PayloadError("auditing an upload on its own loads no model")
 
 
 def institution_upload(
