@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from fedbip_flwr import shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_for_run, select_device
+from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
@@ -282,6 +283,7 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
 def _run_benchmark(args: argparse.Namespace) -> int:
     from fedbip_flwr import benchmark
 
+    setup_logging()
     root = project_dir() or Path.cwd()
     bench = benchmark.Bench(
         benchmark.Settings(classifier_steps=args.steps),
