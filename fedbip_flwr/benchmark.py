@@ -308,9 +308,13 @@ def run_seed(bench: Bench, seed: int, names: Sequence[str], judges: Judges) -> d
     for v in ordered(available(names)):
         if v.name in results:
             continue
-        started = time.perf_counter()
+        started, load = time.perf_counter(), os.getloadavg()[0]
         folder = run_variant(bench, v, seed)
-        results[v.name] = {**measure(folder, judges, bench.settings), "wall_seconds": time.perf_counter() - started}
+        results[v.name] = {
+            **measure(folder, judges, bench.settings),
+            "wall_seconds": time.perf_counter() - started,
+            "load_average": (load + os.getloadavg()[0]) / 2,  # seconds mean little under load
+        }
         write_json(cache, stored)
         log.info("seed %d: %s mean accuracy %.3f", seed, v.name, results[v.name]["mean"])
     return results
