@@ -401,8 +401,8 @@ def seconds(values: Mapping[str, Any] | None) -> str:
 def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
     domains = list(next(iter(summary.values()))["per_domain"])
     lines = [
-        "| method | " + " | ".join(domains) + " | mean | upload per client (kB) | client s | server s | seeds |",
-        "|---|" + "---|" * (len(domains) + 5),
+        "| method | " + " | ".join(domains) + " | mean | upload per client (kB) | client s | server s | load | seeds |",
+        "|---|" + "---|" * (len(domains) + 6),
     ]
     for name in (n for n in names if n in summary):
         e = summary[name]
@@ -410,7 +410,8 @@ def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
         server = sum(v for v in (e.get("server_seconds") or {}).values() if v is not None)
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
-            f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {len(e['seeds'])} |"
+            f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {e.get('load_average', float('nan')):.1f} "
+            f"| {len(e['seeds'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -468,7 +469,8 @@ summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
 {cfg["guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
 {cfg["concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
 Accuracy is mean ± sample std over seeds; seconds are means (client: one client's whole upload
-step; server: model load, synthesis, classifier).
+step; server: model load, synthesis, classifier), with the machine's mean load average while
+each ran (2 cores: above 2, the seconds are inflated by other work).
 
 {accuracy_table(summary, order)}
 - References: Central uploads the images themselves (not private); Local scores each client's
