@@ -71,7 +71,7 @@ def fedbip_synthesize(folder: RunFolder, processes: int = 1) -> subprocess.Compl
                    str(processes), "--num_machines", "1", "--mixed_precision", "no",
                    "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
                    "--main_process_port", str(free_port()), *command]  # fmt: skip
-    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT), "FEDBIP_PROJECT_DIR": str(ROOT)}
     return subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300, check=False)  # fmt: skip
 
