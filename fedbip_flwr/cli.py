@@ -19,9 +19,9 @@ from typing import Any
 from flwr.common.config import get_project_config, parse_config_args
 from pydantic import BaseModel
 
-from fedbip_flwr import shapes
+from fedbip_flwr import distributed, shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
-from fedbip_flwr.ldm import load_for_run, select_device
+from fedbip_flwr.ldm import ModelLoadError, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
@@ -34,6 +34,7 @@ from fedbip_flwr.payload import (
     tensor_summary,
 )
 from fedbip_flwr.report import write_report
+from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
 
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="speed against the stock diffusers pipeline and the textual-inversion recipe "
         "(fedbip speed --help)",
     )  # fmt: skip
+    _add_synthesize(subcommands)
     return parser
 
 
@@ -298,6 +300,47 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
     for name, entry in summary.items():
         print(f"{name:32s} {100 * entry['mean']:5.1f} ± {100 * entry['std']:4.1f}  ({len(entry['seeds'])} seeds)")
+    return 0
+
+
+def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    synthesize = subcommands.add_parser(
+        "synthesize",
+        help="make a run's training set (its shards) for a ServerApp run with synthesis external",
+        description="Make the training-set shards of RUN_DIR from its config.json and persisted "
+        "uploads (validated as the server does), as the ServerApp would. Launched by "
+        "`accelerate launch --num_processes N -m fedbip_flwr.cli synthesize RUN_DIR`, the N "
+        "processes (on one machine or several over a shared RUN_DIR) split the work balanced "
+        "by image count, each on its own GPU. Shards already there are kept, so a rerun after "
+        "a crash makes only what is missing (docs/scale.md). Exit status 0: every shard is on "
+        "disk; 1: not a finished round, or a bad config or upload.",
+    )
+    synthesize.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the ServerApp's run folder")
+    synthesize.set_defaults(func=_run_synthesize)
+
+
+def _run_synthesize(args: argparse.Namespace) -> int:
+    """This process's share of the run's work units; the main process reports the whole."""
+    setup_logging()
+    folder = RunFolder(args.run_dir)
+    try:
+        cfg = distributed.read_run_config(folder)
+        state = distributed.process_state(cfg)
+        run = distributed.open_run(folder, cfg, state.device)
+        distributed.synthesize_share(run, state)
+        if not state.is_main_process:
+            return 0
+        units = run.units()
+        missing = run.pending(units)
+    except (ConfigError, PayloadError, ModelLoadError, distributed.RunNotReady, OSError) as err:
+        print(f"fedbip synthesize: {err}", file=sys.stderr)
+        return 1
+    if missing:
+        print(f"fedbip synthesize: {len(missing)} of {len(units)} unit(s) still missing in "
+              f"{folder.shards}", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{len(units)} unit(s), {sum(u.images for u in units)} image(s): every shard of "
+          f"{folder.root} is on disk ({state.num_processes} process(es))")  # fmt: skip
     return 0
 
 

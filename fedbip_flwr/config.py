@@ -222,6 +222,19 @@ class FedBiPConfig(FlatConfig):
         description="fedbip: denoise from each uploaded z(T) (the method), or from fresh noise "
         "with the learned concepts only (the paper's concept-only ablation).",
     )
+    synthesis: Literal["server", "external"] = Field(
+        "server",
+        description="Who makes the training set after the round (one-shot methods): the "
+        "ServerApp itself, or `fedbip synthesize RUN_DIR` in other processes (accelerate "
+        "launch on many GPUs or machines over the run folder; docs/scale.md) while the "
+        "ServerApp waits for every shard, then trains the classifier as usual.",
+    )
+    synthesis_timeout_s: float = Field(
+        86400.0,
+        gt=0.0,
+        description="external synthesis: how long the ServerApp waits for the shards before "
+        "the run fails (a restart with the same run-name waits again; shards made are kept).",
+    )
 
     # --- classifier (eq. 6) ------------------------------------------------------------------
     classifier_init: Literal["imagenet", "random"] = "imagenet"

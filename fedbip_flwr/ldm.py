@@ -344,7 +344,7 @@ def cpu_has_bf16() -> bool:
 
 def load_for_run(
     model: str,
-    device_choice: str,
+    device_choice: str | torch.device,
     half_precision: bool,
     image_size: int,
     *,
@@ -362,8 +362,10 @@ def load_for_run(
     autocast (speed and judged fidelity against float32: the speed benchmark in BENCHMARKS.md).
     Concept learning keeps its float32 gradients on the CPU either way. ``channels_last`` and
     ``compile_unet`` (``torch.compile``) are optional UNet speed-ups, measured there too.
+    ``device_choice`` is the run config's ``device``, or a device already chosen (accelerate's,
+    in `fedbip synthesize`).
     """
-    device = select_device(device_choice)
+    device = device_choice if isinstance(device_choice, torch.device) else select_device(device_choice)
     if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE and not cpu_full_size_allowed():
         raise ModelLoadError(
             f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "
