@@ -17,7 +17,8 @@ over ``--repeats`` rounds, medians reported:
 - classifier: SGD steps/s of the shared recipe on uint8 shards, split into data preparation
   (reading rows, resizing, augmenting) and forward/backward; float32 and bf16 autocast.
 - federation: the default ``flwr run`` (three clients), wall time per phase and peak RSS of the
-  whole process tree.
+  whole process tree, with Flower's default client resources (2 CPUs a client: one client at a
+  time, two threads) and with one CPU a client (two clients at a time, one thread each).
 
     fedbip speed                                   # every case, 5 interleaved repeats
     fedbip speed --cases synth-stock,synth-project --repeats 3
@@ -319,7 +320,10 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
             "forward_backward_seconds": total - prep, "steps": steps}  # fmt: skip
 
 
-def case_federation(args: argparse.Namespace, _name: str) -> dict:
+FEDERATIONS = {"federation-2cpu": "client-resources-num-cpus=2", "federation-1cpu": "client-resources-num-cpus=1"}
+
+
+def case_federation(args: argparse.Namespace, name: str) -> dict:
     """The default `flwr run` with three clients: wall time, phases, peak RSS of every process."""
     import psutil
 
@@ -331,7 +335,7 @@ def case_federation(args: argparse.Namespace, _name: str) -> dict:
         env = flwr_env(home, {"FEDBIP_PROJECT_DIR": str(ROOT)})
         command = [str(Path(sys.executable).with_name("flwr")), "run", str(ROOT), "--stream",
                    "--run-config", f'output-dir="{out}" run-name="speed"',
-                   "--federation-config", f"num-supernodes=3 {args.federation_options}".strip()]  # fmt: skip
+                   "--federation-config", f"num-supernodes=3 {FEDERATIONS[name]}"]  # fmt: skip
         started = time.perf_counter()
         proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         peak, me = 0, psutil.Process()
@@ -375,7 +379,7 @@ CASES = {
     "concept-recipe": case_concept_recipe,
     "classifier": case_classifier,
     "classifier-bf16": case_classifier,
-    "federation": case_federation,
+    **dict.fromkeys(FEDERATIONS, case_federation),
 }
 ONCE = ("synth-check", "matmul")  # measured once, not repeated
 
@@ -501,13 +505,13 @@ def markdown(result: dict, command: str) -> str:
                 e = c[name]
                 lines.append(f"| {name} | {e['steps_per_s']:.2f} | {e['data_seconds']:.1f} | "
                              f"{e['forward_backward_seconds']:.1f} | {e['peak_rss_mb']:.0f} |")  # fmt: skip
-    if "federation" in c:
-        e = c["federation"]
-        phases = ", ".join(f"{k} {v:.0f} s" for k, v in e["phases"].items())
-        lines += ["", f"Default federation (`flwr run .`, three clients, "
-                  f"`--federation-config \"num-supernodes=3 {result['settings']['federation_options']}\"`): "
-                  f"{e['wall_seconds']:.0f} s wall ({phases}), peak RSS of all its processes "
-                  f"{e['peak_rss_mb']:.0f} MB, mean accuracy {100 * e['mean_accuracy']:.1f}%."]  # fmt: skip
+    for name, options in FEDERATIONS.items():
+        if name in c:
+            e = c[name]
+            phases = ", ".join(f"{k} {v:.0f} s" for k, v in e["phases"].items())
+            lines += ["", f"Default federation, `flwr run . --federation-config \"num-supernodes=3 "
+                      f"{options}\"`: {e['wall_seconds']:.0f} s wall ({phases}), peak RSS of all its "
+                      f"processes {e['peak_rss_mb']:.0f} MB, mean accuracy {100 * e['mean_accuracy']:.1f}%."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -525,7 +529,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concept-images", type=int, default=96)
     parser.add_argument("--classifier-images", type=int, default=1024)
     parser.add_argument("--classifier-steps", type=int, default=30)
-    parser.add_argument("--federation-options", default="client-resources-num-cpus=1")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "perf.json")
     parser.add_argument("--no-write", action="store_true", help="print, write no file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
