@@ -118,7 +118,6 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-S", {"method": "fedbip", "multiplier": 2}, "FedBiP-L"),
     Variant("FedBiP-M", {"method": "fedbip", "multiplier": 5}, "FedBiP-L"),
     Variant("FedBiP-M, 5 z(T) per image", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
-    Variant("FedBiP-S, T=601", {"method": "fedbip", "multiplier": 2, "start-timestep": 601}),
 )
 # The paper's Table 1 shape: references, peers, ablations, FedBiP.
 SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
