@@ -329,14 +329,16 @@ def train_global(
     }
 
 
-def train_settings(cfg: FedBiPConfig) -> TrainSettings:
+def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSettings:
+    """The shared classifier recipe from the run config: the global classifier's epochs and
+    step budget, or ``epochs`` of a client's own training (Local, FedLMG, FedAvg's rounds)."""
     return TrainSettings(
-        epochs=cfg.classifier_epochs,
+        epochs=cfg.classifier_epochs if epochs is None else epochs,
         lr=cfg.classifier_lr,
         momentum=cfg.classifier_momentum,
         batch_size=cfg.classifier_batch_size,
         image_size=cfg.classifier_image_size,
-        steps=cfg.classifier_steps,
+        steps=cfg.classifier_steps if epochs is None else 0,
     )
 
 
