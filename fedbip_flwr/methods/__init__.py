@@ -8,6 +8,7 @@ benchmark and the tests create them here, so no method is implemented twice.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,8 @@ __all__ = [
     "central", "create", "fedbip", "institution_upload", "local", "names", "oscar",
     "prompts_only", "register",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 def audit_upload(blob: bytes, max_bytes: int) -> Upload:
@@ -72,6 +75,7 @@ def institution_upload(
     this, so what an institution computes and audits offline is exactly what it would upload."""
     started = time.perf_counter()
     data = dataset.institution_data(cfg, node)
+    log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = create(cfg.method).upload(job)
