@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -62,6 +63,8 @@ def train(msg: Message, context: Context) -> Message:
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return Message(content=skipped_content(client_id), reply_to=msg)
     ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+    log.info("[%s] computing its upload (%s) with %d torch threads", client_id, cfg.method,
+             torch.get_num_threads())  # fmt: skip
     blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
     return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)

@@ -77,6 +77,17 @@ class TrainSettings:
     image_size: int
     augment: bool = True
     num_workers: int = 0  # DataLoader processes reading batches (0: in the training process)
+    steps: int = 0  # > 0: exactly this many SGD steps, epochs as many as they take
+
+    def epochs_for(self, n: int) -> int:
+        """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""
+        return -(-self.steps // batches_per_epoch(n, self.batch_size)) if self.steps else self.epochs
+
+
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """SGD steps one epoch over ``n`` images makes (a last batch of one is dropped)."""
+    full, rest = divmod(n, batch_size)
+    return max(1, full + (rest >= 2))
 
 
 @dataclass(frozen=True)
@@ -321,8 +332,10 @@ def train_classifier(
     returns (images, labels) (:class:`ShardImages`, with ``labels`` None): batches are read
     through a DataLoader, so a synthetic set on disk is never whole in memory. The data order
     and the augmentation draws come from one generator seeded with ``seed``, in the same
-    sequence whatever the data source. ``precision`` defaults to the device's.
-    ``distillation`` needs a dataset that names each row's source client (``sources(rows)``).
+    sequence whatever the data source. ``precision`` defaults to the device's. With
+    ``settings.steps`` training stops after exactly that many steps, so methods whose training
+    sets differ in size get the same budget. ``distillation`` needs a dataset that names each
+    row's source client (``sources(rows)``).
     """
     data = images if labels is None else TensorImages(images, labels)
     device = torch.device(device)
@@ -332,10 +345,13 @@ def train_classifier(
     model.to(device, memory_format=precision.memory_format).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.autocast == torch.float16)
-    for epoch in range(settings.epochs):
+    steps_left = settings.steps or None
+    for epoch in range(settings.epochs_for(len(data))):
         order = torch.randperm(len(data), generator=generator)
         # BatchNorm cannot train on a batch of one: drop a last batch of size 1.
         batches = [batch for batch in order.split(settings.batch_size) if len(batch) >= 2]
+        if steps_left is not None:
+            batches, steps_left = batches[:steps_left], steps_left - len(batches[:steps_left])
         loader = DataLoader(data, sampler=batches, batch_size=None,
                             num_workers=settings.num_workers, pin_memory=device.type == "cuda")  # fmt: skip
         total, seen = 0.0, 0

@@ -17,21 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from flwr.common.config import get_project_config, parse_config_args
+from pydantic import BaseModel
 
-from fedbip_flwr import shapes
+from fedbip_flwr import distributed, shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
-from fedbip_flwr.ldm import load_for_run, select_device
-from fedbip_flwr.methods import institution_upload
+from fedbip_flwr.ldm import ModelLoadError, load_for_run, select_device
+from fedbip_flwr.logs import setup_logging
+from fedbip_flwr.methods import audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
-    Payload,
     PayloadError,
+    check_size,
     load_payload,
-    summarize,
+    tensor_summary,
 )
 from fedbip_flwr.report import write_report
+from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
 
@@ -47,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_concepts(subcommands)
     _add_shapes_folder(subcommands)
     _add_personalize(subcommands)
+    _add_benchmark(subcommands)
+    subcommands.add_parser(
+        "speed", add_help=False,
+        help="speed against the stock diffusers pipeline and the textual-inversion recipe "
+        "(fedbip speed --help)",
+    )  # fmt: skip
+    _add_synthesize(subcommands)
     return parser
 
 
@@ -78,9 +88,11 @@ def _positive_float(text: str) -> float:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    """Print metadata and a tensor table for a valid payload; one line on stderr otherwise."""
+    """Print metadata and a tensor table for a valid upload (any method); one line on stderr
+    otherwise."""
     try:
-        payload = load_payload(args.payload, max_bytes=int(args.max_mb * 2**20))
+        blob = _read_capped(args.payload, int(args.max_mb * 2**20))
+        upload = audit_upload(blob, int(args.max_mb * 2**20))
     except PayloadError as err:
         print(f"invalid payload: {err.reason}", file=sys.stderr)
         return 1
@@ -88,19 +100,25 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(f"fedbip inspect: cannot read '{args.payload}': {err.strerror or err}", file=sys.stderr)
         return 1
     print(f"file: {args.payload}")
-    print(f"bytes: {args.payload.stat().st_size}")
-    for line in _meta_lines(payload):
+    print(f"bytes: {len(blob)}")
+    for line in _meta_lines(upload.meta):
         print(line)
     print()
-    print(_format_table(summarize(payload)))
+    print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
     return 0
 
 
-def _meta_lines(payload: Payload) -> list[str]:
+def _read_capped(path: Path, max_bytes: int) -> bytes:
+    """The file's bytes, refusing one above the cap before reading it."""
+    check_size(path.stat().st_size, max_bytes)
+    return path.read_bytes()
+
+
+def _meta_lines(meta: BaseModel) -> list[str]:
     """``key: value`` per metadata field: strings bare, everything else as JSON."""
     return [
         f"{key}: {value if isinstance(value, str) else json.dumps(value)}"
-        for key, value in payload.meta.model_dump().items()
+        for key, value in meta.model_dump().items()
     ]
 
 
@@ -244,6 +262,88 @@ def _run_personalize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = subcommands.add_parser(
+        "benchmark",
+        help="every method side by side through flwr run (accuracy, bytes, time, fidelity)",
+        description="Run each method variant as a real flwr simulation on the shapes world "
+        "for each seed, with one classifier budget for all; cache results per seed under "
+        "OUT/methods/, then write OUT/methods.json, a section of BENCHMARKS.md and pictures. "
+        "Seeds can run as separate processes; --report-only rebuilds the tables.",
+    )
+    bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    bench.add_argument("--variants", default="", help="comma-separated rows (default: all)")
+    bench.add_argument("--steps", type=int, default=300, help="SGD steps of every classifier")
+    bench.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    bench.add_argument("--work", type=Path, default=Path("outputs/benchmark"),
+                       help="run folders (large: synthetic shards)")  # fmt: skip
+    bench.add_argument("--out", type=Path, default=Path("benchmarks"))
+    bench.add_argument("--report-only", action="store_true")
+    bench.set_defaults(func=_run_benchmark)
+
+
+def _run_benchmark(args: argparse.Namespace) -> int:
+    from fedbip_flwr import benchmark
+
+    setup_logging()
+    root = project_dir() or Path.cwd()
+    bench = benchmark.Bench(
+        benchmark.Settings(classifier_steps=args.steps),
+        work=(root / args.work).resolve(), results=(root / args.out).resolve(), threads=args.threads,
+    )  # fmt: skip
+    names = [n.strip() for n in args.variants.split(",") if n.strip()] or [
+        v.name for v in benchmark.VARIANTS
+    ]
+    if not args.report_only:
+        benchmark.run(bench, args.seeds, names)
+    command = "fedbip benchmark " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedbip benchmark"
+    summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
+    for name, entry in summary.items():
+        print(f"{name:32s} {100 * entry['mean']:5.1f} ± {100 * entry['std']:4.1f}  ({len(entry['seeds'])} seeds)")
+    return 0
+
+
+def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    synthesize = subcommands.add_parser(
+        "synthesize",
+        help="make a run's training set (its shards) for a ServerApp run with synthesis external",
+        description="Make the training-set shards of RUN_DIR from its config.json and persisted "
+        "uploads (validated as the server does), as the ServerApp would. Launched by "
+        "`accelerate launch --num_processes N -m fedbip_flwr.cli synthesize RUN_DIR`, the N "
+        "processes (on one machine or several over a shared RUN_DIR) split the work balanced "
+        "by image count, each on its own GPU. Shards already there are kept, so a rerun after "
+        "a crash makes only what is missing (docs/scale.md). Exit status 0: every shard is on "
+        "disk; 1: not a finished round, or a bad config or upload.",
+    )
+    synthesize.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the ServerApp's run folder")
+    synthesize.set_defaults(func=_run_synthesize)
+
+
+def _run_synthesize(args: argparse.Namespace) -> int:
+    """This process's share of the run's work units; the main process reports the whole."""
+    setup_logging()
+    folder = RunFolder(args.run_dir)
+    try:
+        cfg = distributed.read_run_config(folder)
+        state = distributed.process_state(cfg)
+        run = distributed.open_run(folder, cfg, state.device)
+        distributed.synthesize_share(run, state)
+        if not state.is_main_process:
+            return 0
+        units = run.units()
+        missing = run.pending(units)
+    except (ConfigError, PayloadError, ModelLoadError, distributed.RunNotReady, OSError) as err:
+        print(f"fedbip synthesize: {err}", file=sys.stderr)
+        return 1
+    if missing:
+        print(f"fedbip synthesize: {len(missing)} of {len(units)} unit(s) still missing in "
+              f"{folder.shards}", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"{len(units)} unit(s), {sum(u.images for u in units)} image(s): every shard of "
+          f"{folder.root} is on disk ({state.num_processes} process(es))")  # fmt: skip
+    return 0
+
+
 def project_run_config() -> dict[str, Any]:
     """This project's run-config defaults ([tool.flwr.app.config] of its pyproject.toml)."""
     folder = project_dir() or Path.cwd()
@@ -252,6 +352,12 @@ def project_run_config() -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedbip`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["speed"]:  # its own parser: it also parses its child processes' arguments
+        from fedbip_flwr import speed
+
+        speed.main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -138,6 +138,15 @@ class FedBiPConfig(FlatConfig):
         description="fedlmg: w_MD / w_SD, the distillation term's weight (the paper gives no "
         "number; the code uses 1).",
     )
+    captioner: str = Field(
+        "models/miniature-captioner",
+        description="oscar: the clients' frozen captioner, a local folder or hub id: a BLIP "
+        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
+        "miniature captioner's folder (its stand-in on the miniature LDM).",
+    )
+    captions_per_image: int = Field(
+        1, ge=1, description="oscar: captions sampled per private image (OSCAR's code: 1)."
+    )
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -146,7 +155,17 @@ class FedBiPConfig(FlatConfig):
     )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     half_precision: bool = Field(
-        True, description="fp16 for the frozen LDM on CUDA; CPU always runs float32."
+        True,
+        description="CUDA: the frozen LDM in fp16. CPU with bf16 instructions: sampling "
+        "under bfloat16 autocast (weights and concept learning stay float32).",
+    )
+    channels_last: bool = Field(
+        False, description="Server's UNet in channels-last memory format (measured in BENCHMARKS.md)."
+    )
+    compile_unet: bool = Field(
+        False,
+        description="torch.compile the server's UNet: pays a compile at start for faster "
+        "steps; worth it for long syntheses (BENCHMARKS.md).",
     )
 
     # --- data --------------------------------------------------------------------------------
@@ -252,10 +271,35 @@ class FedBiPConfig(FlatConfig):
         "coordinate scale.",
     )
     synthesis_batch_size: int = Field(32, ge=1)
+    synthesis_start: Literal["uploaded", "fresh-noise"] = Field(
+        "uploaded",
+        description="fedbip: denoise from each uploaded z(T) (the method), or from fresh noise "
+        "with the learned concepts only (the paper's concept-only ablation).",
+    )
+    synthesis: Literal["server", "external"] = Field(
+        "server",
+        description="Who makes the training set after the round (one-shot methods): the "
+        "ServerApp itself, or `fedbip synthesize RUN_DIR` in other processes (accelerate "
+        "launch on many GPUs or machines over the run folder; docs/scale.md) while the "
+        "ServerApp waits for every shard, then trains the classifier as usual.",
+    )
+    synthesis_timeout_s: float = Field(
+        86400.0,
+        gt=0.0,
+        description="external synthesis: how long the ServerApp waits for the shards before "
+        "the run fails (a restart with the same run-name waits again; shards made are kept).",
+    )
 
     # --- classifier (eq. 6) ------------------------------------------------------------------
     classifier_init: Literal["imagenet", "random"] = "imagenet"
     classifier_epochs: int = Field(50, ge=1)
+    classifier_steps: int = Field(
+        0,
+        ge=0,
+        description="> 0: train the global classifier for exactly this many SGD steps instead "
+        "of classifier-epochs, so methods with training sets of different sizes get the same "
+        "budget (the benchmark's rule).",
+    )
     classifier_lr: float = Field(0.01, gt=0.0)
     classifier_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     classifier_batch_size: int = Field(64, ge=1)
@@ -385,6 +429,7 @@ class NodeConfig(FlatConfig):
     )
     client_id: str = Field("", description="imagefolder: the name this institution uploads under.")
     model: str = Field("", description="This institution's copy of the run's base model.")
+    captioner: str = Field("", description="oscar: this institution's copy of the run's captioner.")
     device: Literal["", "auto", "cpu", "cuda"] = ""
     half_precision: bool | None = None
     seed: int | None = Field(
@@ -397,7 +442,7 @@ class NodeConfig(FlatConfig):
     )
 
     # the run-config keys an institution may set for itself (fields of both models)
-    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "device", "half_precision")
+    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "captioner", "device", "half_precision")
 
     def run_overrides(self) -> dict[str, Any]:
         """The run-config keys this institution sets for itself (they win over the server's)."""

@@ -7,6 +7,7 @@ layout, so tests exercise exactly the path that real weights take.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -49,6 +50,15 @@ class LDM:
     tokenizer: CLIPTokenizer
     scheduler: PNDMScheduler
     fingerprint: str
+    # Compute dtype of sampling under autocast (weights unchanged): bfloat16 on a CPU with bf16
+    # instructions when half-precision is on (load_for_run); None = the weights' own dtype.
+    autocast: torch.dtype | None = None
+
+    def sampling_precision(self) -> contextlib.AbstractContextManager:
+        """The context every no-grad sampling call (UNet, VAE decode) runs in."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
 
     @property
     def device(self) -> torch.device:
@@ -325,15 +335,37 @@ def select_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def load_for_run(model: str, device_choice: str, half_precision: bool, image_size: int) -> LDM:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX): only then is bf16
+    autocast faster than float32 rather than an emulation."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def load_for_run(
+    model: str,
+    device_choice: str | torch.device,
+    half_precision: bool,
+    image_size: int,
+    *,
+    channels_last: bool = False,
+    compile_unet: bool = False,
+) -> LDM:
     """Resolve the run config's model (local folder or hub id) and place it on the device.
 
     The device is checked before any weight is read: a Stable Diffusion-sized run on a CPU
     would take days, so it stops at once with what to do, unless the environment sets
-    ``FEDBIP_ALLOW_SD_ON_CPU=1`` (tiny federations at 512 px, to prove the full-size path). On CUDA the frozen LDM runs in fp16
-    when ``half_precision``; on CPU always float32.
+    ``FEDBIP_ALLOW_SD_ON_CPU=1`` (tiny federations at 512 px, to prove the full-size path).
+
+    ``half_precision``: on CUDA the frozen LDM's weights are fp16; on a CPU with bf16
+    instructions the weights stay float32 and sampling (UNet, VAE decode) runs under bfloat16
+    autocast (speed and judged fidelity against float32: the speed benchmark in BENCHMARKS.md).
+    Concept learning keeps its float32 gradients on the CPU either way. ``channels_last`` and
+    ``compile_unet`` (``torch.compile``) are optional UNet speed-ups, measured there too.
+    ``device_choice`` is the run config's ``device``, or a device already chosen (accelerate's,
+    in `fedbip synthesize`).
     """
-    device = select_device(device_choice)
+    device = device_choice if isinstance(device_choice, torch.device) else select_device(device_choice)
     if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE and not cpu_full_size_allowed():
         raise ModelLoadError(
             f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "
@@ -343,4 +375,11 @@ def load_for_run(model: str, device_choice: str, half_precision: bool, image_siz
     local = resolve(model)
     ldm = load_ldm(local if local.exists() else model)
     dtype = torch.float16 if device.type == "cuda" and half_precision else torch.float32
-    return ldm.to(device, dtype)
+    ldm.to(device, dtype)
+    if device.type == "cpu" and half_precision and cpu_has_bf16():
+        ldm.autocast = torch.bfloat16
+    if channels_last:
+        ldm.unet.to(memory_format=torch.channels_last)
+    if compile_unet:
+        ldm.unet.compile()  # in place: the module keeps its type, config and device
+    return ldm

@@ -445,6 +445,17 @@ def _check_method(metadata: dict[str, str], wanted: str) -> None:
         )
 
 
+def upload_method(blob: bytes, max_bytes: int) -> str:
+    """The method an untrusted upload says it is for (its ``fedbip.method``), read from its
+    header alone: which method's checks to run on it."""
+    check_size(memoryview(blob).nbytes, max_bytes)
+    _, metadata = read_header(bytes(blob))
+    method = _meta_value(metadata, "method")
+    if not isinstance(method, str):
+        raise PayloadError(f"metadata 'fedbip.method' must be a string, got {method!r}")
+    return method
+
+
 def _meta_value(metadata: dict[str, str], field: str) -> Any:
     key = META_PREFIX + field
     if key not in metadata:
@@ -604,10 +615,10 @@ def check_class_rows(
 
 def summarize(p: Payload) -> list[dict[str, Any]]:
     """Per-tensor name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
-    return [_tensor_summary(name, t) for name, t in p.tensors().items()]
+    return [tensor_summary(name, t) for name, t in p.tensors().items()]
 
 
-def _tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+def tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
     values = tensor.detach().to("cpu", torch.float64)
     return {
         "name": name,

@@ -10,13 +10,15 @@ client and pass), and a restart over the same folder resumes from what is there.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import itertools
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,17 @@ class RunFolder:
     @property
     def classifier(self) -> Path:
         return self.root / "classifier.safetensors"
+
+    @property
+    def training_set(self) -> Path:
+        """The shards the classifier trained on, per client (shards/ may hold more)."""
+        return self.root / "training-set.json"
+
+    @property
+    def config(self) -> Path:
+        """The run config, written when the ServerApp starts: what `fedbip synthesize` (a process
+        outside the ServerApp) redoes the server's synthesis from."""
+        return self.root / "config.json"
 
     @property
     def uploaders(self) -> Path:
@@ -148,6 +161,28 @@ def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) 
     return hashlib.sha256(repr(knobs).encode() + eta.contiguous().numpy().tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class WorkUnit:
+    """One piece of a run's training set that any process can make on its own.
+
+    Its shards are keyed and written atomically (:func:`keyed_shard`), so which process makes a
+    unit, when, and how often changes no byte: units can be spread over GPUs and machines.
+    """
+
+    client_id: str
+    index: int  # FedBiP: the pass; 0 where one unit is a client's whole training set
+    images: int  # how many images it writes: what a split over processes balances
+
+
+def synthesis_units(payloads: Mapping[str, Payload], multiplier: int) -> list[WorkUnit]:
+    """FedBiP's work: one unit per (client, pass), clients in name order, passes in order."""
+    return [
+        WorkUnit(client_id, index, len(payload.labels))
+        for client_id, payload in sorted(payloads.items())
+        for index in range(multiplier)
+    ]
+
+
 def synthesize_all(
     ldm: LDM,
     payloads: Mapping[str, Payload],
@@ -160,26 +195,55 @@ def synthesize_all(
     batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
     reads the shards back (:class:`ShardImages`), so a resumed run trains on exactly the bytes
     an uninterrupted one would. Every shard depends only on its own payload, pass and seed,
-    never on which shards were made before it.
+    never on which shards were made before it, which is what lets `fedbip synthesize` make
+    them in other processes (:func:`synthesis_units`).
     """
-    settings = synthesis_settings(cfg)
-    total = sum(len(p.labels) for p in payloads.values()) * settings.multiplier
+    units = synthesis_units(payloads, cfg.multiplier)
     out: dict[str, list[Path]] = {}
-    with tqdm(total=total, desc="synthesis", unit="img", mininterval=5) as bar:
-        for client_id, payload in sorted(payloads.items()):
-            etas = draw_etas(payload, settings, client_seed(cfg.seed, client_id))
-            payload_sha = payload_digest(payload)
-            out[client_id] = [
-                keyed_shard(
-                    shard_path(client_id, index),
-                    shard_key(payload_sha, settings, eta),
-                    payload.labels,
-                    functools.partial(iter_pass, ldm, payload, settings, eta, bar.update),
-                    on_reuse=bar.update,
-                )
-                for index, eta in enumerate(etas)
-            ]
+    with tqdm(total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5) as bar:
+        for unit in units:
+            path = synthesize_unit(ldm, payloads[unit.client_id], cfg, unit, shard_path, bar.update)
+            out.setdefault(unit.client_id, []).append(path)
     return out
+
+
+def synthesize_unit(
+    ldm: LDM,
+    payload: Payload,
+    cfg: FedBiPConfig,
+    unit: WorkUnit,
+    shard_path: Callable[[str, int], Path],
+    on_images: Callable[[int], None] | None = None,
+) -> Path:
+    """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
+    settings = synthesis_settings(cfg)
+    eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
+    return keyed_shard(
+        shard_path(unit.client_id, unit.index),
+        shard_key(payload_digest(payload), settings, eta),
+        payload.labels,
+        functools.partial(iter_pass, ldm, payload, settings, eta, on_images),
+        on_reuse=on_images,
+    )
+
+
+class ShardPending(Exception):
+    """A shard that :func:`only_reuse` found missing (or made under another key)."""
+
+
+_ONLY_REUSE = contextvars.ContextVar("fedbip_only_reuse", default=False)
+
+
+@contextlib.contextmanager
+def only_reuse() -> Iterator[None]:
+    """Within the block, :func:`keyed_shard` raises :class:`ShardPending` instead of making a
+    shard. Running a method's own shard-making code under it checks that every shard it would
+    write is on disk under its key, without a second implementation of any key."""
+    token = _ONLY_REUSE.set(True)
+    try:
+        yield
+    finally:
+        _ONLY_REUSE.reset(token)
 
 
 def keyed_shard(
@@ -197,10 +261,14 @@ def keyed_shard(
     through here.
     """
     if read_metadata(path).get(SHARD_KEY) == key:
+        if _ONLY_REUSE.get():
+            return path
         log.info("%s reused", path.name)
         if on_reuse is not None:
             on_reuse(len(labels))
         return path
+    if _ONLY_REUSE.get():
+        raise ShardPending(path)
     if path.exists():
         log.warning("%s was made under other settings; redoing it", path)
     quantized = (quantize(images) for images in batches())
@@ -255,7 +323,7 @@ def train_global(
         bar.set_postfix(loss=f"{loss:.3f}")
         bar.update()
 
-    with tqdm(total=settings.epochs, desc="classifier", unit="epoch", mininterval=5) as bar:
+    with tqdm(total=settings.epochs_for(len(data)), desc="classifier", unit="epoch", mininterval=5) as bar:
         train_classifier(model, data, None, settings, seed=cfg.seed, device=device,
                          on_epoch=on_epoch, distillation=distillation)  # fmt: skip
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
@@ -266,13 +334,16 @@ def train_global(
     }
 
 
-def train_settings(cfg: FedBiPConfig) -> TrainSettings:
+def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSettings:
+    """The shared classifier recipe from the run config: the global classifier's epochs and
+    step budget, or ``epochs`` of a client's own training (Local, FedLMG, FedAvg's rounds)."""
     return TrainSettings(
-        epochs=cfg.classifier_epochs,
+        epochs=cfg.classifier_epochs if epochs is None else epochs,
         lr=cfg.classifier_lr,
         momentum=cfg.classifier_momentum,
         batch_size=cfg.classifier_batch_size,
         image_size=cfg.classifier_image_size,
+        steps=cfg.classifier_steps if epochs is None else 0,
     )
 
 

@@ -487,6 +487,37 @@ def pretrain_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
     return _generate(domain, per_class, "pretrain", 0, seed, size, classes)
 
 
+# The miniature LDM's pretraining captions (scripts/pretrain_miniature.py): rare domains are a
+# small sliver never named in a caption; some captions are empty, for classifier-free guidance.
+PRETRAIN_RARE_SHARE = 0.05
+PRETRAIN_EMPTY_SHARE = 0.10
+PRETRAIN_DOMAIN_CAPTION_SHARE = 0.85
+
+
+def pretraining_corpus(per_class: int, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+    """The miniature LDM's pretraining images (``per_class`` per class of every common domain,
+    a ``PRETRAIN_RARE_SHARE`` sliver of the rare ones) and their captions: "a {domain} of a
+    {class}" or "a {class}" for common domains, "a {class}" for rare ones (never named), some
+    empty. The LDM and the miniature captioner are both trained on exactly this corpus."""
+    images, captions = [], []
+    rng = torch.Generator().manual_seed(seed)
+    for domain in DOMAINS:
+        rare = domain in RARE_DOMAINS
+        n = max(1, round(per_class * PRETRAIN_RARE_SHARE)) if rare else per_class
+        part = pretrain_set(domain, n, seed=seed)
+        images.append(part.images)
+        for label in part.labels.tolist():
+            name = CLASSES[label]
+            draw = torch.rand(2, generator=rng)
+            if draw[0] < PRETRAIN_EMPTY_SHARE:
+                captions.append("")
+            elif rare or draw[1] >= PRETRAIN_DOMAIN_CAPTION_SHARE:
+                captions.append(f"a {name}")
+            else:
+                captions.append(CAPTION_TEMPLATE.format(S=domain, V=name))
+    return torch.cat(images), captions
+
+
 def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
     """Feature heterogeneity: one domain per client, round-robin over ``domains``.
 

@@ -51,7 +51,9 @@ def denoise(
     context = torch.cat([uncond.expand_as(cond), cond]) if guided else cond
     for t in timesteps:
         model_in = scheduler.scale_model_input(torch.cat([z, z]) if guided else z, t)
-        eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
+        with ldm.sampling_precision():
+            eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
+        eps = eps.to(z.dtype)
         if guided:
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
@@ -67,10 +69,11 @@ def decode_latents(ldm: LDM, z0: torch.Tensor, batch_size: int = 8) -> torch.Ten
     so it gets its own, smaller batch than the UNet.
     """
     scale = float(ldm.vae.config.scaling_factor)
-    images = [
-        ldm.vae.decode(part.to(ldm.device, ldm.vae.dtype) / scale).sample.float().cpu()
-        for part in z0.split(batch_size)
-    ]
+    with ldm.sampling_precision():
+        images = [
+            ldm.vae.decode(part.to(ldm.device, ldm.vae.dtype) / scale).sample.float().cpu()
+            for part in z0.split(batch_size)
+        ]
     return torch.cat(images).clamp(-1.0, 1.0)
 
 
@@ -118,6 +121,17 @@ def payload_layout(ldm: LDM, payload: Payload, settings: SynthesisSettings) -> P
     return layout
 
 
+def pass_conditioning(
+    ldm: LDM, payload: Payload, settings: SynthesisSettings, eta: torch.Tensor
+) -> torch.Tensor:
+    """tau(S + scale * eta, V_y) for every class y: (C, L, d), one pass's prompt embeddings."""
+    meta = payload.meta
+    layout = payload_layout(ldm, payload, settings)
+    s_hat = payload.domain_concept + concept_scale(ldm, meta.concept_space) * eta
+    classes = torch.arange(len(meta.class_names))
+    return encode_prompts(ldm, layout, meta.concept_space, s_hat, payload.class_concepts, classes)
+
+
 def synthesize_pass(
     ldm: LDM,
     payload: Payload,
@@ -140,15 +154,9 @@ def iter_pass(
 
     The server writes each batch to its shard as it comes, so a pass is never whole in memory.
     """
-    meta = payload.meta
-    layout = payload_layout(ldm, payload, settings)
-    classes = torch.arange(len(meta.class_names))
-    s_hat = payload.domain_concept + concept_scale(ldm, meta.concept_space) * eta
-    cond_per_class = encode_prompts(
-        ldm, layout, meta.concept_space, s_hat, payload.class_concepts, classes
-    )
+    cond_per_class = pass_conditioning(ldm, payload, settings, eta)
     uncond = unconditional_embedding(ldm)
-    timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, meta.timestep)
+    timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, payload.meta.timestep)
     for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
         cond = cond_per_class[payload.labels[batch].to(cond_per_class.device)]
         z0 = denoise(

@@ -10,7 +10,7 @@ under every setting below, from the same noise. Each setting is judged by
 - a peer judge per domain: ResNet-18 trained on real images of OTHER clients of the client's
   domain (class fidelity where the five-domain judge below is weak: sketches, line drawings);
 - two independent ResNet-18 judges trained on real images of all five domains
-  (``scripts/benchmark_miniature.py``'s, smaller: ``--judge-per-class``, ``--judge-epochs``):
+  (``fedbip_flwr.judges``, the benchmark's, smaller: ``--judge-per-class``, ``--judge-epochs``):
   class fidelity and the share judged as the client's domain (what the BatchNorm loss is for:
   the prompt names no domain).
 
@@ -25,24 +25,20 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark_miniature import JUDGE_SEED, load_judges
-
 from fedbip_flwr import dataset, shapes
 from fedbip_flwr.classifier import build_classifier, evaluate, train_classifier
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.judges import JUDGE_SEED, load_judges
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.fedlmg import class_prompts, guidance_settings, iter_guided
-from fedbip_flwr.methods.local import local_settings
-from fedbip_flwr.server import client_seed
+from fedbip_flwr.server import client_seed, train_settings
 from fedbip_flwr.storage import read_metadata, read_tensors, write_tensors
 from fedbip_flwr.synthesis import encode_texts
 from fedbip_flwr.viz import dequantize, image_grid, quantize
@@ -100,7 +96,7 @@ def peer_judge(cfg: FedBiPConfig, domain: str, cache: Path, clients: range = ran
         sets = [shapes.client_train_set(domain, cfg.shots_per_class, i, seed=cfg.seed) for i in clients]
         images, labels = torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets])
         print(f"training the {domain} peer judge ({len(images)} real images)", flush=True)
-        train_classifier(model, images, labels, local_settings(cfg), seed=JUDGE_SEED)
+        train_classifier(model, images, labels, train_settings(cfg, cfg.local_epochs), seed=JUDGE_SEED)
         write_tensors(path, model.state_dict())
     model.load_state_dict(read_tensors(path))
     return model.eval()

@@ -34,30 +34,6 @@ from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import LDM, MINIATURE, build_ldm, load_ldm
 
 TEMPLATE_WORDS = ("a", "of", "style")
-RARE_SHARE = 0.05
-EMPTY_SHARE = 0.10
-DOMAIN_CAPTION_SHARE = 0.85
-
-
-def corpus(per_class: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """Images in [-1, 1] and their captions; rare domains never named."""
-    images, captions = [], []
-    rng = torch.Generator().manual_seed(seed)
-    for domain in shapes.DOMAINS:
-        rare = domain in shapes.RARE_DOMAINS
-        n = max(1, round(per_class * RARE_SHARE)) if rare else per_class
-        part = shapes.pretrain_set(domain, n, seed=seed)
-        images.append(part.images)
-        for label in part.labels.tolist():
-            name = shapes.CLASSES[label]
-            draw = torch.rand(2, generator=rng)
-            if draw[0] < EMPTY_SHARE:
-                captions.append("")
-            elif rare or draw[1] >= DOMAIN_CAPTION_SHARE:
-                captions.append(f"a {name}")
-            else:
-                captions.append(shapes.CAPTION_TEMPLATE.format(S=domain, V=name))
-    return torch.cat(images), captions
 
 
 def train_vae(ldm: LDM, images: torch.Tensor, steps: int, batch: int, log: list) -> None:
@@ -156,7 +132,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.time()
-    images, captions = corpus(args.per_class, args.seed)
+    images, captions = shapes.pretraining_corpus(args.per_class, args.seed)
     print(f"corpus: {len(images)} images in {time.time() - started:.0f} s", flush=True)
     entry = {"args": {k: str(v) for k, v in vars(args).items()}, "images": len(images)}
     if args.resume:

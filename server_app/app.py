@@ -4,7 +4,9 @@ Thin over the library: the run config's ``method`` names what clients upload and
 server makes of it (:mod:`fedbip_flwr.methods`; FedAvg runs Flower's own multi-round strategy). The classifier is scored where ``evaluation`` says: on the server's test
 sets (simulations, paper presets) and/or by the institutions on their own held-out images,
 which also keep the classifier. A restart with the same ``run-name`` finds the uploads on disk
-and never asks a client that uploaded to upload again.
+and never asks a client that uploaded to upload again. With ``synthesis = "external"`` the
+training set is made by `fedbip synthesize` in other processes while this app waits
+(:mod:`fedbip_flwr.distributed`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.distributed import RunSynthesis, SynthesisTimeout, wait_for_shards
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import ServerJob, fedavg
@@ -53,6 +56,7 @@ def main(grid: Grid, context: Context) -> None:
     log.info("run folder: %s (method %s)", folder.root, cfg.method)
     for path in remove_partial_writes(folder.root):
         log.warning("removed %s, an unfinished write from an interrupted run", path)
+    write_json(folder.config, cfg.to_flat())  # what `fedbip synthesize` works from
     dataset.verify(cfg)
     check_classifier_init(cfg.classifier_init)  # an offline server fails now, not after synthesis
     device = select_device(cfg.device)
@@ -89,16 +93,21 @@ def main(grid: Grid, context: Context) -> None:
 
     metrics: dict = {"status": "running", "clients": clients, "config": cfg.to_flat()}
     if len(uploads) < cfg.min_clients:
-        metrics["status"] = "failed"
-        metrics["reason"] = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
-        write_json(folder.metrics, metrics)
-        write_report(folder.root)
-        raise NotEnoughClients(metrics["reason"] + f" (see {folder.clients})")
+        reason = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
+        _record_failure(folder, metrics, reason)
+        raise NotEnoughClients(reason + f" (see {folder.clients})")
     log.info("%d valid payloads: %s", len(uploads), ", ".join(sorted(uploads)))
 
     started = time.perf_counter()
+    if cfg.synthesis == "external":
+        try:
+            wait_for_shards(RunSynthesis(folder, method, job, uploads), cfg.synthesis_timeout_s)
+        except SynthesisTimeout as err:
+            _record_failure(folder, metrics, str(err))
+            raise
     training_set = method.train_set(uploads, job, folder.shard_path)
     seconds["synthesis"] = time.perf_counter() - started
+    write_json(folder.training_set, {c: [p.name for p in paths] for c, paths in training_set.items()})
 
     on_server = cfg.evaluation in ("server", "both")
     tests, grid_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}) if on_server else [])
@@ -139,6 +148,13 @@ def main(grid: Grid, context: Context) -> None:
     log.info("done: %s; results in %s", headline(metrics), folder.root)
 
 
+def _record_failure(folder: RunFolder, metrics: dict, reason: str) -> None:
+    """metrics.json and report.md of a run that stops here, with the reason."""
+    metrics.update(status="failed", reason=reason)
+    write_json(folder.metrics, metrics)
+    write_report(folder.root)
+
+
 def _run_fedavg(grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device) -> None:
     """FedAvg's rounds on Flower's own strategy, scored like every other method."""
     on_server = cfg.evaluation in ("server", "both")
@@ -158,7 +174,8 @@ def _model_loader(cfg: FedBiPConfig, seconds: dict[str, float]) -> Callable[[], 
     @functools.cache
     def load() -> LDM:
         started = time.perf_counter()
-        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size,
+                           channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)
         seconds["load-model"] = time.perf_counter() - started
         return ldm
 

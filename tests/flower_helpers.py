@@ -3,76 +3,35 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import re
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
+from fedbip_flwr import simulation
+from fedbip_flwr.simulation import FLWR, free_port, run_status, stop_local_superlink
+
+__all__ = [
+    "FLWR", "ROOT", "flwr_env", "free_port", "free_port_block", "processes_mentioning",
+    "run_simulation", "run_status", "stop_local_superlink", "stop_process_tree", "wait_for_port",
+]  # fmt: skip
+
 ROOT = Path(__file__).resolve().parents[1]
-FLWR = str(Path(sys.executable).with_name("flwr"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The checkout under test, not necessarily the one pip installed in editable mode.
+CHECKOUT = {"FEDBIP_PROJECT_DIR": str(ROOT)}
 
 
 def flwr_env(home: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FEDBIP_PROJECT_DIR": str(ROOT),
-        "HF_HUB_OFFLINE": "1",
-    }
+    return simulation.flwr_env(home, CHECKOUT)
 
 
 def run_simulation(
     home: Path, run_config: str, supernodes: int, timeout: float, app: Path = ROOT
 ) -> tuple[int, str]:
     """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
-    home.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(
-        [FLWR, "run", str(app), "--stream", "--run-config", run_config,
-         "--federation-config", f"num-supernodes={supernodes} client-resources-num-cpus=1"],
-        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=timeout, check=False,
-    )
-    output = proc.stdout + proc.stderr
-    match = re.search(r"Successfully started run (\d+)", output)
-    assert match, f"flwr run did not start a run:\n{output[-4000:]}"
-    return int(match.group(1)), output
-
-
-def run_status(home: Path, run_id: int) -> str:
-    proc = subprocess.run(
-        [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
-        cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
-        timeout=60, check=False,
-    )
-    runs = json.loads(proc.stdout)["runs"]
-    return runs[0]["status"]
-
-
-def stop_local_superlink(home: Path) -> list[int]:
-    """Kill the SuperLink that `flwr run` auto-started for this FLWR_HOME, and its children."""
-    database = str(home / "local-superlink" / "state.db")
-    stopped = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if database in " ".join(proc.info["cmdline"] or []):
-            family = [proc, *proc.children(recursive=True)]
-            for member in family:
-                member.kill()
-            psutil.wait_procs(family, timeout=20)
-            stopped += [p.pid for p in family]
-    return stopped
+    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT)
 
 
 def stop_process_tree(pid: int, timeout: float = 20) -> list[int]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 
 import pytest
 import torch
 
-from fedbip_flwr import dataset, methods, shapes
+from fedbip_flwr import cli, dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import METHODS, FedBiPConfig, NodeConfig
 from fedbip_flwr.methods import ClientJob, ServerJob, create
@@ -23,7 +24,7 @@ from tests.test_flower_e2e import SMALL, as_run_config
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
        "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
-ONE_SHOT = ("prompts-only", "central", "local", "fedlmg")  # peers join as their modules land
+ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg")  # peers join as their modules land
 
 
 def config(method: str, **values) -> FedBiPConfig:
@@ -235,3 +236,38 @@ def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
     assert torch.equal(upload.tensors["labels"], job.data.labels.repeat(2))
     one, _ = create("fedbip").upload(client_job(config("fedbip"), tiny_ldm))
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
+
+
+def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(tiny_ldm, tmp_path):
+    cfg = config("fedbip", **{"synthesis-start": "fresh-noise"})
+    server = server_job(cfg, tiny_ldm)
+    upload = create("fedbip").accept(create("fedbip").upload(client_job(cfg, tiny_ldm))[0], server)
+    shards = create("fedbip").train_set({upload.client_id: upload}, server,
+                                        RunFolder(tmp_path / "a").shard_path)[upload.client_id]  # fmt: skip
+    first, second = (read_tensors(p) for p in shards)
+    assert len(shards) == cfg.multiplier and torch.equal(first["labels"], upload.tensors["labels"])
+    assert not torch.equal(first["images"], second["images"]), "every pass has noise of its own"
+    # The uploaded z(T) play no part: other latents, the same images.
+    payload = upload.content
+    other = methods.fedbip.as_upload(replace(payload, latents=torch.randn_like(payload.latents)))
+    again = create("fedbip").train_set({upload.client_id: other}, server,
+                                       RunFolder(tmp_path / "b").shard_path)[upload.client_id]  # fmt: skip
+    assert torch.equal(read_tensors(again[0])["images"], first["images"])
+    from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(config("fedbip"), tiny_ldm),
+                                              RunFolder(tmp_path / "c").shard_path)[upload.client_id]  # fmt: skip
+    assert not torch.equal(read_tensors(from_latents[0])["images"], first["images"])
+
+
+@pytest.mark.parametrize("method", ("fedbip", *ONE_SHOT))
+def test_fedbip_inspect_audits_every_methods_upload(method, tiny_ldm, tmp_path, capsys):
+    blob, _ = valid_upload(method, tiny_ldm)
+    path = tmp_path / "upload.safetensors"
+    path.write_bytes(blob)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"method: {method}" in out and f"bytes: {len(blob)}" in out
+    for name in create(method).expected_tensors(server_job(config(method), tiny_ldm))[:3]:
+        assert name in out
+    path.write_bytes(blob[:-5])
+    assert cli.main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err.startswith("invalid payload: ")

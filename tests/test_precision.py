@@ -54,8 +54,10 @@ def test_half_precision_gradients_match_fp32(ldm):
     fp16 = s_gradient(ldm, torch.float16, scaled=True)
     bf16 = s_gradient(ldm, torch.bfloat16, scaled=True)
     ldm.to("cpu", torch.float32)
-    assert relative_error(fp16_raw, exact) > 0.05  # the defect: underflow in the fp16 backward
-    assert relative_error(fp16, exact) < 0.03  # loss scaling
+    # The defect: subnormal underflow in the unscaled fp16 backward (0.041 here), which loss
+    # scaling removes (0.001 here): the scaled gradient is an order of magnitude closer.
+    assert relative_error(fp16_raw, exact) > 10 * relative_error(fp16, exact)
+    assert relative_error(fp16, exact) < 0.003  # loss scaling
     assert relative_error(bf16, exact) < 0.05  # bf16: fp32's exponent range
     assert torch.nn.functional.cosine_similarity(bf16.flatten(), exact.flatten(), 0) > 0.999
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 from diffusers import PNDMScheduler
 
+from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.client import personalize
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import denoising_timesteps
-from fedbip_flwr.ldm import TINY, build_ldm, load_ldm
+from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
 from fedbip_flwr.synthesis import (
     SynthesisSettings,
     decode_latents,
@@ -159,3 +160,33 @@ def test_denoising_follows_the_models_prediction_type(tmp_path):
     out = denoise(v_model, z, cond, cond, steps, 10, 1.0)
     assert torch.isfinite(out).all()
     assert not torch.allclose(out, denoise(as_eps, z, cond, cond, steps, 10, 1.0), atol=1e-3)
+
+
+def test_half_precision_on_a_bf16_cpu_samples_under_bf16_autocast(tiny_model_dir, payload, monkeypatch):
+    exact = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32)
+    assert exact.autocast is None
+    monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: True)
+    fast = load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=32)
+    assert fast.autocast == torch.bfloat16 and fast.unet.dtype == torch.float32, "weights stay fp32"
+    seen = []
+    hook = fast.unet.conv_in.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    try:
+        half = synthesize_pass(fast, payload, settings(), torch.zeros(1, fast.concept_dim))
+    finally:
+        hook.remove()
+    full = synthesize_pass(exact, payload, settings(), torch.zeros(1, exact.concept_dim))
+    assert set(seen) == {torch.bfloat16} and half.dtype == torch.float32
+    assert (half - full).abs().mean() < 0.05, "bf16 sampling draws the same images, to rounding"
+    assert not torch.equal(half, full)
+    monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: False)
+    assert load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=32).autocast is None
+
+
+def test_channels_last_unet_samples_the_same_images(tiny_model_dir, payload):
+    plain = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32)
+    fast = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32,
+                        channels_last=True)  # fmt: skip
+    assert fast.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    eta = torch.zeros(1, plain.concept_dim)
+    a, b = (synthesize_pass(m, payload, settings(), eta) for m in (plain, fast))
+    assert torch.allclose(a, b, atol=1e-4)

@@ -8,6 +8,7 @@ benchmark and the tests create them here, so no method is implemented twice.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,14 +19,49 @@ from .. import dataset
 from ..client import client_generator
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
-from . import central, fedbip, fedlmg, local, prompts_only
-from .base import ClientJob, Method, ServerJob, Teacher, Upload, create, names, register
+from ..payload import PayloadError, decode_payload, parse_meta, read_header, upload_method
+from . import central, fedbip, fedlmg, local, oscar, prompts_only
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Teacher,
+    Upload,
+    create,
+    decode_upload,
+    names,
+    register,
+)
 
 __all__ = [
-    "ClientJob", "Method", "ServerJob", "Teacher", "Upload",
-    "central", "create", "fedbip", "fedlmg", "institution_upload", "local", "names", "prompts_only",
-    "register",
+    "ClientJob", "Method", "ServerJob", "Teacher", "Upload", "audit_upload",
+    "central", "create", "fedbip", "fedlmg", "institution_upload", "local", "names", "oscar",
+    "prompts_only", "register",
 ]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+
+def audit_upload(blob: bytes, max_bytes: int) -> Upload:
+    """Any method's upload checked on its own, without a server's model or run config: the
+    method its header names, then that method's exact tensor names, layout, finite floats and
+    metadata schema (FedBiP's full payload contract). What ``fedbip inspect`` shows; the
+    server's :meth:`Method.accept` adds the checks against its own model and classes."""
+    name = upload_method(blob, max_bytes)
+    if name == fedbip.FedBiP.name:
+        return fedbip.as_upload(decode_payload(blob, max_bytes=max_bytes))
+    try:
+        method = create(name)
+    except ValueError as err:
+        raise PayloadError(str(err)) from None
+    _, metadata = read_header(bytes(blob))
+    classes = parse_meta(metadata, method.meta_model).class_names
+    server = ServerJob(FedBiPConfig(method=name), list(classes), _no_model)
+    return decode_upload(blob, method.meta_model, method.expected_tensors(server), max_bytes)
+
+
+def _no_model() -> LDM:
+    raise PayloadError("auditing an upload on its own loads no model")
 
 
 def institution_upload(
@@ -39,6 +75,7 @@ def institution_upload(
     this, so what an institution computes and audits offline is exactly what it would upload."""
     started = time.perf_counter()
     data = dataset.institution_data(cfg, node)
+    log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = create(cfg.method).upload(job)

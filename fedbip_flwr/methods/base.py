@@ -11,6 +11,8 @@ tests call alike:
    written as uint8 shards (one or more per client), which the shared classifier recipe
    (:func:`fedbip_flwr.server.train_global`) reads back; :meth:`Method.teacher` optionally
    adds soft targets (FedLMG's distillation variants) to that same recipe.
+   :meth:`Method.work_units` and :meth:`Method.make_unit` cut that work into pieces other
+   processes can make (`fedbip synthesize`); by default one per client, through ``train_set``.
 
 Methods are registered by name with :func:`register` and created with :func:`create`, as in
 timm. The names are :data:`fedbip_flwr.config.METHODS`, the run config's ``method`` key.
@@ -36,11 +38,11 @@ from ..ldm import LDM
 from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
 from ..payload import encode_tensors as _encode_tensors
 from ..payload import read_tensors as _read_tensors
-from ..server import client_seed, keyed_shard, synthesis_settings
+from ..server import WorkUnit, client_seed, keyed_shard, synthesis_settings
 from ..synthesis import iter_from_noise
 
 __all__ = [
-    "ClientJob", "Distillation", "Method", "ServerJob", "Teacher", "Upload",
+    "ClientJob", "Distillation", "Method", "ServerJob", "Teacher", "Upload", "WorkUnit",
     "create", "decode_upload", "encode_upload", "names", "register",
 ]  # fmt: skip
 
@@ -125,6 +127,32 @@ class Method(ABC):
         """The classifier's training data per client id, as uint8 shards (``images``,
         ``labels``) at ``shard_path(client_id, index)``; shards already there under the same
         key are reused, so a restarted server resumes."""
+
+    def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
+        """The pieces of :meth:`train_set` that processes can make independently (`fedbip
+        synthesize`). By default one per client, weighed as a fresh-noise method's set
+        (``images-per-class`` per class, else multiplier x the client's images): a weight
+        for balancing the split, which the shards' own keys never depend on."""
+        cfg = server.cfg
+        return [
+            WorkUnit(client_id, 0, cfg.images_per_class * len(server.class_names)
+                     or cfg.multiplier * upload.meta.num_examples)
+            for client_id, upload in sorted(uploads.items())
+        ]  # fmt: skip
+
+    def make_unit(
+        self,
+        unit: WorkUnit,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
+    ) -> list[Path]:
+        """Make (or reuse) one of :meth:`work_units`' shards. By default :meth:`train_set` on
+        that client's upload alone, which is its part of the whole set when shards are per
+        client and keyed; a method whose shards depend on other clients' uploads overrides
+        both."""
+        one = {unit.client_id: uploads[unit.client_id]}
+        return self.train_set(one, server, shard_path).get(unit.client_id, [])
 
     def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Distillation | None:
         """Soft targets for the global classifier (a :data:`Teacher` and how its divergence
@@ -234,16 +262,17 @@ def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
 
 def fresh_noise_set(
     server: ServerJob,
-    client_id: str,
+    stream: str,
     cond_per_class: torch.Tensor,
     labels: torch.Tensor,
     path: Path,
 ) -> Path:
-    """One client's training shard sampled from fresh noise toward per-class conditioning
-    (:func:`fedbip_flwr.synthesis.iter_from_noise`), seeded by the server's seed and client id."""
+    """A training shard sampled from fresh noise toward per-class conditioning
+    (:func:`fedbip_flwr.synthesis.iter_from_noise`); the noise is seeded by the server's seed
+    and ``stream`` (a client id, or a client's pass), so every shard has noise of its own."""
     cfg = server.cfg
     settings = synthesis_settings(cfg)
-    seed = client_seed(cfg.seed, client_id)
+    seed = client_seed(cfg.seed, stream)
     key = hashlib.sha256(
         repr((seed, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)).encode()
         + cond_per_class.float().contiguous().numpy().tobytes() + labels.numpy().tobytes()

@@ -18,25 +18,16 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from .. import dataset
-from ..classifier import TrainSettings, build_classifier, save_classifier, train_classifier
+from ..classifier import build_classifier, save_classifier, train_classifier
 from ..client import client_generator, score_classifier
 from ..config import FedBiPConfig, NodeConfig
+from ..server import train_settings
 from ..storage import write_json
 
 log = logging.getLogger(__name__)
 NAME = "fedavg"
 ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
 ROUND = "server-round"
-
-
-def round_settings(cfg: FedBiPConfig) -> TrainSettings:
-    return TrainSettings(
-        epochs=cfg.fedavg_local_epochs,
-        lr=cfg.classifier_lr,
-        momentum=cfg.classifier_momentum,
-        batch_size=cfg.classifier_batch_size,
-        image_size=cfg.classifier_image_size,
-    )
 
 
 def client_round(msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
@@ -46,7 +37,7 @@ def client_round(msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torc
     model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
     generator = client_generator(cfg, node, data.client_id)
     seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-    train_classifier(model, data.images, data.labels, round_settings(cfg), seed=seed, device=device)
+    train_classifier(model, data.images, data.labels, train_settings(cfg, cfg.fedavg_local_epochs), seed=seed, device=device)
     return RecordDict({
         ARRAYS: ArrayRecord(model.cpu().state_dict()),
         METRICS: MetricRecord({"num-examples": len(data)}),

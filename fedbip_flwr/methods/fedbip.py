@@ -14,8 +14,17 @@ from typing import Any
 
 from ..client import personalize
 from ..payload import TENSOR_NAMES, Payload, PayloadMeta, decode_payload, encode_payload
-from ..server import expectations, synthesize_all
-from .base import ClientJob, Method, ServerJob, Upload, register
+from ..server import (
+    WorkUnit,
+    client_seed,
+    expectations,
+    synthesis_settings,
+    synthesis_units,
+    synthesize_all,
+    synthesize_unit,
+)
+from ..synthesis import draw_etas, pass_conditioning
+from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
 
 
 @register
@@ -47,7 +56,52 @@ class FedBiP(Method):
         self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
     ) -> dict[str, list[Path]]:
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
+        if server.cfg.synthesis_start == "fresh-noise":
+            return concept_only(payloads, server, shard_path)
         return synthesize_all(server.ldm(), payloads, server.cfg, shard_path)
+
+    def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
+        """One per (client, pass): the shards :meth:`train_set` writes, one by one."""
+        payloads = {client_id: upload.content for client_id, upload in uploads.items()}
+        return synthesis_units(payloads, server.cfg.multiplier)
+
+    def make_unit(
+        self,
+        unit: WorkUnit,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
+    ) -> list[Path]:
+        payload = uploads[unit.client_id].content
+        if server.cfg.synthesis_start == "fresh-noise":
+            return [concept_only_unit(payload, server, unit, shard_path)]
+        return [synthesize_unit(server.ldm(), payload, server.cfg, unit, shard_path)]
+
+
+def concept_only(
+    payloads: Mapping[str, Payload], server: ServerJob, shard_path: Callable[[str, int], Path]
+) -> dict[str, list[Path]]:
+    """The paper's concept-only ablation: each pass's images from fresh noise toward the
+    client's learned concepts (S perturbed by that pass's eta, as in synthesis), never from
+    its z(T); as many images as FedBiP makes, in the same (client, pass) units."""
+    out: dict[str, list[Path]] = {}
+    for unit in synthesis_units(payloads, server.cfg.multiplier):
+        path = concept_only_unit(payloads[unit.client_id], server, unit, shard_path)
+        out.setdefault(unit.client_id, []).append(path)
+    return out
+
+
+def concept_only_unit(
+    payload: Payload, server: ServerJob, unit: WorkUnit, shard_path: Callable[[str, int], Path]
+) -> Path:
+    """One concept-only shard: pass ``unit.index``'s eta, noise of that pass's own."""
+    settings = synthesis_settings(server.cfg)
+    eta = draw_etas(payload, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
+    return fresh_noise_set(
+        server, f"{unit.client_id}/pass{unit.index}",
+        pass_conditioning(server.ldm(), payload, settings, eta),
+        payload.labels, shard_path(unit.client_id, unit.index),
+    )  # fmt: skip
 
 
 def as_upload(payload: Payload) -> Upload:

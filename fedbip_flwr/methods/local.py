@@ -14,9 +14,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..classifier import TrainSettings, build_classifier, train_classifier
-from ..config import FedBiPConfig
+from ..classifier import build_classifier, train_classifier
 from ..payload import PayloadError, UploadMeta
+from ..server import train_settings
 from .base import ClientJob, Method, ServerJob, Upload, common_meta, encode_upload, register
 
 
@@ -24,23 +24,12 @@ class LocalMeta(UploadMeta):
     method: Literal["local"] = "local"
 
 
-def local_settings(cfg: FedBiPConfig) -> TrainSettings:
-    """The shared classifier recipe, for local-epochs over a client's own images."""
-    return TrainSettings(
-        epochs=cfg.local_epochs,
-        lr=cfg.classifier_lr,
-        momentum=cfg.classifier_momentum,
-        batch_size=cfg.classifier_batch_size,
-        image_size=cfg.classifier_image_size,
-    )
-
-
 def train_local_classifier(job: ClientJob) -> nn.Module:
     """ResNet-18 trained on the client's private images (seeded from the client's own noise)."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
     torch.manual_seed(seed)
     model = build_classifier(len(job.data.classes), job.cfg.classifier_init)
-    return train_classifier(model, job.data.images, job.data.labels, local_settings(job.cfg),
+    return train_classifier(model, job.data.images, job.data.labels, train_settings(job.cfg, job.cfg.local_epochs),
                             seed=seed, device=job.device).cpu()  # fmt: skip
 
 

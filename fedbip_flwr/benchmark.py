@@ -1,0 +1,572 @@
+"""The methods benchmark: every method side by side, each run through the real ``flwr run``.
+
+Issues 18 and 20. For every seed and every variant (a method of the registry plus run-config
+values, e.g. FedBiP-L = ``fedbip`` with multiplier 10), one simulation of the same three clients
+(sketch, quickdraw, painting of the shapes world, one client each) runs on Flower with the same
+seed, client data, test sets and classifier recipe; every classifier gets the same number of
+SGD steps (``classifier-steps``; Local's per-client classifiers and FedAvg's rounds are sized to
+the same budget). The measurements come from what each run leaves in its folder: accuracy per
+domain (metrics.json), upload bytes and client seconds (clients.json), server seconds, the
+training set (training-set.json), which the fidelity judges (:mod:`fedbip_flwr.judges`) label,
+and the classifier, whose membership-inference gaps are measured on the clients' real images.
+
+Variants that differ only in what the server does with the same uploads (FedBiP-S and -M from
+FedBiP-L's uploads, FedLMG's distillation modes) start from a copy of the other variant's run
+folder: the ServerApp resumes from the uploads on disk and reuses every shard made under the
+same key, exactly as a restarted server does.
+
+Results are cached per seed (``benchmarks/methods/seed-N.json``, with the settings they were
+made with), so an interrupted benchmark resumes and seeds can run as separate processes;
+every invocation summarizes all cached seeds into ``benchmarks/methods.json`` and a section of
+BENCHMARKS.md, and draws one picture per client domain with a row per method.
+
+    fedbip benchmark --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import dataset, methods
+from .classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
+from .config import FedBiPConfig
+from .judges import Judges, load_judges
+from .paths import project_dir
+from .server import RunFolder
+from .simulation import SimulationError, run_simulation, run_status, stop_local_superlink
+from .storage import write_json
+from .viz import image_grid
+
+log = logging.getLogger(__name__)
+MARKER = "methods"
+PICTURE_COLUMNS = 10
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a cached result depends on, except the seed."""
+
+    domains: tuple[str, ...] = ("sketch", "quickdraw", "painting")
+    classifier_steps: int = 300
+    fedavg_local_epochs: int = 2
+    mia_per_domain: int = 96
+    run_config: dict[str, Any] = field(default_factory=lambda: {
+        "shots-per-class": 16, "test-per-class": 50, "num-inference-steps": 25,
+        "guidance-scale": 4.0, "concept-epochs": 10, "classifier-init": "random",
+    })  # fmt: skip
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the tables: a registered method with its own run-config values."""
+
+    name: str
+    values: dict[str, Any]
+    reuse: str = ""  # a variant whose uploads (and shards) this one starts from
+    sized: Callable[[Settings, int], dict[str, Any]] | None = None  # budget-dependent values
+
+    @property
+    def method(self) -> str:
+        return self.values["method"]
+
+    def run_values(self, settings: Settings, images_per_client: int) -> dict[str, Any]:
+        extra = self.sized(settings, images_per_client) if self.sized else {}
+        return {**self.values, **extra}
+
+
+def local_budget(settings: Settings, n: int) -> dict[str, Any]:
+    """Each client's own classifier (Local, FedLMG's guides) gets the global budget in steps."""
+    return {"local-epochs": math.ceil(settings.classifier_steps / batches_per_epoch(n, 64))}
+
+
+def fedavg_budget(settings: Settings, n: int) -> dict[str, Any]:
+    """FedAvg's rounds such that its SGD steps, summed over clients, meet the budget."""
+    per_round = len(settings.domains) * settings.fedavg_local_epochs * batches_per_epoch(n, 64)
+    return {"fedavg-rounds": math.ceil(settings.classifier_steps / per_round),
+            "fedavg-local-epochs": settings.fedavg_local_epochs}  # fmt: skip
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("Central", {"method": "central"}),
+    Variant("Local", {"method": "local"}, sized=local_budget),
+    Variant("FedAvg", {"method": "fedavg"}, sized=fedavg_budget),
+    Variant("Prompts-only", {"method": "prompts-only"}),
+    Variant("OSCAR", {"method": "oscar"}),
+    Variant("FedLMG-FT", {"method": "fedlmg", "fedlmg-global": "ft"}, sized=local_budget),
+    Variant("FedLMG-MD", {"method": "fedlmg", "fedlmg-global": "md"}, "FedLMG-FT", local_budget),
+    Variant("FedLMG-SD", {"method": "fedlmg", "fedlmg-global": "sd"}, "FedLMG-FT", local_budget),
+    Variant("concept-only", {"method": "fedbip", "synthesis-start": "fresh-noise"}),
+    Variant("instance-only", {"method": "fedbip", "concept-epochs": 0}),
+    Variant("FedBiP-L", {"method": "fedbip", "multiplier": 10}),
+    Variant("FedBiP-S", {"method": "fedbip", "multiplier": 2}, "FedBiP-L"),
+    Variant("FedBiP-M", {"method": "fedbip", "multiplier": 5}, "FedBiP-L"),
+    Variant("FedBiP-M, 5 z(T) per image", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
+)
+# The paper's Table 1 shape: references, peers, ablations, FedBiP.
+SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
+
+
+def variant(name: str) -> Variant:
+    for v in VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(f"unknown variant {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def available(names: Sequence[str]) -> list[Variant]:
+    """The named variants whose method this installation has (FedAvg runs Flower's own)."""
+    known = {*methods.names(), "fedavg"}
+    return [v for v in map(variant, names) if v.method in known]
+
+
+# ------------------------------------------------------------------------------- one run
+@dataclass(frozen=True)
+class Bench:
+    settings: Settings
+    work: Path  # run folders and FLWR_HOMEs (big: shards)
+    results: Path  # benchmarks/ (cached results, summary, pictures)
+    threads: int = 2
+    timeout_s: float = 6 * 3600
+
+    def seed_folder(self, seed: int) -> Path:
+        return self.work / f"seed-{seed}"
+
+    def cache(self, seed: int) -> Path:
+        return self.results / "methods" / f"seed-{seed}.json"
+
+
+def base_values(bench: Bench, seed: int) -> dict[str, Any]:
+    """The run config every variant of a seed shares."""
+    return {
+        **bench.settings.run_config,
+        "domains": ",".join(bench.settings.domains),
+        "classifier-steps": bench.settings.classifier_steps,
+        "seed": seed,
+        "replayable-client-noise": True,  # a benchmark replays the same clients for every method
+        "evaluation": "server",
+        "output-dir": str(bench.seed_folder(seed)),
+    }
+
+
+def copy_uploads(source: RunFolder, target: RunFolder) -> None:
+    """Start ``target`` from ``source``'s round: its uploads and shards (hard links), never its
+    results, so the ServerApp resumes after the round."""
+    if target.root.exists():
+        shutil.rmtree(target.root)
+    target.root.mkdir(parents=True)
+    for folder in (source.payloads, source.shards):
+        if folder.exists():
+            shutil.copytree(folder, target.root / folder.name, copy_function=os.link)
+    for path in (source.clients, source.uploaders):
+        if path.exists():
+            shutil.copy2(path, target.root / path.name)
+
+
+def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
+    """One ``flwr run`` of the variant; its run folder once the run completed."""
+    seed_folder = bench.seed_folder(seed)
+    folder = RunFolder(seed_folder / slug(v.name))
+    if v.reuse:
+        copy_uploads(RunFolder(seed_folder / slug(v.reuse)), folder)
+    elif folder.root.exists():
+        shutil.rmtree(folder.root)
+    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
+    values = {**base_values(bench, seed), **v.run_values(bench.settings, images), "run-name": folder.root.name}
+    home = seed_folder / "flwr-home"
+    threads = str(bench.threads)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    log.info("seed %d: %s", seed, v.name)
+    try:
+        run_id, output = run_simulation(home, values, len(bench.settings.domains), bench.timeout_s,
+                                        project_dir(), env=env)  # fmt: skip
+        status = run_status(home, run_id)
+    finally:
+        stop_local_superlink(home)
+    if status != "finished:completed" or not folder.metrics.exists():
+        raise SimulationError(f"{v.name}, seed {seed}: run {status}\n{output[-3000:]}")
+    return folder
+
+
+def dataset_classes() -> list[str]:
+    return dataset.class_names(FedBiPConfig())
+
+
+# --------------------------------------------------------------------------- measurements
+def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, Any]:
+    """What one finished run shows: accuracy, bytes, seconds, fidelity, privacy."""
+    metrics = json.loads(folder.metrics.read_text())
+    cfg = FedBiPConfig.from_flat(metrics["config"])
+    result: dict[str, Any] = {
+        "per_domain": metrics["accuracy"]["per_domain"],
+        "mean": metrics["accuracy"]["mean"],
+        "server_seconds": {k: v for k, v in metrics["seconds"].items() if k != "round"},
+        "sgd_steps": cfg.classifier_steps,
+    }
+    if folder.clients.exists():
+        outcomes = [c for c in json.loads(folder.clients.read_text()) if c["status"] in ("accepted", "kept")]
+        result["upload_bytes"] = {c["client_id"]: c["payload_bytes"] for c in outcomes}
+        result["client_seconds"] = {c["client_id"]: (c.get("metrics") or {}).get("seconds-total") for c in outcomes}
+    else:  # FedAvg: the global weights go up from every client each round
+        weights = sum(t.numel() * t.element_size() for t in load_classifier(folder, cfg).state_dict().values())
+        result["upload_bytes"] = {"every client": weights * cfg.fedavg_rounds}
+        result["fedavg_rounds"] = cfg.fedavg_rounds
+    clients = client_sets(cfg)
+    if folder.training_set.exists():
+        shards = json.loads(folder.training_set.read_text())
+        result["num_images"] = sum(len(ShardImages(folder_paths(folder, p), 0)) for p in shards.values())
+        result["fidelity"], result["nearest_real"] = {}, {}
+        for client_id, names in sorted(shards.items()):
+            data = ShardImages(folder_paths(folder, names), judges.size)
+            images, labels = data[torch.arange(len(data))]
+            domain = clients[client_id].domain
+            result["fidelity"][domain] = judges.fidelity(images, labels, domain)
+            result["nearest_real"][domain] = nearest_real_distance(images, clients[client_id].images)
+    if folder.classifier.exists():
+        model = load_classifier(folder, cfg)
+        result["mia_gap"] = mia_gaps(model, cfg, clients, settings.mia_per_domain)
+    return result
+
+
+def folder_paths(folder: RunFolder, names: Sequence[str]) -> list[Path]:
+    return [folder.shards / name for name in names]
+
+
+def load_classifier(folder: RunFolder, cfg: FedBiPConfig) -> torch.nn.Module:
+    return load_classifier_bytes(folder.classifier.read_bytes(), dataset.class_names(cfg))
+
+
+def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
+    """The benchmark's clients, one per domain, exactly as the simulation's nodes load them."""
+    sets = [dataset.load_client_data(cfg, p) for p in range(len(cfg.domain_list))]
+    return {s.client_id: s for s in sets}
+
+
+def nearest_real_distance(synthetic: torch.Tensor, real: torch.Tensor) -> float:
+    """Mean over synthetic images of the RMS pixel distance (in [-1, 1]) to the closest real
+    image of the same client: how close a method's images come to what it must not reveal."""
+    synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic
+    if synthetic.shape[-2:] != real.shape[-2:]:
+        synthetic = F.interpolate(synthetic, size=real.shape[-2:], mode="bilinear", antialias=True)
+    a, b = synthetic.flatten(1).float(), real.flatten(1).float()
+    return float((torch.cdist(a, b).min(dim=1).values / math.sqrt(a.shape[1])).mean())
+
+
+def balanced(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices of up to ``n`` examples, the same number from every class."""
+    classes = labels.unique()
+    per_class = max(1, n // len(classes))
+    return torch.cat([torch.nonzero(labels == c).flatten()[:per_class] for c in classes])
+
+
+def mia_gaps(
+    model: torch.nn.Module, cfg: FedBiPConfig, clients: Mapping[str, dataset.ClientSet], n: int
+) -> dict[str, float]:
+    """Non-member minus member mean loss / entropy of the classifier (paper Sec. 5.5), averaged
+    over clients: about 0 means it does not tell the clients' training images from unseen ones."""
+    tests = dataset.load_test_sets(cfg, cfg.domain_list)
+    gaps: dict[str, list[float]] = {"loss": [], "entropy": []}
+    for data in clients.values():
+        test = tests[data.domain]
+        inside, outside = balanced(data.labels, n), balanced(test.labels, n)
+        member = evaluate(model, data.images[inside], data.labels[inside], cfg.classifier_image_size)
+        other = evaluate(model, test.images[outside], test.labels[outside], cfg.classifier_image_size)
+        gaps["loss"].append(other.mean_loss - member.mean_loss)
+        gaps["entropy"].append(other.mean_entropy - member.mean_entropy)
+    return {k: statistics.fmean(v) for k, v in gaps.items()}
+
+
+# ---------------------------------------------------------------------------------- seeds
+def run_seed(bench: Bench, seed: int, names: Sequence[str], judges: Judges) -> dict[str, Any]:
+    """Every named variant for one seed (reused ones after their source), cached as it goes."""
+    cache = bench.cache(seed)
+    stored = json.loads(cache.read_text()) if cache.exists() else {}
+    if stored.get("settings") != bench.settings.digest():
+        stored = {"settings": bench.settings.digest(), "results": {}}
+    results = stored["results"]
+    for v in ordered(available(names)):
+        if v.name in results:
+            continue
+        started, load = time.perf_counter(), os.getloadavg()[0]
+        folder = run_variant(bench, v, seed)
+        results[v.name] = {
+            **measure(folder, judges, bench.settings),
+            "wall_seconds": time.perf_counter() - started,
+            "load_average": (load + os.getloadavg()[0]) / 2,  # seconds mean little under load
+        }
+        write_json(cache, stored)
+        log.info("seed %d: %s mean accuracy %.3f", seed, v.name, results[v.name]["mean"])
+    return results
+
+
+def ordered(chosen: Sequence[Variant]) -> list[Variant]:
+    """Sources before the variants that reuse them (added if not chosen)."""
+    out: list[Variant] = []
+    for v in chosen:
+        for needed in (variant(v.reuse),) if v.reuse else ():
+            if needed not in out:
+                out.append(needed)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def cached_seeds(bench: Bench) -> dict[int, dict[str, Any]]:
+    """Every seed's cached results made with this benchmark's settings."""
+    runs = {}
+    for path in sorted((bench.results / "methods").glob("seed-*.json")):
+        stored = json.loads(path.read_text())
+        if stored.get("settings") == bench.settings.digest():
+            runs[int(path.stem.removeprefix("seed-"))] = stored["results"]
+    return runs
+
+
+# -------------------------------------------------------------------------------- summary
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _average(values: list[Any]) -> Any:
+    """Mean over seeds of numbers, or of (nested) dicts of numbers, key by key."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if isinstance(values[0], dict):
+        return {k: _average([v.get(k) for v in values]) for k in values[0]}
+    return statistics.fmean(values)
+
+
+def summarize(runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per variant: per-domain and mean accuracy (mean and sample std over seeds), and the mean
+    over seeds of every other measurement."""
+    out: dict[str, Any] = {}
+    for v in VARIANTS:
+        seeds = sorted(s for s, r in runs.items() if v.name in r)
+        if not seeds:
+            continue
+        rows = [runs[s][v.name] for s in seeds]
+        domains = list(rows[0]["per_domain"])
+        means = [r["mean"] for r in rows]
+        entry = {
+            "seeds": seeds,
+            "per_domain": {d: statistics.fmean(r["per_domain"][d] for r in rows) for d in domains},
+            "per_domain_std": {d: _std([r["per_domain"][d] for r in rows]) for d in domains},
+            "mean": statistics.fmean(means),
+            "std": _std(means),
+        }
+        for key in rows[0].keys() - entry.keys() - {"per_domain", "mean"}:
+            entry[key] = _average([r.get(key) for r in rows])
+        if "mia_gap" in rows[0]:
+            entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in rows[0]["mia_gap"]}
+        out[v.name] = entry
+    return out
+
+
+# --------------------------------------------------------------------------------- report
+def pct(mean: float, std: float | None = None) -> str:
+    return f"{100 * mean:.1f}" + (f" ± {100 * std:.1f}" if std is not None else "")
+
+
+def kilobytes(entry: Mapping[str, Any]) -> str:
+    sizes = list((entry.get("upload_bytes") or {}).values())
+    return f"{statistics.fmean(sizes) / 1e3:,.1f}" if sizes else "–"
+
+
+def seconds(values: Mapping[str, Any] | None) -> str:
+    numbers = [v for v in (values or {}).values() if v is not None]
+    return f"{statistics.fmean(numbers):.0f}" if numbers else "–"
+
+
+def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
+    domains = list(next(iter(summary.values()))["per_domain"])
+    lines = [
+        "| method | " + " | ".join(domains) + " | mean | upload per client (kB) | client s | server s | load | seeds |",
+        "|---|" + "---|" * (len(domains) + 6),
+    ]
+    for name in (n for n in names if n in summary):
+        e = summary[name]
+        cells = [pct(e["per_domain"][d], e["per_domain_std"][d]) for d in domains]
+        server = sum(v for v in (e.get("server_seconds") or {}).values() if v is not None)
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
+            f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {e.get('load_average', float('nan')):.1f} "
+            f"| {len(e['seeds'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def fidelity_table(summary: Mapping[str, Any]) -> str:
+    names = [n for n, e in summary.items() if e.get("fidelity")]
+    if not names:
+        return ""
+    domains = list(summary[names[0]]["fidelity"])
+    lines = ["| method | " + " | ".join(domains) + " | images |", "|---|" + "---|" * (len(domains) + 1)]
+    for name in names:
+        fid = summary[name]["fidelity"]
+        cells = (f"{100 * fid[d]['class']:.0f} / {100 * fid[d]['domain']:.0f}" for d in domains)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {summary[name]['num_images']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def privacy_table(summary: Mapping[str, Any]) -> str:
+    lines = ["| method | MIA loss gap | MIA entropy gap | nearest real (RMS) |", "|---|---|---|---|"]
+    for name, e in summary.items():
+        if "mia_gap" not in e:
+            continue
+        gap = e["mia_gap"]
+        std = e["mia_gap_std"]
+        near = e.get("nearest_real")
+        near = f"{statistics.fmean(near.values()):.3f}" if near else "–"
+        lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
+                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {near} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+PUBLISHED = """\
+| paper (its own setting) | numbers, average top-1 % |
+|---|---|
+| FedBiP, DomainNet 10 classes, 6 domains, SD v1-4 (its Table 1, 3) | FedAvg 61.49, Central 73.42, FGL 61.69, FedBiP-S / M / L 61.51 / 64.86 / 67.82; quickdraw: FedAvg 16.26, FedBiP-L 51.85; ablation: no personalization 60.22, both levels 67.65 |
+| OSCAR, DomainNet 90 classes (its Table I) | OSCAR 37.60; quickdraw 10.02 |
+| FedLMG, DomainNet 90 classes (its Table 1) | Ceiling 36.89, FedAvg 29.09, Prompts Only 28.61, FedLMG FT / SD / MD 34.28 / 35.90 / 35.99 |
+"""
+
+
+def markdown(summary: Mapping[str, Any], bench: Bench, command: str, judged: Mapping[str, float]) -> str:
+    s = bench.settings
+    cfg = s.run_config
+    order = [v.name for v in VARIANTS]
+    return f"""## Every method side by side on the miniature world
+
+Command: `{command}` (one `flwr run` per method and seed on Flower's simulation engine, three
+SuperNodes; `OMP_NUM_THREADS={bench.threads}`). Clients: {", ".join(s.domains)} (one each,
+{cfg["shots-per-class"]} images per class, 6 classes, chance 16.7%); test sets
+{cfg["test-per-class"]} images per class per domain, held by the server. Every global classifier
+is ResNet-18 ({cfg["classifier-init"]} init) trained for exactly {s.classifier_steps} SGD steps
+(batch 64); Local's per-client classifiers and FedLMG's guiding classifiers get as many; FedAvg
+runs as many rounds of {s.fedavg_local_epochs} local epochs as make {s.classifier_steps} steps
+summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
+{cfg["guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
+{cfg["concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
+Accuracy is mean ± sample std over seeds; seconds are means (client: one client's whole upload
+step; server: model load, synthesis, classifier), with the machine's mean load average while
+each ran (2 cores: above 2, the seconds are inflated by other work).
+
+{accuracy_table(summary, order)}
+- References: Central uploads the images themselves (not private); Local scores each client's
+  own classifier on every domain; FedAvg uploads its weights every round.
+- Ablations of FedBiP: concept-only (learned S, V; fresh noise), instance-only (z(T); concepts
+  left at their words, no learning). FedBiP-S / M / L make 2 / 5 / 10 images per z(T)
+  (S and M are passes of L's uploads); "FedBiP-M, 5 z(T) per image" uploads five independent
+  z(T) per image (each its own partner, gamma and noise) and denoises each once (issue 18,
+  defect 5): the same number of images as FedBiP-M from five times the upload.
+
+### What the synthetic images show: class / domain fidelity (%)
+
+Two ResNet-18 judges trained on real images of all five domains (a split no seed uses) label
+every synthetic image: class fidelity is the share judged as the class it was made for, domain
+fidelity the share judged as its client's domain. On held-out real images the judges are right
+{100 * judged["class"]:.1f}% (class) and {100 * judged["domain"]:.1f}% (domain) of the time.
+Central's row judges the real images it trained on.
+
+{fidelity_table(summary)}
+### Privacy: membership inference and nearness to the clients' images
+
+Gaps are non-member minus member mean loss / entropy of the global classifier
+({s.mia_per_domain} class-balanced images per client each), mean ± std over seeds; 0 = members
+look like unseen images. Nearest real: mean RMS pixel distance (images in [-1, 1]) from each
+synthetic image to its client's closest real image.
+
+{privacy_table(summary)}
+Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
+
+### Published figures (other data: not comparable cell by cell)
+
+The papers' numbers come from Stable Diffusion on DomainNet; FedLMG and OSCAR use 90 classes,
+FedBiP 10. What carries over is the ordering, not the values.
+
+{PUBLISHED}"""
+
+
+def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
+    """Per client domain: its real images, then a row per method that made a training set."""
+    out = []
+    cfg = FedBiPConfig.from_flat({**base_values(bench, seed), "method": "fedbip"})
+    clients = client_sets(cfg)
+    for client_id, data in sorted(clients.items()):
+        rows, labels = [data.images[:: max(1, len(data.labels) // PICTURE_COLUMNS)]], ["real"]
+        for name in names:
+            folder = RunFolder(bench.seed_folder(seed) / slug(name))
+            if not folder.training_set.exists():
+                continue
+            shards = json.loads(folder.training_set.read_text()).get(client_id)
+            if not shards:
+                continue
+            images = ShardImages(folder_paths(folder, shards), 0)
+            rows.append(images.read(torch.linspace(0, len(images) - 1, PICTURE_COLUMNS).long()))
+            labels.append(name[:11])
+        path = bench.results / "pictures" / f"methods-{data.domain}.png"
+        out.append(image_grid(rows, path, row_labels=labels, columns=PICTURE_COLUMNS))
+    return out
+
+
+def write_section(path: Path, text: str, marker: str = MARKER) -> None:
+    """Replace this benchmark's section of BENCHMARKS.md, leaving the others alone."""
+    start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
+    body = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{start}\n{text}{end}\n"
+    if start in body:
+        body = body[: body.index(start)] + block + body[body.index(end) + len(end) + 1 :]
+    else:
+        body = body.rstrip() + "\n\n" + block
+    path.write_text(body)
+
+
+def report(bench: Bench, command: str, benchmarks_md: Path) -> dict[str, Any]:
+    """Summarize every cached seed into methods.json, BENCHMARKS.md and the pictures."""
+    runs = cached_seeds(bench)
+    if not runs:
+        raise ValueError(f"no results under {bench.results / 'methods'} for these settings")
+    summary = summarize(runs)
+    judged = json.loads(judges_record(bench).read_text())
+    write_json(bench.results / "methods.json", {
+        "settings": asdict(bench.settings), "command": command, "judges_on_real": judged,
+        "torch": torch.__version__, "threads": bench.threads, "methods": summary,
+    })  # fmt: skip
+    write_section(benchmarks_md, markdown(summary, bench, command, judged))
+    first = min(runs)
+    if bench.seed_folder(first).exists():
+        pictures(bench, first, [v.name for v in VARIANTS if v.name in runs[first]])
+    return summary
+
+
+def judges_record(bench: Bench) -> Path:
+    """The judges' accuracy on held-out real images, kept beside the results (the judges'
+    weights, 90 MB, stay in the work folder: they are retrained in minutes from a fixed seed)."""
+    return bench.results / "methods" / "judges.json"
+
+
+def run(bench: Bench, seeds: Sequence[int], names: Sequence[str]) -> None:
+    judges = load_judges(bench.work / "judges.safetensors")
+    write_json(judges_record(bench), judges.on_real())
+    for seed in seeds:
+        run_seed(bench, seed, names, judges)

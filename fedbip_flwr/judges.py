@@ -1,0 +1,76 @@
+"""Fidelity judges for the miniature shapes world: does a synthetic image show its class, and
+its client's domain?
+
+Two ResNet-18s are trained on real images of all five domains (a split no benchmark seed uses):
+one names the class, one the domain. Class fidelity is the share of a method's synthetic images
+judged as the class they were made for; domain fidelity the share judged as the client's domain.
+Together they say what a method's images lack where accuracy alone cannot (FedBiP's Figure 1
+asks the same question). Used by the methods benchmark and the speed benchmark's check that
+faster sampling draws the same images.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import shapes
+from .classifier import TrainSettings, build_classifier, evaluate, train_classifier
+from .storage import read_tensors, write_tensors
+
+log = logging.getLogger(__name__)
+JUDGE_SEED = 1000  # the judges' own real images: no benchmark seed's client or test set
+KINDS = ("classes", "domains")
+
+
+@dataclass(frozen=True)
+class Judges:
+    classes: nn.Module
+    domains: nn.Module
+    size: int
+
+    def fidelity(self, images: torch.Tensor, labels: torch.Tensor, domain: str) -> dict[str, float]:
+        """Class and domain fidelity of images (float in [-1, 1] or uint8) made for ``labels``
+        in ``domain``."""
+        domain_labels = torch.full_like(labels, shapes.DOMAINS.index(domain))
+        return {
+            "class": evaluate(self.classes, images, labels, self.size).accuracy,
+            "domain": evaluate(self.domains, images, domain_labels, self.size).accuracy,
+        }
+
+    def on_real(self, per_class: int = 20) -> dict[str, float]:
+        """Their accuracy on held-out real images of every domain: is the judge any good?"""
+        sets = [shapes.test_set(d, per_class, JUDGE_SEED + 1, self.size) for d in shapes.DOMAINS]
+        scores = [self.fidelity(s.images, s.labels, s.domain) for s in sets]
+        return {k: statistics.fmean(score[k] for score in scores) for k in ("class", "domain")}
+
+
+def load_judges(path: Path, size: int = 64, per_class: int = 40, epochs: int = 30) -> Judges:
+    """The judges saved at ``path``, or trained on real images of every domain and saved there."""
+    models = {
+        "classes": build_classifier(len(shapes.CLASSES), "random"),
+        "domains": build_classifier(len(shapes.DOMAINS), "random"),
+    }
+    if path.exists():
+        weights = read_tensors(path)
+        for kind, model in models.items():
+            prefix = f"{kind}."
+            model.load_state_dict({k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)})
+    else:
+        sets = [shapes.test_set(d, per_class, JUDGE_SEED, size) for d in shapes.DOMAINS]
+        images = torch.cat([s.images for s in sets])
+        targets = {
+            "classes": torch.cat([s.labels for s in sets]),
+            "domains": torch.cat([torch.full_like(s.labels, i) for i, s in enumerate(sets)]),
+        }
+        settings = TrainSettings(epochs, 0.01, 0.9, 64, size)
+        for kind, model in models.items():
+            log.info("training the %s judge on %d real images", kind, len(images))
+            train_classifier(model, images, targets[kind], settings, seed=JUDGE_SEED)
+        write_tensors(path, {f"{k}.{n}": t for k, m in models.items() for n, t in m.state_dict().items()})
+    return Judges(models["classes"].eval(), models["domains"].eval(), size)

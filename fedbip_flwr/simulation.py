@@ -1,0 +1,119 @@
+"""Running the real ``flwr run`` from Python: the benchmark's runs and the end-to-end tests.
+
+Each caller gives its own ``FLWR_HOME``, where ``flwr run`` auto-starts a local simulation
+SuperLink on a free port of its own, so several runs (benchmark seeds in parallel, tests) never
+share a SuperLink; :func:`stop_local_superlink` stops it by its state database's path when the
+caller is done. Runs execute in this Python environment, offline
+(``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .paths import project_dir
+
+FLWR = str(Path(sys.executable).with_name("flwr"))
+
+
+class SimulationError(RuntimeError):
+    """``flwr run`` did not start a run; the message holds the end of its output."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flwr_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment plus the run's own FLWR_HOME and SuperLink port, offline."""
+    root = project_dir()
+    return {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "HF_HUB_OFFLINE": "1",
+        **({"FEDBIP_PROJECT_DIR": str(root)} if root else {}),
+        **(extra or {}),
+    }
+
+
+def toml_value(value: Any) -> str:
+    """A run-config value as ``--run-config`` reads it (TOML: strings quoted, bools lowercase)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def run_config_arg(values: Mapping[str, Any]) -> str:
+    return " ".join(f"{key}={toml_value(value)}" for key, value in values.items())
+
+
+def run_simulation(
+    home: Path,
+    run_config: str | Mapping[str, Any],
+    supernodes: int,
+    timeout: float,
+    app: Path | None = None,
+    *,
+    cpus_per_client: float = 1,
+    env: Mapping[str, str] | None = None,
+) -> tuple[int, str]:
+    """``flwr run APP --stream`` on this home's local simulation SuperLink; (run id, output).
+
+    ``run_config`` is ``--run-config``'s text or a dict of values. ``env`` adds variables to the
+    processes (e.g. ``OMP_NUM_THREADS``); the SuperLink, started by the first run of a home,
+    keeps those it started with.
+    """
+    home.mkdir(parents=True, exist_ok=True)
+    text = run_config if isinstance(run_config, str) else run_config_arg(run_config)
+    federation = f"num-supernodes={supernodes} client-resources-num-cpus={cpus_per_client}"
+    proc = subprocess.run(
+        [FLWR, "run", str(app or project_dir() or Path.cwd()), "--stream",
+         "--run-config", text, "--federation-config", federation],
+        cwd=home, env=flwr_env(home, env), capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    match = re.search(r"Successfully started run (\d+)", output)
+    if not match:
+        raise SimulationError(f"flwr run did not start a run:\n{output[-4000:]}")
+    return int(match.group(1)), output
+
+
+def run_status(home: Path, run_id: int) -> str:
+    """The run's status as Flower records it, e.g. ``finished:completed``."""
+    proc = subprocess.run(
+        [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
+        cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    return json.loads(proc.stdout)["runs"][0]["status"]
+
+
+def stop_local_superlink(home: Path) -> list[int]:
+    """Kill the SuperLink that ``flwr run`` auto-started for this FLWR_HOME, and its children."""
+    database = str(home / "local-superlink" / "state.db")
+    stopped = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if database in " ".join(proc.info["cmdline"] or []):
+            family = [proc, *proc.children(recursive=True)]
+            for member in family:
+                member.kill()
+            psutil.wait_procs(family, timeout=20)
+            stopped += [p.pid for p in family]
+    return stopped

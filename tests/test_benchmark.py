@@ -1,0 +1,136 @@
+"""The methods benchmark (fedbip_flwr/benchmark.py): its budget rules, its summary and report,
+and one seed of two variants through the real `flwr run`, the second resuming from the first's
+uploads as a restarted server would."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+import pytest
+import torch
+
+from fedbip_flwr import benchmark
+from fedbip_flwr.benchmark import Bench, Settings
+from fedbip_flwr.classifier import batches_per_epoch
+from fedbip_flwr.judges import load_judges
+from fedbip_flwr.server import RunFolder
+
+
+def test_every_budget_rule_meets_the_global_classifier_budget():
+    settings = Settings(classifier_steps=300)
+    n = 96  # one client's images: 16 shots x 6 classes
+    local = benchmark.local_budget(settings, n)["local-epochs"]
+    assert local * batches_per_epoch(n, 64) >= 300 > (local - 1) * batches_per_epoch(n, 64)
+    fedavg = benchmark.fedavg_budget(settings, n)
+    per_round = 3 * fedavg["fedavg-local-epochs"] * batches_per_epoch(n, 64)
+    assert fedavg["fedavg-rounds"] * per_round >= 300 > (fedavg["fedavg-rounds"] - 1) * per_round
+
+
+def test_variants_that_reuse_uploads_run_after_their_source():
+    chosen = [benchmark.variant("FedBiP-S"), benchmark.variant("Central"), benchmark.variant("FedBiP-L")]
+    names = [v.name for v in benchmark.ordered(chosen)]
+    assert names == ["FedBiP-L", "FedBiP-S", "Central"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        benchmark.variant("nope")
+
+
+def test_summary_is_mean_and_sample_std_over_seeds():
+    runs = {
+        seed: {"Central": {"per_domain": {"a": acc, "b": 1 - acc}, "mean": 0.5, "upload_bytes": {"x": 10 * seed},
+                           "mia_gap": {"loss": acc, "entropy": 0.0}}}
+        for seed, acc in ((0, 0.2), (1, 0.4), (2, 0.9))
+    }  # fmt: skip
+    entry = benchmark.summarize(runs)["Central"]
+    assert entry["seeds"] == [0, 1, 2]
+    assert entry["per_domain"]["a"] == pytest.approx(0.5)
+    assert entry["per_domain_std"]["a"] == pytest.approx(statistics.stdev([0.2, 0.4, 0.9]))
+    assert entry["std"] == 0.0 and entry["upload_bytes"]["x"] == pytest.approx(10.0)
+    assert entry["mia_gap_std"]["loss"] == pytest.approx(statistics.stdev([0.2, 0.4, 0.9]))
+
+
+def test_report_section_is_replaced_in_place(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nbefore\n")
+    benchmark.write_section(path, "one\n")
+    benchmark.write_section(path, "two\n")
+    text = path.read_text()
+    assert text.count("<!-- methods:start -->") == 1 and "two" in text and "one" not in text
+    assert text.startswith("# Benchmarks\n\nbefore\n")
+
+
+def test_nearest_real_distance_is_rms_to_the_closest_image():
+    real = torch.stack([torch.zeros(3, 4, 4), torch.ones(3, 4, 4)])
+    synthetic = torch.full((1, 3, 4, 4), 0.9)
+    assert benchmark.nearest_real_distance(synthetic, real) == pytest.approx(0.1, abs=1e-6)
+    as_bytes = ((synthetic + 1) * 127.5).round().to(torch.uint8)
+    assert benchmark.nearest_real_distance(as_bytes, real) == pytest.approx(0.1, abs=0.01)
+
+
+def test_membership_sets_are_class_balanced():
+    labels = torch.tensor([0] * 10 + [1] * 3 + [2] * 7)
+    picked = labels[benchmark.balanced(labels, 6)]
+    assert torch.bincount(picked).tolist() == [2, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def one_seed(tmp_path_factory, tiny_model_dir):
+    """FedBiP-S requested alone: FedBiP-L runs first, then S from L's uploads, on two clients."""
+    root = tmp_path_factory.mktemp("bench")
+    settings = Settings(
+        domains=("sketch", "quickdraw"), classifier_steps=3, mia_per_domain=6,
+        run_config={"model": str(tiny_model_dir), "image-size": 32, "classifier-image-size": 32,
+                    "shots-per-class": 2, "test-per-class": 2, "num-inference-steps": 4,
+                    "guidance-scale": 2.0, "concept-epochs": 1, "classifier-init": "random",
+                    "synthesis-batch-size": 16},
+    )  # fmt: skip
+    bench = Bench(settings, work=root / "work", results=root / "results", threads=1, timeout_s=900)
+    judges = load_judges(root / "judges.safetensors", size=32, per_class=2, epochs=1)
+    results = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges)
+    return bench, results
+
+
+def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
+    bench, results = one_seed
+    assert list(results) == ["FedBiP-L", "FedBiP-S"]
+    large, small = results["FedBiP-L"], results["FedBiP-S"]
+    n = 2 * 6 * 2  # shots x classes x clients
+    assert (large["num_images"], small["num_images"]) == (10 * n, 2 * n)
+    assert set(small["per_domain"]) == {"sketch", "quickdraw"}
+    assert small["mean"] == pytest.approx(statistics.fmean(small["per_domain"].values()))
+    assert small["upload_bytes"] == large["upload_bytes"], "S uses L's uploads"
+    assert set(small["fidelity"]) == {"sketch", "quickdraw"}
+    assert all(0 <= f["class"] <= 1 and 0 <= f["domain"] <= 1 for f in small["fidelity"].values())
+    assert math.isfinite(small["mia_gap"]["loss"]) and small["sgd_steps"] == 3
+    cached = json.loads(bench.cache(0).read_text())
+    assert cached["settings"] == bench.settings.digest() and set(cached["results"]) == set(results)
+
+
+def test_a_reusing_variant_resumes_from_its_sources_shards(one_seed):
+    bench, _ = one_seed
+    large = RunFolder(bench.seed_folder(0) / "fedbip-l")
+    small = RunFolder(bench.seed_folder(0) / "fedbip-s")
+    used = json.loads(small.training_set.read_text())
+    assert all(len(names) == 2 for names in used.values()), "multiplier 2: passes 0 and 1"
+    for names in used.values():
+        for name in names:
+            assert os.stat(small.shards / name).st_ino == os.stat(large.shards / name).st_ino, (
+                "the shard was reused (same file), not synthesized again"
+            )
+    assert not small.payloads.joinpath("x").exists() and sorted(p.name for p in small.payloads.iterdir()) == \
+        sorted(p.name for p in large.payloads.iterdir())  # fmt: skip
+
+
+def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
+    bench, _ = one_seed
+    benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
+    md = tmp_path / "BENCHMARKS.md"
+    summary = benchmark.report(bench, "fedbip benchmark --seeds 0", md)
+    text = md.read_text()
+    assert "| FedBiP-S |" in text and "| FedBiP-L |" in text
+    assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
+    assert (bench.results / "pictures" / "methods-sketch.png").exists()
+    saved = json.loads((bench.results / "methods.json").read_text())
+    assert set(saved["methods"]) == {"FedBiP-L", "FedBiP-S"}
