@@ -60,6 +60,18 @@ def test_every_paper_setting_has_a_documented_conf_file():
         assert f"| `conf/{name}` |" in docs
 
 
+def test_stable_diffusion_confs_run_the_peers_with_their_papers_settings():
+    """flwr merges a conf over pyproject.toml, whose peer settings are the miniature's
+    stand-ins (its captioner, swept FedLMG step sizes): every SD conf must put the papers' back."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    sd_confs = [p for p in CONF_FILES if tomllib.loads(p.read_text()).get("model") == SD_V1_4]
+    assert len(sd_confs) >= len(PAPER_SETTINGS)
+    for path in sd_confs:
+        cfg = FedBiPConfig.from_flat({**pyproject, **tomllib.loads(path.read_text())})
+        peers = (cfg.captioner, cfg.fedlmg_prompt, cfg.fedlmg_guidance_step, cfg.fedlmg_edit_step)
+        assert peers == ("Salesforce/blip-image-captioning-base", "an image of {class}", 1.0, 0.1), path.name
+
+
 def test_paper_defaults():
     cfg = FedBiPConfig()
     assert (cfg.gamma_mean, cfg.gamma_std, cfg.eta_std) == (0.5, 0.1, 0.1)
