@@ -272,7 +272,7 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
         "Seeds can run as separate processes; --report-only rebuilds the tables.",
     )
     bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    bench.add_argument("--variants", default="", help="comma-separated rows (default: all)")
+    bench.add_argument("--variants", default="", help="comma-separated rows by name (default: all)")
     bench.add_argument("--steps", type=int, default=300, help="SGD steps of every classifier")
     bench.add_argument("--threads", type=int, default=2, help="torch threads per process")
     bench.add_argument("--work", type=Path, default=Path("outputs/benchmark"),
