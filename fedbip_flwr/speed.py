@@ -381,7 +381,8 @@ CASES = {
     "classifier-bf16": case_classifier,
     **dict.fromkeys(FEDERATIONS, case_federation),
 }
-ONCE = ("synth-check", "matmul")  # measured once, not repeated
+# Measured once, not repeated: checks, and the federations (minutes each on two cores).
+ONCE = ("synth-check", "matmul", *FEDERATIONS)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -460,7 +461,8 @@ def markdown(result: dict, command: str) -> str:
         f"threads per case, device {m['device']}; load average {m['load_average_at_start'][0]:.2f} "
         f"at the start, {m['load_average_at_end'][0]:.2f} at the end; torch {m['torch']}, "
         f"diffusers {m['diffusers']}, transformers {m['transformers']}; {m['date']}. Each case ran "
-        f"in its own process, cases interleaved, medians of {result['settings']['repeats']} repeats.",
+        f"in its own process, cases interleaved, medians of {result['settings']['repeats']} repeats "
+        "(the federations and the checks: one run each).",
         "",
     ]
     peak = c.get("matmul", {})
