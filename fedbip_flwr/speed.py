@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(result, command)
     print(text)
     if not args.no_write:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         write_section(ROOT / "BENCHMARKS.md", text, MARKER)
 
 
