@@ -10,10 +10,12 @@ import tomllib
 from fedbip_flwr.config import SD_V1_4, ConfigError, FedBiPConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# The app's run config as pyproject.toml lists it: what flwr merges every --run-config over.
+PYPROJECT_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
 
 
 def test_pyproject_run_config_validates():
-    flat = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    flat = PYPROJECT_CONFIG
     cfg = FedBiPConfig.from_flat(flat)
     assert cfg.domain_list == ["sketch", "quickdraw", "painting"]
     assert FedBiPConfig.from_flat(cfg.to_flat()) == cfg
@@ -63,11 +65,10 @@ def test_every_paper_setting_has_a_documented_conf_file():
 def test_stable_diffusion_confs_run_the_peers_with_their_papers_settings():
     """flwr merges a conf over pyproject.toml, whose peer settings are the miniature's
     stand-ins (its captioner, swept FedLMG step sizes): every SD conf must put the papers' back."""
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     sd_confs = [p for p in CONF_FILES if tomllib.loads(p.read_text()).get("model") == SD_V1_4]
     assert len(sd_confs) >= len(PAPER_SETTINGS)
     for path in sd_confs:
-        cfg = FedBiPConfig.from_flat({**pyproject, **tomllib.loads(path.read_text())})
+        cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, **tomllib.loads(path.read_text())})
         peers = (cfg.captioner, cfg.fedlmg_prompt, cfg.fedlmg_guidance_step, cfg.fedlmg_edit_step)
         assert peers == ("Salesforce/blip-image-captioning-base", "an image of {class}", 1.0, 0.1), path.name
 
