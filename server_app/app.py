@@ -194,10 +194,12 @@ def _test_sets(cfg: FedBiPConfig, domains: list[str]) -> tuple[dict, dict]:
 
 
 def read_uploaders(folder: RunFolder) -> dict[int, str]:
-    """Node id -> client id of every upload an earlier attempt of this run accepted."""
+    """Node id -> client id of every upload an earlier attempt of this run accepted and
+    persisted (a node is recorded just before its payload is written)."""
     if not folder.uploaders.exists():
         return {}
-    return {int(node): client for node, client in json.loads(folder.uploaders.read_text()).items()}
+    recorded = json.loads(folder.uploaders.read_text()).items()
+    return {int(node): client for node, client in recorded if folder.payload_path(client).exists()}
 
 
 def headline(metrics: dict) -> str:

@@ -238,7 +238,7 @@ class OneShotStrategy(Strategy):
                 return self._kept(outcome, str(message_config(reply)[CLIENT_ID]))
             blob = payload_bytes(reply, self.max_bytes)  # size-capped before decoding
             outcome.payload_bytes = len(blob)
-            upload = self._persist(self.accept(blob), blob)
+            upload = self._persist(node, self.accept(blob), blob)
         except PayloadError as err:
             outcome.reason = str(err)
         except Exception as err:  # a bug of ours, not the client's: record it, keep the round
@@ -248,18 +248,20 @@ class OneShotStrategy(Strategy):
             outcome.status = "accepted"
             outcome.client_id, outcome.domain = upload.client_id, upload.domain
             self.accepted[upload.client_id] = upload
-            self._remember(node, upload.client_id)
             log.info("accepted %s (%s, %d images, %.2f MB)", outcome.client_id, outcome.domain,
                      upload.meta.num_examples, outcome.payload_bytes / 1e6)
             return outcome
         log.warning("rejected the reply of node %d: %s", node, outcome.reason)
         return outcome
 
-    def _persist(self, upload: Upload, blob: bytes) -> Upload:
+    def _persist(self, node: int, upload: Upload, blob: bytes) -> Upload:
         """A valid upload durably on disk under its client id (a safe file name by its
-        metadata's pattern), once per client id."""
+        metadata's pattern), once per client id. Its node is recorded first, so a payload on
+        disk always has its uploader on disk too, whenever the ServerApp dies (a restart
+        ignores a recorded node whose payload never landed)."""
         if upload.client_id in self._taken:
             raise PayloadError(f"an upload from '{upload.client_id}' was already accepted")
+        self._remember(node, upload.client_id)
         atomic_write(self.folder.payload_path(upload.client_id), blob)
         self._taken.add(upload.client_id)
         return upload

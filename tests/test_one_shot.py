@@ -83,3 +83,15 @@ def test_strategy_refuses_a_second_round(tmp_path):
         strategy.start(grid=None, num_rounds=1)
     # the classifier goes back only to nodes that uploaded: none here
     assert list(strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), grid=None)) == []
+
+
+def test_a_restart_trusts_only_uploaders_whose_payload_landed(tmp_path):
+    """The strategy records a node just before writing its payload; a ServerApp killed in
+    between leaves a node without a payload, which a restart must ask again."""
+    from server_app.app import read_uploaders
+
+    folder = RunFolder(tmp_path)
+    folder.payloads.mkdir(parents=True)
+    folder.payload_path("sketch-a").write_bytes(b"kept")
+    folder.uploaders.write_text(json.dumps({"11": "sketch-a", "12": "painting-b"}))
+    assert read_uploaders(folder) == {11: "sketch-a"}
