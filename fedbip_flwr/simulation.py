@@ -9,6 +9,7 @@ caller is done. Runs execute in this Python environment, offline
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -111,9 +112,13 @@ def stop_local_superlink(home: Path) -> list[int]:
     stopped = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         if database in " ".join(proc.info["cmdline"] or []):
-            family = [proc, *proc.children(recursive=True)]
+            try:
+                family = [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:  # it ended on its own meanwhile
+                continue
             for member in family:
-                member.kill()
+                with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
+                    member.kill()
             psutil.wait_procs(family, timeout=20)
             stopped += [p.pid for p in family]
     return stopped
