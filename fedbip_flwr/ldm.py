@@ -381,5 +381,9 @@ def load_for_run(
     if channels_last:
         ldm.unet.to(memory_format=torch.channels_last)
     if compile_unet:
-        ldm.unet.compile()  # in place: the module keeps its type, config and device
+        # In place: the module keeps its type, config and device. On the CPU, inductor's
+        # freezing makes the frozen weights constants of the sampling graph (folded, and
+        # prepacked for oneDNN); it applies to gradient-free calls only, so FedLMG's guidance
+        # gradients through the UNet compile as before.
+        ldm.unet.compile(options={"freezing": True} if device.type == "cpu" else None)
     return ldm

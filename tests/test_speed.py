@@ -52,3 +52,16 @@ def test_classifier_case_splits_data_preparation_from_training(args):
     result = speed.case_classifier(args, "classifier-bf16")
     assert result["steps"] == 2 and 0 < result["data_seconds"] < result["seconds"]
     assert result["forward_backward_seconds"] == pytest.approx(result["seconds"] - result["data_seconds"])
+
+
+def test_the_compiled_unet_draws_the_eager_loops_images(args, tiny_model_dir):
+    """compile-unet (inductor freezing the weights on the CPU) changes speed, not images."""
+    from fedbip_flwr.ldm import load_for_run
+
+    images = {}
+    for compiled in (False, True):
+        ldm = load_for_run(str(tiny_model_dir), "cpu", False, 32, compile_unet=compiled)
+        latents, cond, uncond = speed.synthesis_inputs(args, ldm)
+        images[compiled] = speed.project_images(args, ldm, latents, cond, uncond)
+    assert images[True].shape == images[False].shape == (2, 3, 32, 32)
+    assert (images[True] - images[False]).abs().max() < 1e-3
