@@ -165,6 +165,9 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
         "seed": seed,
         "replayable-client-noise": True,  # a benchmark replays the same clients for every method
         "evaluation": "server",
+        # float32 classifiers: rows compare across machines and with seeds cached before the
+        # half-precision default (the judges are float32 too)
+        "classifier-precision": "float32",
         "output-dir": str(bench.seed_folder(seed)),
     }
 

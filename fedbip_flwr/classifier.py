@@ -22,6 +22,7 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from . import ldm
 from .storage import read_small_tensor, tensor_location, write_tensors
 from .viz import dequantize, quantize
 
@@ -31,6 +32,7 @@ class ClassifierInitError(RuntimeError):
 
 
 IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+PrecisionMode = Literal["auto", "float32"]
 
 
 def imagenet_weights_path() -> Path:
@@ -78,6 +80,7 @@ class TrainSettings:
     augment: bool = True
     num_workers: int = 0  # DataLoader processes reading batches (0: in the training process)
     steps: int = 0  # > 0: exactly this many SGD steps, epochs as many as they take
+    precision: PrecisionMode = "float32"  # "auto": half precision where the device has it
 
     def epochs_for(self, n: int) -> int:
         """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""
@@ -92,16 +95,23 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
 
 @dataclass(frozen=True)
 class Precision:
-    """How the classifier computes: float32 on the CPU; on CUDA channels_last and fp16 autocast
-    with a GradScaler (the ResNet's BatchNorm and the loss stay float32 under autocast)."""
+    """How the classifier computes. ``auto``: on CUDA channels_last and fp16 autocast with a
+    GradScaler; on a CPU with native bfloat16 channels_last and bf16 autocast (no scaler: bf16
+    has float32's range); float32 elsewhere. The ResNet's BatchNorm and the loss stay float32
+    under autocast, and the weights are float32 throughout."""
 
     autocast: torch.dtype | None = None
     channels_last: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device | str) -> Precision:
-        if torch.device(device).type == "cuda":
+    def for_device(cls, device: torch.device | str, mode: PrecisionMode = "float32") -> Precision:
+        kind = torch.device(device).type
+        if mode == "float32":
+            return cls()
+        if kind == "cuda":
             return cls(autocast=torch.float16, channels_last=True)
+        if kind == "cpu" and ldm.cpu_has_bf16():
+            return cls(autocast=torch.bfloat16, channels_last=True)
         return cls()
 
     @property
@@ -332,14 +342,15 @@ def train_classifier(
     returns (images, labels) (:class:`ShardImages`, with ``labels`` None): batches are read
     through a DataLoader, so a synthetic set on disk is never whole in memory. The data order
     and the augmentation draws come from one generator seeded with ``seed``, in the same
-    sequence whatever the data source. ``precision`` defaults to the device's. With
+    sequence whatever the data source. ``precision`` defaults to ``settings.precision`` on
+    ``device``. With
     ``settings.steps`` training stops after exactly that many steps, so methods whose training
     sets differ in size get the same budget. ``distillation`` needs a dataset that names each
     row's source client (``sources(rows)``).
     """
     data = images if labels is None else TensorImages(images, labels)
     device = torch.device(device)
-    precision = precision or Precision.for_device(device)
+    precision = precision or Precision.for_device(device, settings.precision)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model.to(device, memory_format=precision.memory_format).train()

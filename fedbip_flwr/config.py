@@ -3,8 +3,10 @@
 Flower delivers the run config as a flat ``dict[str, bool | int | float | str]`` with
 kebab-case keys (``concept-lr``); :meth:`FedBiPConfig.from_flat` turns it into this model and
 rejects unknown keys and bad values with one readable message. Defaults are the paper's
-(FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise; the
-dataset-dependent ones (prompt template, n_s, n_v, domains: Table 5) come from
+(FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise, except the
+base model and image sizes: the shipped miniature LDM at 64 px (the paper: SD v1-4 at 512 px,
+which the conf/ files for a GPU set). The dataset-dependent ones (prompt template, n_s, n_v,
+domains: Table 5; classes and where evaluation happens) come from
 :data:`fedbip_flwr.specs.SPECS` when left empty / 0, and the model holds the filled-in values.
 """
 
@@ -304,6 +306,12 @@ class FedBiPConfig(FlatConfig):
     classifier_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     classifier_batch_size: int = Field(64, ge=1)
     classifier_image_size: int = Field(64, ge=16)
+    classifier_precision: Literal["auto", "float32"] = Field(
+        "auto",
+        description="auto: fp16 autocast with loss scaling and channels-last on CUDA, bfloat16 "
+        "autocast and channels-last on a CPU with bf16 instructions, float32 elsewhere; "
+        "float32: everywhere (the benchmark's, so its rows compare across machines).",
+    )
 
     # --- federation --------------------------------------------------------------------------
     min_clients: int = Field(2, ge=1, description="Fewer valid payloads than this fail the run.")
@@ -332,7 +340,8 @@ class FedBiPConfig(FlatConfig):
     @model_validator(mode="before")
     @classmethod
     def _dataset_defaults(cls, data: Any) -> Any:
-        """Fill unset (or sentinel) prompt-template, n-s, n-v and domains from the dataset.
+        """Fill unset (or sentinel) prompt-template, n-s, n-v, domains, classes and evaluation
+        from the dataset.
 
         Flower merges --run-config over pyproject's values, so pyproject holds sentinels: a
         concrete value there would silently give one dataset's prompt to every other one.

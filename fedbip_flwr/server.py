@@ -344,6 +344,7 @@ def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSetting
         batch_size=cfg.classifier_batch_size,
         image_size=cfg.classifier_image_size,
         steps=cfg.classifier_steps if epochs is None else 0,
+        precision=cfg.classifier_precision,
     )
 
 

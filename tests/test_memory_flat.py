@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save
 
+from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.classifier import (
     Precision,
     ShardImages,
@@ -38,6 +39,7 @@ from fedbip_flwr.server import (
     synthesis_settings,
     synthesize_all,
     synthetic_dataset,
+    train_settings,
 )
 from fedbip_flwr.storage import read_tensors, write_tensors
 from fedbip_flwr.synthesis import draw_etas, synthesize_pass
@@ -183,10 +185,21 @@ def test_test_sets_held_at_classifier_size_score_the_same():
     assert fit_to_classifier(quantize(images), 16).dtype == torch.uint8
 
 
-def test_cuda_path_is_channels_last_and_mixed_precision():
-    assert Precision.for_device("cuda") == Precision(torch.float16, channels_last=True)
-    assert Precision.for_device("cpu") == Precision()
-    assert Precision.for_device("mps") == Precision()
+@pytest.mark.parametrize("bf16_cpu", [True, False])
+def test_auto_precision_is_half_where_the_device_computes_it(bf16_cpu, monkeypatch):
+    monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: bf16_cpu)
+    assert Precision.for_device("cuda", "auto") == Precision(torch.float16, channels_last=True)
+    cpu = Precision(torch.bfloat16, channels_last=True) if bf16_cpu else Precision()
+    assert Precision.for_device("cpu", "auto") == cpu
+    assert Precision.for_device("mps", "auto") == Precision()
+    for device in ("cuda", "cpu", "mps"):
+        assert Precision.for_device(device, "float32") == Precision()
+
+
+def test_the_run_config_chooses_the_global_classifier_precision_not_the_judges():
+    assert train_settings(FedBiPConfig()).precision == "auto"
+    assert train_settings(FedBiPConfig(classifier_precision="float32")).precision == "float32"
+    assert TrainSettings(1, 0.01, 0.9, 8, 16).precision == "float32"  # judges, oracles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
