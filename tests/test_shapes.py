@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fedbip_flwr import shapes as ds
+from fedbip_flwr.classifier import Precision
 from fedbip_flwr.shapes import (
     CLASSES,
     COMMON_DOMAINS,
@@ -208,7 +209,10 @@ def test_contact_sheet(tmp_path: Path) -> None:
     from PIL import Image
 
     n = 3
-    rows = [np.concatenate(list(to_uint8(client_train_set(d, n, seed=0).images)), axis=1) for d in DOMAINS]
+    rows = [
+        np.concatenate(list(to_uint8(client_train_set(d, n, seed=0).images)), axis=1)
+        for d in DOMAINS
+    ]
     sheet = np.concatenate(rows, axis=0)
     assert sheet.shape == (64 * len(DOMAINS), 64 * n * len(CLASSES), 3)
     assert all(not np.array_equal(a, b) for i, a in enumerate(rows) for b in rows[i + 1 :])
@@ -242,13 +246,19 @@ def _augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return F.grid_sample(x, grid, padding_mode="border", align_corners=False)
 
 
-def _train_and_eval(train: ImageSet, test: ImageSet, steps: int = 150, seed: int = 0) -> tuple[float, torch.Tensor]:
-    """Small, stable oracle recipe: ResNet-18 from scratch, Adam, augmentation, fixed steps."""
+def _train_and_eval(
+    train: ImageSet, test: ImageSet, steps: int = 200, seed: int = 0
+) -> tuple[float, torch.Tensor]:
+    """Small, stable oracle recipe: ResNet-18 from scratch, Adam, augmentation, fixed steps,
+    in the global classifier's precision on this machine (bf16 autocast on a bf16 CPU)."""
     from torchvision.models import resnet18
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = resnet18(weights=None, num_classes=len(train.classes))
+    precision = Precision.for_device("cpu", "auto")
+    model = resnet18(weights=None, num_classes=len(train.classes)).to(
+        memory_format=precision.memory_format
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.2)
     n = len(train)
@@ -256,8 +266,11 @@ def _train_and_eval(train: ImageSet, test: ImageSet, steps: int = 150, seed: int
     model.train()
     for _ in range(steps):
         idx = torch.randint(0, n, (batch,), generator=gen)
-        x = _augment(train.images[idx], gen)
-        loss = F.cross_entropy(model(x), train.labels[idx])
+        x = _augment(train.images[idx], gen).contiguous(memory_format=precision.memory_format)
+        with torch.autocast(
+            "cpu", dtype=precision.autocast or torch.float32, enabled=precision.autocast is not None
+        ):
+            loss = F.cross_entropy(model(x), train.labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
