@@ -250,12 +250,12 @@ def _train_and_eval(
     train: ImageSet, test: ImageSet, steps: int = 200, seed: int = 0
 ) -> tuple[float, torch.Tensor]:
     """Small, stable oracle recipe: ResNet-18 from scratch, Adam, augmentation, fixed steps,
-    in the global classifier's precision on this machine (bf16 autocast on a bf16 CPU)."""
+    float32 (an oracle must not depend on the machine's half precision)."""
     from torchvision.models import resnet18
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    precision = Precision.for_device("cpu", "auto")
+    precision = Precision()
     model = resnet18(weights=None, num_classes=len(train.classes)).to(
         memory_format=precision.memory_format
     )
