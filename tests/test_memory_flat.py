@@ -197,8 +197,8 @@ def test_auto_precision_is_half_where_the_device_computes_it(bf16_cpu, monkeypat
 
 
 def test_the_run_config_chooses_the_global_classifier_precision_not_the_judges():
-    assert train_settings(FedBiPConfig()).precision == "auto"
-    assert train_settings(FedBiPConfig(classifier_precision="float32")).precision == "float32"
+    assert train_settings(FedBiPConfig()).precision == "float32"
+    assert train_settings(FedBiPConfig(classifier_precision="auto")).precision == "auto"
     assert TrainSettings(1, 0.01, 0.9, 8, 16).precision == "float32"  # judges, oracles
 
 
