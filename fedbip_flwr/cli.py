@@ -11,6 +11,7 @@ import argparse
 import functools
 import json
 import math
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -296,7 +297,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     ]
     if not args.report_only:
         benchmark.run(bench, args.seeds, names)
-    command = "fedbip benchmark " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedbip benchmark"
+    command = shlex.join(["fedbip", "benchmark", *sys.argv[2:]])  # quoted: row names have spaces
     summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
     for name, entry in summary.items():
         print(f"{name:32s} {100 * entry['mean']:5.1f} ± {100 * entry['std']:4.1f}  ({len(entry['seeds'])} seeds)")

@@ -103,7 +103,10 @@ def run_status(home: Path, run_id: int) -> str:
         cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
         timeout=60, check=False,
     )  # fmt: skip
-    return json.loads(proc.stdout)["runs"][0]["status"]
+    try:
+        return json.loads(proc.stdout)["runs"][0]["status"]
+    except (ValueError, KeyError, IndexError) as err:
+        raise SimulationError(f"flwr ls --run-id {run_id} gave no status:\n{proc.stdout}{proc.stderr}") from err
 
 
 def stop_local_superlink(home: Path) -> list[int]:
