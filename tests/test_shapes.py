@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from fedbip_flwr import shapes as ds
-from fedbip_flwr.classifier import Precision
 from fedbip_flwr.shapes import (
     CLASSES,
     COMMON_DOMAINS,
@@ -255,10 +254,7 @@ def _train_and_eval(
 
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    precision = Precision()
-    model = resnet18(weights=None, num_classes=len(train.classes)).to(
-        memory_format=precision.memory_format
-    )
+    model = resnet18(weights=None, num_classes=len(train.classes))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.2)
     n = len(train)
@@ -266,11 +262,8 @@ def _train_and_eval(
     model.train()
     for _ in range(steps):
         idx = torch.randint(0, n, (batch,), generator=gen)
-        x = _augment(train.images[idx], gen).contiguous(memory_format=precision.memory_format)
-        with torch.autocast(
-            "cpu", dtype=precision.autocast or torch.float32, enabled=precision.autocast is not None
-        ):
-            loss = F.cross_entropy(model(x), train.labels[idx])
+        x = _augment(train.images[idx], gen)
+        loss = F.cross_entropy(model(x), train.labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
