@@ -191,9 +191,9 @@ def copy_uploads(source: RunFolder, target: RunFolder) -> None:
 def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
     """One ``flwr run`` of the variant; its run folder once the run completed."""
     seed_folder = bench.seed_folder(seed)
-    folder = RunFolder(seed_folder / slug(v.name))
+    folder = run_folder(bench, seed, v.name)
     if v.reuse:
-        copy_uploads(RunFolder(seed_folder / slug(v.reuse)), folder)
+        copy_uploads(run_folder(bench, seed, v.reuse), folder)
     elif folder.root.exists():
         shutil.rmtree(folder.root)
     images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
@@ -513,6 +513,10 @@ FedBiP 10. What carries over is the ordering, not the values.
 {PUBLISHED}"""
 
 
+def run_folder(bench: Bench, seed: int, name: str) -> RunFolder:
+    return RunFolder(bench.seed_folder(seed) / slug(name))
+
+
 def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
     """Per client domain: its real images, then a row per method that made a training set."""
     out = []
@@ -521,7 +525,7 @@ def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
     for client_id, data in sorted(clients.items()):
         rows, labels = [data.images[:: max(1, len(data.labels) // PICTURE_COLUMNS)]], ["real"]
         for name in names:
-            folder = RunFolder(bench.seed_folder(seed) / slug(name))
+            folder = run_folder(bench, seed, name)
             if not folder.training_set.exists():
                 continue
             shards = json.loads(folder.training_set.read_text()).get(client_id)
@@ -560,8 +564,12 @@ def report(bench: Bench, command: str, benchmarks_md: Path) -> dict[str, Any]:
     })  # fmt: skip
     write_section(benchmarks_md, markdown(summary, bench, command, judged))
     first = min(runs)
-    if bench.seed_folder(first).exists():
-        pictures(bench, first, [v.name for v in VARIANTS if v.name in runs[first]])
+    names = [v.name for v in VARIANTS if v.name in runs[first]]
+    gone = [n for n in names if "num_images" in runs[first][n] and not run_folder(bench, first, n).training_set.exists()]
+    if gone:  # drawing now would drop their rows from the pictures
+        log.warning("pictures kept as they are: seed %d's run folders of %s are gone", first, ", ".join(gone))
+    else:
+        pictures(bench, first, names)
     return summary
 
 

@@ -1,9 +1,10 @@
 """Running the real ``flwr run`` from Python: the benchmark's runs and the end-to-end tests.
 
 Each caller gives its own ``FLWR_HOME``, where ``flwr run`` auto-starts a local simulation
-SuperLink on a free port of its own, so several runs (benchmark seeds in parallel, tests) never
-share a SuperLink; :func:`stop_local_superlink` stops it by its state database's path when the
-caller is done. Runs execute in this Python environment, offline
+SuperLink on a port of its own (chosen once per home, :func:`superlink_port`), so several runs
+(benchmark seeds in parallel, tests, a user's own ``flwr run .``) never share a SuperLink, and
+``flwr ls`` asks the SuperLink that ran the run; :func:`stop_local_superlink` stops it by its
+state database's path when the caller is done. Runs execute in this Python environment, offline
 (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION``).
 """
 
@@ -37,13 +38,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def superlink_port(home: Path) -> int:
+    """The port of this FLWR_HOME's local SuperLink: chosen once and kept in the home, so every
+    ``flwr`` command of the home (``run``, ``ls``) reaches the same SuperLink. Flower's default
+    port would reach whichever SuperLink holds it, e.g. one a user's own ``flwr run .`` left
+    running, which knows none of this home's runs. A kept port that something else took since
+    is replaced."""
+    record = home / "fedbip-superlink-port"
+    if record.exists():
+        port = int(record.read_text())
+        if superlink_processes(home) or port_is_free(port):
+            return port
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    record.write_text(str(port))
+    return port
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 def flwr_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """This environment plus the run's own FLWR_HOME and SuperLink port, offline."""
     root = project_dir()
     return {
         **os.environ,
         "FLWR_HOME": str(home),
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(superlink_port(home)),
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "HF_HUB_OFFLINE": "1",
         **({"FEDBIP_PROJECT_DIR": str(root)} if root else {}),
@@ -100,8 +123,7 @@ def run_status(home: Path, run_id: int) -> str:
     """The run's status as Flower records it, e.g. ``finished:completed``."""
     proc = subprocess.run(
         [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
-        cwd=home, env={**os.environ, "FLWR_HOME": str(home)}, capture_output=True, text=True,
-        timeout=60, check=False,
+        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     try:
         return json.loads(proc.stdout)["runs"][0]["status"]
@@ -109,19 +131,28 @@ def run_status(home: Path, run_id: int) -> str:
         raise SimulationError(f"flwr ls --run-id {run_id} gave no status:\n{proc.stdout}{proc.stderr}") from err
 
 
+def superlink_processes(home: Path) -> list[psutil.Process]:
+    """The SuperLinks that ``flwr`` auto-started for this FLWR_HOME (found by their database)."""
+    database = str(home / "local-superlink" / "state.db")
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if database in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
 def stop_local_superlink(home: Path) -> list[int]:
     """Kill the SuperLink that ``flwr run`` auto-started for this FLWR_HOME, and its children."""
-    database = str(home / "local-superlink" / "state.db")
     stopped = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if database in " ".join(proc.info["cmdline"] or []):
-            try:
-                family = [proc, *proc.children(recursive=True)]
-            except psutil.NoSuchProcess:  # it ended on its own meanwhile
-                continue
-            for member in family:
-                with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
-                    member.kill()
-            psutil.wait_procs(family, timeout=20)
-            stopped += [p.pid for p in family]
+    for proc in superlink_processes(home):
+        try:
+            family = [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:  # it ended on its own meanwhile
+            continue
+        for member in family:
+            with contextlib.suppress(psutil.NoSuchProcess):  # a child that just exited
+                member.kill()
+        psutil.wait_procs(family, timeout=20)
+        stopped += [p.pid for p in family]
     return stopped

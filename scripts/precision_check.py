@@ -11,6 +11,9 @@ run changed, everything written to a temporary folder:
 
     python scripts/precision_check.py outputs/<run> --judges outputs/benchmark/judges.safetensors
 
+With ``--skip-synthesis --precisions float32`` it measures the classifier's seed alone: how far
+the accuracy moves between seeds on one and the same synthetic set (BENCHMARKS.md).
+
 The judges are the benchmark's (trained on first use, about 20 minutes on 2 cores, then cached).
 """
 
@@ -67,22 +70,25 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
           f"max {diff.max():.3f}")  # fmt: skip
 
 
-def classifier(flat: dict, folder: RunFolder, seeds: list[int], tmp: Path) -> None:
-    """The run's classifier retrained per seed in both precisions, interleaved."""
+def classifier(flat: dict, folder: RunFolder, seeds: list[int], modes: list[str], tmp: Path) -> None:
+    """The run's classifier retrained per seed in each precision, interleaved. With one mode it
+    measures how much the classifier's seed alone moves the accuracy on one synthetic set."""
     shards = {c: [folder.shards / name for name in names]
               for c, names in json.loads(folder.training_set.read_text()).items()}  # fmt: skip
     base = FedBiPConfig.from_flat(flat)
     classes = dataset.class_names(base)
     tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base, base.domain_list).items()}
     print(f"classifier: auto = {Precision.for_device('cpu', 'auto')}")
-    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for seed in seeds:
-        for mode in MODES:  # interleaved: both precisions see the same machine state
+        for mode in modes:  # interleaved: both precisions see the same machine state
             cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier-precision": mode})
             model, facts = train_global(cfg, shards, classes, RunFolder(tmp), "cpu")
             score = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
             rows[mode].append((score["mean"], facts["classifier_seconds"]))
-            print(f"seed {seed} {mode}: accuracy {score['mean']:.3f} in {facts['classifier_seconds']:.1f} s")
+            domains = ", ".join(f"{d} {a:.3f}" for d, a in score["per_domain"].items())
+            print(f"seed {seed} {mode}: accuracy {score['mean']:.3f} ({domains}) in "
+                  f"{facts['classifier_seconds']:.1f} s")  # fmt: skip
     print("\n| classifier-precision | mean accuracy (%) | classifier seconds (median) |\n|---|---|---|")
     for mode, results in rows.items():
         accuracy = [a for a, _ in results]
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--judges", type=Path, default=Path("outputs/benchmark/judges.safetensors"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--skip-synthesis", action="store_true")
+    parser.add_argument("--precisions", nargs="+", choices=MODES, default=list(MODES),
+                        help="classifier-precision modes to retrain with (one: the seed's effect alone)")
     args = parser.parse_args()
     folder = RunFolder(args.run)
     flat = json.loads(folder.metrics.read_text())["config"]
@@ -104,7 +112,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_synthesis:
             synthesis(flat, folder, load_judges(args.judges), Path(tmp))
-        classifier(flat, folder, args.seeds, Path(tmp))
+        classifier(flat, folder, args.seeds, args.precisions, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,23 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     assert (bench.results / "pictures" / "methods-sketch.png").exists()
     saved = json.loads((bench.results / "methods.json").read_text())
     assert set(saved["methods"]) == {"FedBiP-L", "FedBiP-S"}
+
+
+def test_the_report_keeps_pictures_whose_run_folders_are_gone(one_seed, tmp_path):
+    """Cached results outlive run folders (another machine, a cleaned work folder): redrawing
+    then would silently drop those methods' rows from the pictures."""
+    bench, _ = one_seed
+    benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
+    picture = bench.results / "pictures" / "methods-sketch.png"
+    benchmark.report(bench, "fedbip benchmark --seeds 0", tmp_path / "a.md")
+    drawn = picture.read_bytes()
+    small = bench.seed_folder(0) / "fedbip-s"
+    small.rename(small.with_name("moved"))
+    try:
+        picture.write_bytes(b"kept")
+        benchmark.report(bench, "fedbip benchmark --seeds 0", tmp_path / "b.md")
+        assert picture.read_bytes() == b"kept", "redrawn without FedBiP-S's row"
+    finally:
+        small.with_name("moved").rename(small)
+    benchmark.report(bench, "fedbip benchmark --seeds 0", tmp_path / "c.md")
+    assert picture.read_bytes() == drawn

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -13,7 +15,15 @@ from fedbip_flwr import shapes
 from fedbip_flwr.client import client_generator, personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_ldm
-from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
+from fedbip_flwr.simulation import (
+    SimulationError,
+    port_is_free,
+    superlink_port,
+    superlink_processes,
+)
+from tests.flower_helpers import FLWR, flwr_env, run_simulation, run_status, stop_local_superlink
+
+FLOWER_DEFAULT_PORT = 39091  # where `flwr run .` starts its local SuperLink (flwr.cli.constant)
 
 SMALL = {
     "domains": '"sketch,quickdraw,painting"',
@@ -121,3 +131,22 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
         assert torch.equal(stored["labels"], local.labels)
         assert torch.allclose(stored["latents"], local.latents, atol=1e-5)
         assert torch.allclose(stored["domain_concept"], local.domain_concept, atol=1e-3)
+
+
+def test_a_homes_flwr_commands_reach_its_own_superlink(tmp_path):
+    """A SuperLink a user's own `flwr run .` left on Flower's default port (39091) must not
+    answer another home's `flwr ls`: it knows none of that home's runs ("Run ID not found")."""
+    foreign, home = tmp_path / "users-flwr-home", tmp_path / "home"
+    env = {**os.environ, "FLWR_HOME": str(foreign), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    try:
+        if port_is_free(FLOWER_DEFAULT_PORT):  # else someone's SuperLink already holds it
+            subprocess.run([FLWR, "ls"], env=env, capture_output=True, timeout=60, check=False)
+            assert superlink_processes(foreign), "no SuperLink on Flower's default port to stand in"
+        assert flwr_env(home)["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] == str(superlink_port(home))
+        with pytest.raises(SimulationError, match="gave no status"):
+            run_status(home, 1)
+        assert superlink_processes(home), "flwr ls asked another home's SuperLink"
+        assert superlink_port(home) != FLOWER_DEFAULT_PORT
+    finally:
+        stop_local_superlink(home)
+        stop_local_superlink(foreign)

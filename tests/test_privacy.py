@@ -58,7 +58,7 @@ def upload(ldm, client_images, cfg: FedBiPConfig, node: NodeConfig) -> Payload:
 
 
 def config(**values) -> FedBiPConfig:
-    return FedBiPConfig(concept_epochs=0, image_size=32, num_inference_steps=4, **values)
+    return FedBiPConfig(**{"concept_epochs": 0, "image_size": 32, "num_inference_steps": 4, **values})
 
 
 def test_the_server_cannot_replay_a_clients_default_noise(tiny_ldm, client_images):
@@ -95,3 +95,26 @@ def test_default_noise_is_fresh_on_every_upload_and_no_seed_travels(tiny_ldm, cl
     first, second = (upload(tiny_ldm, client_images, cfg, NodeConfig()) for _ in range(2))
     assert not torch.allclose(first.latents, second.latents)
     assert not any("seed" in field for field in first.meta.model_dump())
+
+
+def averaging_attack(payload: Payload, draws: int, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+    """With ``latents-per-image = k`` the server knows which k rows come from one image (row
+    ``j * N + i``): their mean halves the noise's variance per doubling of k, and divided by
+    sqrt(abar_T) it is its best guess of the image's latent without the client's noise."""
+    views = payload.latents.float().view(draws, -1, *payload.latents.shape[1:])
+    abar = alphas_cumprod[payload.meta.timestep]
+    return views.mean(0) / abar.sqrt()
+
+
+def test_averaging_the_k_z_T_of_one_image_does_not_reveal_it(tiny_ldm, client_images):
+    """Independent z(T) per image (issue 18, defect 5) are k noised views of one private
+    latent; at the default start timestep their mean is still dominated by the noise."""
+    truth = encode_images(tiny_ldm.vae, client_images[0])
+    errors = {}
+    for draws in (1, 2, 5):
+        cfg = config(latents_per_image=draws, num_inference_steps=FedBiPConfig().num_inference_steps)
+        payload = upload(tiny_ldm, client_images, cfg, NodeConfig())
+        errors[draws] = relative_error(averaging_attack(payload, draws, tiny_ldm.scheduler.alphas_cumprod), truth)
+    print(f"averaging attack, relative error by z(T) per image: {errors}")
+    assert errors[1] > errors[2] > errors[5], "more views, less noise: the attack is real"
+    assert errors[5] > 1.0, "five views of one image gave away its latent"
