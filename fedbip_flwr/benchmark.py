@@ -169,7 +169,11 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
         # float32 classifiers: rows compare across machines and with seeds cached before the
         # half-precision default (the judges are float32 too)
         "classifier-precision": "float32",
-        "latents-per-image": 1,  # FedBiP-S / M / L are passes of one z(T); rows set more
+        # FedBiP-S / M / L are passes of one z(T) (rows set more), and the fresh-noise rows make
+        # as many images as FedBiP-S: pinned, so the default federation's own choice (2 z(T),
+        # 1 pass) leaves every row as cached
+        "latents-per-image": 1,
+        "multiplier": 2,
         "output-dir": str(bench.seed_folder(seed)),
     }
 

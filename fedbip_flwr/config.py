@@ -80,7 +80,8 @@ class FedBiPConfig(FlatConfig):
         ge=0,
         description="Synthetic images per class per client for methods that sample from fresh "
         "noise (oscar, fedlmg, prompts-only); 0 = as many as FedBiP makes from the same "
-        "client (multiplier x its images of that class), so every method trains on as much.",
+        "client (its images of that class x latents-per-image x multiplier), so every "
+        "method trains on as much.",
     )
     local_epochs: int = Field(
         30, ge=1, description="Epochs of a client's own classifier (fedlmg, local)."

@@ -68,7 +68,8 @@ def test_run_completes_and_writes_outputs(e2e_run):
         assert 0.0 <= acc <= 1.0
     mean = sum(metrics["accuracy"]["per_domain"].values()) / 3
     assert metrics["accuracy"]["mean"] == pytest.approx(mean)
-    assert metrics["accuracy"]["num_synthetic_images"] == 3 * 6 * 3  # clients x classes x shots
+    # clients x classes x shots x 2: the default federation's 2 z(T) per image, one pass each
+    assert metrics["accuracy"]["num_synthetic_images"] == 3 * 6 * 3 * 2
     assert {"load-model", "round", "synthesis", "classifier"} <= set(metrics["seconds"])
     accepted = [c for c in metrics["clients"] if c["status"] == "accepted"]
     assert len(accepted) == 3 and all(c["payload_bytes"] > 0 for c in accepted)
@@ -113,9 +114,8 @@ def test_institutions_score_the_classifier_they_get_back(e2e_run):
 
 def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_dir):
     """Plain safetensors reads them, and a local recomputation gives the same tensors."""
-    cfg = FedBiPConfig.from_flat(
-        {k: json.loads(v) if isinstance(v, str) else v for k, v in e2e_run["values"].items()}
-    )
+    cfg = FedBiPConfig.from_flat(json.loads((e2e_run["folder"] / "metrics.json").read_text())["config"])
+    assert cfg.latents_per_image == 2, "the default federation's"
     ldm = load_ldm(tiny_model_dir)
     for domain in ("sketch", "quickdraw", "painting"):
         path = e2e_run["folder"] / "payloads" / f"{domain}-0.safetensors"

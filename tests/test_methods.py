@@ -67,6 +67,9 @@ def test_images_per_class_overrides_the_fedbip_equal_count():
     assert fresh_noise_labels(counts, config("prompts-only")).tolist() == [0] * 6 + [2] * 2
     fixed = fresh_noise_labels(counts, config("prompts-only", **{"images-per-class": 2}))
     assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
+    # the default federation's FedBiP: 2 z(T) per image, 1 pass each; as many images again
+    independent = config("prompts-only", **{"latents-per-image": 2, "multiplier": 1})
+    assert fresh_noise_labels(counts, independent).tolist() == [0] * 6 + [2] * 2
 
 
 def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):

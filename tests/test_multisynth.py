@@ -290,7 +290,7 @@ def test_restarted_server_waits_for_the_command_and_trains_on_its_shards(externa
     assert "resuming: 2 payloads on disk, no client is asked to upload again" in second["log"]
     metrics = json.loads(folder.metrics.read_text())
     assert metrics["status"] == "completed"
-    assert metrics["accuracy"]["num_synthetic_images"] == 2 * 6 * 3  # clients x classes x shots
+    assert metrics["accuracy"]["num_synthetic_images"] == 2 * 6 * 3 * 2  # clients x classes x shots x z(T)
     assert folder.classifier.stat().st_size > 1_000_000
     names = [f"{d}-0-pass0.safetensors" for d in ("quickdraw", "sketch")]
     assert sorted(external_runs["made"]) == names

@@ -60,7 +60,7 @@ def train(msg, context):
 '''
 
 PASSES = 3  # shards per client: the kill lands after the first of nine
-RESUME = {**SMALL, "multiplier": PASSES, "run-name": '"resume"'}
+RESUME = {**SMALL, "multiplier": PASSES, "latents-per-image": 1, "run-name": '"resume"'}
 
 
 def make_wrapper_app(folder: Path, modules: dict[str, str], clientapp: str) -> Path:

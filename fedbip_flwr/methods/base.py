@@ -252,10 +252,11 @@ def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
     """Labels of a client's fresh-noise synthetic set, class by class: ``images-per-class``
-    each, or as many as FedBiP would make from the same client (multiplier x its count)."""
+    each, or as many as FedBiP would make from the same client (its count x z(T) per image x
+    passes)."""
     per_class = (
         torch.full_like(counts, cfg.images_per_class) if cfg.images_per_class
-        else counts * cfg.multiplier
+        else counts * cfg.latents_per_image * cfg.multiplier
     )  # fmt: skip
     return torch.repeat_interleave(torch.arange(len(counts)), per_class)
 
