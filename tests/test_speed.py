@@ -65,3 +65,12 @@ def test_the_compiled_unet_draws_the_eager_loops_images(args, tiny_model_dir):
         images[compiled] = speed.project_images(args, ldm, latents, cond, uncond)
     assert images[True].shape == images[False].shape == (2, 3, 32, 32)
     assert (images[True] - images[False]).abs().max() < 1e-3
+
+
+def test_matmul_times_bfloat16_only_where_the_cpu_has_it(args):
+    """Emulated bf16 (AVX2) takes minutes per product and would measure nothing."""
+    from fedbip_flwr.ldm import cpu_has_bf16
+
+    peak = speed.case_matmul(args, "matmul")
+    assert peak["float32"] > 0
+    assert (peak["bfloat16"] is not None) == cpu_has_bf16()
