@@ -442,8 +442,22 @@ def medians(samples: list[dict]) -> dict:
     return out
 
 
+def default_cases(args: argparse.Namespace) -> list[str]:
+    """Every case, less the bf16 classifier on a CPU that only emulates bf16 (it would time
+    the emulation; ``--cases classifier-bf16`` still runs it)."""
+    import torch
+
+    from fedbip_flwr.ldm import cpu_has_bf16
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and not cpu_has_bf16():
+        print("classifier-bf16 left out: this CPU has no native bfloat16", flush=True)
+        return [c for c in CASES if c != "classifier-bf16"]
+    return list(CASES)
+
+
 def measure(args: argparse.Namespace) -> dict:
-    cases = [c for c in args.cases.split(",") if c] if args.cases else list(CASES)
+    cases = [c for c in args.cases.split(",") if c] if args.cases else default_cases(args)
     unknown = set(cases) - set(CASES)
     if unknown:
         raise SystemExit(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")

@@ -74,3 +74,11 @@ def test_matmul_times_bfloat16_only_where_the_cpu_has_it(args):
     peak = speed.case_matmul(args, "matmul")
     assert peak["float32"] > 0
     assert (peak["bfloat16"] is not None) == cpu_has_bf16()
+
+
+def test_the_default_cases_leave_out_the_bf16_classifier_only_on_an_emulating_cpu(args):
+    from fedbip_flwr.ldm import cpu_has_bf16
+
+    args.device = "cpu"
+    assert ("classifier-bf16" in speed.default_cases(args)) == cpu_has_bf16()
+    assert set(speed.CASES) - set(speed.default_cases(args)) <= {"classifier-bf16"}
