@@ -381,9 +381,8 @@ def load_for_run(
     if channels_last:
         ldm.unet.to(memory_format=torch.channels_last)
     if compile_unet:
-        # In place: the module keeps its type, config and device. On the CPU, inductor's
-        # freezing makes the frozen weights constants of the sampling graph (folded, and
-        # prepacked for oneDNN); it applies to gradient-free calls only, so FedLMG's guidance
-        # gradients through the UNet compile as before.
-        ldm.unet.compile(options={"freezing": True} if device.type == "cpu" else None)
+        # In place: the module keeps its type, config and device. Inductor's freezing was
+        # measured and left out: on an AVX2 CPU it gave 1.26x against plain compile's 1.25x
+        # for twice the compile time (BENCHMARKS.md, speed section).
+        ldm.unet.compile()
     return ldm

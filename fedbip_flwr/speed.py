@@ -133,8 +133,6 @@ SYNTH_VARIANTS = {
     "synth-project-half": {"half": True},
     "synth-project-half-cl": {"half": True, "channels_last": True},
     "synth-project-half-compile": {"half": True, "compile_unet": True},
-    # torch.compile without inductor's freezing, which compile-unet adds on the CPU: its share
-    "synth-project-half-compile-plain": {"half": True, "compile_plain": True},
 }
 
 
@@ -144,10 +142,7 @@ def case_synthesis(args: argparse.Namespace, name: str) -> dict:
     _torch_setup(args)
     variant = dict(SYNTH_VARIANTS[name])
     stock = variant.pop("stock", False)
-    plain = variant.pop("compile_plain", False)
     ldm = load(args, **variant)
-    if plain:
-        ldm.unet.compile()
     latents, cond, uncond = synthesis_inputs(args, ldm)
     run = stock_images if stock else project_images
     seconds, images, first = timed(run, args, ldm, latents, cond, uncond)
