@@ -1,7 +1,7 @@
 """Running the real ``flwr run`` from Python: the benchmark's runs and the end-to-end tests.
 
 Each caller gives its own ``FLWR_HOME``, where ``flwr run`` auto-starts a local simulation
-SuperLink on a port of its own (chosen once per home, :func:`superlink_port`), so several runs
+SuperLink on a port of its own (derived from the home, :func:`superlink_port`), so several runs
 (benchmark seeds in parallel, tests, a user's own ``flwr run .``) never share a SuperLink, and
 ``flwr ls`` asks the SuperLink that ran the run; :func:`stop_local_superlink` stops it by its
 state database's path when the caller is done. Runs execute in this Python environment, offline
@@ -11,6 +11,7 @@ state database's path when the caller is done. Runs execute in this Python envir
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -39,20 +40,18 @@ def free_port() -> int:
 
 
 def superlink_port(home: Path) -> int:
-    """The port of this FLWR_HOME's local SuperLink: chosen once and kept in the home, so every
-    ``flwr`` command of the home (``run``, ``ls``) reaches the same SuperLink. Flower's default
-    port would reach whichever SuperLink holds it, e.g. one a user's own ``flwr run .`` left
-    running, which knows none of this home's runs. A kept port that something else took since
-    is replaced."""
-    record = home / "fedbip-superlink-port"
-    if record.exists():
-        port = int(record.read_text())
-        if superlink_processes(home) or port_is_free(port):
+    """The port of this FLWR_HOME's local SuperLink, the same on every call, so every ``flwr``
+    command of the home (``run``, ``ls``) reaches the same SuperLink. Flower's default port
+    would reach whichever SuperLink holds it, e.g. one a user's own ``flwr run .`` left
+    running, which knows none of this home's runs. Derived from the home's path (below Linux's
+    ephemeral range), moving on past ports that something else holds; nothing is written."""
+    digest = hashlib.sha256(str(home.resolve()).encode()).digest()
+    first = 20000 + int.from_bytes(digest[:4], "big") % 12000
+    ours = " ".join(" ".join(p.info["cmdline"] or []) for p in superlink_processes(home))
+    for port in range(first, first + 100):
+        if f"--port {port} " in f"{ours} " or port_is_free(port):
             return port
-    home.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    record.write_text(str(port))
-    return port
+    raise SimulationError(f"no free port for {home}'s SuperLink in {first}-{first + 99}")
 
 
 def port_is_free(port: int) -> bool:
@@ -121,6 +120,7 @@ def run_simulation(
 
 def run_status(home: Path, run_id: int) -> str:
     """The run's status as Flower records it, e.g. ``finished:completed``."""
+    home.mkdir(parents=True, exist_ok=True)  # flwr runs in the home, as for `flwr run`
     proc = subprocess.run(
         [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
         cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=60, check=False,

@@ -222,7 +222,9 @@ def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, t
                                   "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4})
     ldm = load_ldm(tiny_model_dir)
     payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list))
-    assert (payload.meta.domain, payload.meta.num_examples) == ("quickdraw", 12)
+    # 12 images, each as the federation's latents-per-image independent z(T) (default 2)
+    assert (payload.meta.domain, payload.meta.num_examples) == ("quickdraw", 12 * cfg.latents_per_image)
+    assert cfg.latents_per_image == 2
 
 
 def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> None:
