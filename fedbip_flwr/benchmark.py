@@ -569,7 +569,8 @@ def report(bench: Bench, command: str, benchmarks_md: Path) -> dict[str, Any]:
     write_section(benchmarks_md, markdown(summary, bench, command, judged))
     first = min(runs)
     names = [v.name for v in VARIANTS if v.name in runs[first]]
-    gone = [n for n in names if "num_images" in runs[first][n] and not run_folder(bench, first, n).training_set.exists()]
+    pictured = [n for n in names if "num_images" in runs[first][n]]  # rows that made images
+    gone = [n for n in pictured if not run_folder(bench, first, n).training_set.exists()]
     if gone:  # drawing now would drop their rows from the pictures
         log.warning("pictures kept as they are: seed %d's run folders of %s are gone", first, ", ".join(gone))
     else:

@@ -178,12 +178,12 @@ def case_matmul(args: argparse.Namespace, _name: str) -> dict:
     where the device computes it natively: a CPU without AVX512-BF16/AMX emulates it at well
     under 1 GFLOP/s (ten products had not finished after nine minutes on an AVX2 EPYC)."""
     torch = _torch_setup(args)
-    from fedbip_flwr.ldm import cpu_has_bf16
+    from fedbip_flwr.ldm import cpu_has_bf16, select_device
 
-    device = args.device if args.device != "auto" else "cpu"
+    device = select_device(args.device)
     out: dict = {"bfloat16": None}
     for dtype in (torch.float32, torch.bfloat16):
-        if dtype == torch.bfloat16 and device == "cpu" and not cpu_has_bf16():
+        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
             continue
         a = torch.randn(2048, 2048, dtype=dtype, device=device)
         times = []
@@ -440,12 +440,9 @@ def medians(samples: list[dict]) -> dict:
 def default_cases(args: argparse.Namespace) -> list[str]:
     """Every case, less the bf16 classifier on a CPU that only emulates bf16 (it would time
     the emulation; ``--cases classifier-bf16`` still runs it)."""
-    import torch
+    from fedbip_flwr.ldm import cpu_has_bf16, select_device
 
-    from fedbip_flwr.ldm import cpu_has_bf16
-
-    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and not cpu_has_bf16():
+    if select_device(args.device).type == "cpu" and not cpu_has_bf16():
         print("classifier-bf16 left out: this CPU has no native bfloat16", flush=True)
         return [c for c in CASES if c != "classifier-bf16"]
     return list(CASES)
