@@ -24,9 +24,13 @@ over ``--repeats`` rounds, medians reported:
     fedbip speed --cases synth-stock,synth-project --repeats 3
     fedbip speed --device cuda --model /models/sd-v1-4 --image-size 512
 
-On CUDA the synthesis cases run the model in fp16 (the project's half-precision); with the SD
-v1-4 architecture built by ``scripts/build_sd_architecture.py`` the first lab with a GPU gets
-the figure in one command. Writes ``benchmarks/perf.json`` and a section of BENCHMARKS.md.
+On CUDA every case runs on the GPU: the "half" synthesis cases in fp16 (the project's
+half-precision; ``synth-stock-half`` is the stock pipeline in fp16, what a GPU user runs), the
+concept steps as a client runs them (the project: fp16 LDM, loss scaling; the recipe: its own
+mixed precision, fp16 UNet and VAE, float32 text encoder, autocast), the classifier under fp16
+autocast. ``scripts/gpu_check.sh`` runs them at SD v1-4's size with the architecture built by
+``scripts/build_sd_architecture.py``. Writes ``benchmarks/perf.json`` (``--out``) and a section
+of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -129,6 +133,7 @@ def timed(fn, *inputs, warmup: int = 1):
 
 SYNTH_VARIANTS = {
     "synth-stock": {"half": False, "stock": True},
+    "synth-stock-half": {"half": True, "stock": True},  # what a GPU user runs: fp16 weights
     "synth-project": {"half": False},
     "synth-project-half": {"half": True},
     "synth-project-half-cl": {"half": True, "channels_last": True},
@@ -181,17 +186,18 @@ def case_matmul(args: argparse.Namespace, _name: str) -> dict:
     from fedbip_flwr.ldm import cpu_has_bf16, select_device
 
     device = select_device(args.device)
-    out: dict = {"bfloat16": None}
-    for dtype in (torch.float32, torch.bfloat16):
+    n = 8192 if device.type == "cuda" else 2048  # a GPU needs the larger product to reach its peak
+    out: dict = {"bfloat16": None, "size": n}
+    dtypes = (torch.float32, torch.bfloat16) + ((torch.float16,) if device.type == "cuda" else ())
+    for dtype in dtypes:
         if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
             continue
-        a = torch.randn(2048, 2048, dtype=dtype, device=device)
+        a = torch.randn(n, n, dtype=dtype, device=device)
         times = []
         for _ in range(10):
-            started = time.perf_counter()
-            a @ a
-            times.append(time.perf_counter() - started)
-        out[str(dtype).removeprefix("torch.")] = 2 * 2048**3 / statistics.median(times) / 1e9
+            seconds, _, _ = timed(torch.matmul, a, a, warmup=0)
+            times.append(seconds)
+        out[str(dtype).removeprefix("torch.")] = 2 * n**3 / statistics.median(times) / 1e9
     return out
 
 
@@ -203,12 +209,11 @@ def concept_setup(args: argparse.Namespace):
     from fedbip_flwr.concepts import prompt_layout
     from fedbip_flwr.config import FedBiPConfig
     from fedbip_flwr.instance import encode_images, start_timestep
-    from fedbip_flwr.ldm import load_ldm
-    from fedbip_flwr.paths import resolve
 
     cfg = FedBiPConfig.from_flat({"model": args.model, "classifier-init": "random", "num-inference-steps": args.steps,
                                   "image-size": args.image_size})  # fmt: skip
-    ldm = load_ldm(resolve(cfg.model))
+    # as a client loads it: fp16 on CUDA (half-precision's default), float32 on the CPU
+    ldm = load(args, half=cfg.half_precision)
     data = dataset.load_client_data(cfg, 0)
     images, labels = data.images[: args.concept_images], data.labels[: args.concept_images]
     z0 = encode_images(ldm.vae, images)
@@ -246,11 +251,15 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
     names = [f"placeholderx{chr(97 + i % 26)}{chr(97 + i // 26)}" for i in range(vectors)]
     tokenizer.add_tokens(names)
     text.resize_token_embeddings(len(tokenizer))
+    # The recipe's mixed precision (accelerate's "fp16"): VAE and UNet weights in fp16, the
+    # trained text encoder in float32, the forward under autocast, the loss scaled.
+    text.float()
     table = text.get_input_embeddings()
     table.weight.requires_grad_(True)
     new_ids = torch.tensor(tokenizer.convert_tokens_to_ids(names))
     keep = torch.ones(len(tokenizer), dtype=torch.bool)
     keep[new_ids] = False
+    keep = keep.to(table.weight.device)
     original = table.weight.detach().clone()
     s_words = " ".join(names[: layout.n_s])
     v_words, at = [], layout.n_s
@@ -263,18 +272,23 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
     optimizer = torch.optim.AdamW([table.weight], lr=cfg.concept_lr, weight_decay=0.0)
     scale = float(ldm.vae.config.scaling_factor)
     generator = torch.Generator().manual_seed(0)
+    device, half = ldm.device, ldm.dtype == torch.float16
+    scaler = torch.amp.GradScaler(device.type, enabled=half)
 
     def one_epoch():
         for batch in torch.randperm(len(labels), generator=generator).split(cfg.concept_batch_size):
-            z0 = ldm.vae.encode(images[batch]).latent_dist.sample(generator) * scale
-            noise = torch.randn(z0.shape, generator=generator)
-            t = torch.randint(1, t_max + 1, (len(batch),), generator=generator)
+            pixels = images[batch].to(device, ldm.dtype)
+            z0 = ldm.vae.encode(pixels).latent_dist.sample(generator) * scale
+            noise = torch.randn(z0.shape, generator=generator).to(device, z0.dtype)
+            t = torch.randint(1, t_max + 1, (len(batch),), generator=generator).to(device)
             noisy = ldm.scheduler.add_noise(z0, noise, t)
-            hidden = text(ids[batch])[0]
-            pred = ldm.unet(noisy, t, encoder_hidden_states=hidden).sample
-            loss = torch.nn.functional.mse_loss(pred.float(), noise)
-            loss.backward()
-            optimizer.step()
+            with torch.autocast(device.type, dtype=torch.float16, enabled=half):
+                hidden = text(ids[batch].to(device))[0]
+                pred = ldm.unet(noisy, t, encoder_hidden_states=hidden).sample
+            loss = torch.nn.functional.mse_loss(pred.float(), noise.float())
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
             optimizer.zero_grad()
             with torch.no_grad():
                 table.weight[keep] = original[keep]
@@ -298,6 +312,7 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
         build_classifier,
         train_classifier,
     )
+    from fedbip_flwr.ldm import select_device
     from fedbip_flwr.storage import write_tensors
 
     n, size = args.classifier_images, 64
@@ -308,23 +323,29 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
         data = ShardImages([shard], size)
         settings = TrainSettings(epochs=1, lr=0.01, momentum=0.9, batch_size=64, image_size=size,
                                  steps=args.classifier_steps)  # fmt: skip
-        precision = Precision(torch.bfloat16, True) if name == "classifier-bf16" else Precision()
+        device = select_device(args.device)
+        # on CUDA the recipe's "auto" precision (fp16 autocast, channels_last, loss scaling)
+        precision = (Precision(torch.bfloat16, True) if name == "classifier-bf16"
+                     else Precision.for_device(device, "auto" if device.type == "cuda" else "float32"))  # fmt: skip
 
         def train():
             model = build_classifier(6, "random")
-            train_classifier(model, data, None, settings, seed=0, precision=precision)
+            train_classifier(model, data, None, settings, seed=0, device=device, precision=precision)
 
         def prepare_only():
             generator = torch.Generator().manual_seed(0)
             order = torch.randperm(n, generator=generator)[: args.classifier_steps * 64]
             for x, _y in DataLoader(data, sampler=list(order.split(64)), batch_size=None):
-                _augment(_prepare(x, size), generator).contiguous(memory_format=precision.memory_format)
+                x = _prepare(x.to(device), size)
+                _augment(x, generator).contiguous(memory_format=precision.memory_format)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
 
         total, _, _ = timed(train)
         prep, _, _ = timed(prepare_only)
     steps = args.classifier_steps
     return {"steps_per_s": steps / total, "seconds": total, "data_seconds": prep,
-            "forward_backward_seconds": total - prep, "steps": steps}  # fmt: skip
+            "forward_backward_seconds": total - prep, "steps": steps, "precision": str(precision.autocast)}  # fmt: skip
 
 
 FEDERATIONS = {"federation-2cpu": "client-resources-num-cpus=2", "federation-1cpu": "client-resources-num-cpus=1"}
@@ -423,6 +444,7 @@ def machine(args: argparse.Namespace) -> dict:
         "load_average_at_start": os.getloadavg(), "python": platform.python_version(),
         "torch": torch.__version__, "diffusers": diffusers.__version__,
         "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }  # fmt: skip
 
 
@@ -472,10 +494,11 @@ def ratio(cases: dict, a: str, b: str, key: str) -> float | None:
 
 def markdown(result: dict, command: str) -> str:
     c, m = result["cases"], result["machine"]
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") and m["device"] != "cpu" else ""
     lines = [
         "## Speed: the project against what a user would otherwise run",
         "",
-        f"Command: `{command}`. Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} torch "
+        f"Command: `{command}`. Machine: {m['cpu']}, {m['cores']} cores{gpu}, {m['threads']} torch "
         f"threads per case, device {m['device']}; load average {m['load_average_at_start'][0]:.2f} "
         f"at the start, {m['load_average_at_end'][0]:.2f} at the end; torch {m['torch']}, "
         f"diffusers {m['diffusers']}, transformers {m['transformers']}; {m['date']}. Each case ran "
@@ -505,10 +528,15 @@ def markdown(result: dict, command: str) -> str:
                       f"precision against float32: mean {check['mean_abs_difference_half_vs_float32']:.1e}, "
                       f"max {check['max_abs_difference_half_vs_float32']:.1e}. One image is "
                       f"{check['gflop_per_image']:.2f} GFLOP (torch's flop counter)."]  # fmt: skip
+        half = ratio(c, "synth-project-half", "synth-stock-half", "images_per_s")
+        if half:
+            lines += ["", f"In half precision the project's loop runs at {half:.2f}x the stock pipeline's."]
         if peak:
             bf16 = f"{peak['bfloat16']:.0f} GFLOP/s" if peak.get("bfloat16") else "not native on this CPU (not timed)"
-            lines.append(f"Matmul peak here (2048 x 2048): {peak['float32']:.0f} GFLOP/s float32; "
-                         f"bfloat16 {bf16}.")  # fmt: skip
+            fp16 = f"; float16 {peak['float16']:.0f} GFLOP/s" if peak.get("float16") else ""
+            n = peak.get("size", 2048)
+            lines.append(f"Matmul peak here ({n} x {n}): {peak['float32']:.0f} GFLOP/s float32; "
+                         f"bfloat16 {bf16}{fp16}.")  # fmt: skip
     if "concept-project" in c or "concept-recipe" in c:
         r = ratio(c, "concept-project", "concept-recipe", "seconds_per_step")
         lines += ["", "| concept step | s/step | vectors learned | peak RSS (MB) |", "|---|---|---|---|"]

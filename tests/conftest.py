@@ -38,6 +38,10 @@ MARKERS = {"compose": "builds and runs docker/compose.yaml with podman; deselect
 OPT_IN_MARKERS = {
     "sd_scale": "opt-in, does not fit CI (~12 GB free RAM, ~40 min on 2 cores, a 4.3 GB model "
     "folder): SD v1-4's architecture at 512 px through flwr on the CPU; run with -m sd_scale",
+    # `cuda` runs the CUDA path on a GPU (tests/test_cuda.py); CI has none. Selected where no
+    # GPU is visible, each test fails in one sentence rather than passing unseen.
+    "cuda": "opt-in, needs a CUDA GPU (CI has none): the client, server and classifier on the GPU; "
+    "run with -m cuda (scripts/gpu_check.sh)",
 }
 
 

@@ -28,9 +28,9 @@ def ldm() -> LDM:
     return build_ldm(TINY, WORDS, seed=0)
 
 
-def s_gradient(ldm: LDM, dtype: torch.dtype, scaled: bool) -> torch.Tensor:
-    """d loss / d S on one SD-sized batch, with the LDM in ``dtype``."""
-    ldm.to("cpu", dtype)
+def s_gradient(ldm: LDM, dtype: torch.dtype, scaled: bool, device: str = "cpu") -> torch.Tensor:
+    """d loss / d S on one SD-sized batch, with the LDM in ``dtype`` on ``device``."""
+    ldm.to(device, dtype)
     layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
     s0, v0 = initial_concepts(ldm, layout, "token")
     s = s0.clone().requires_grad_(True)
@@ -38,9 +38,10 @@ def s_gradient(ldm: LDM, dtype: torch.dtype, scaled: bool) -> torch.Tensor:
     z0, noise = torch.randn(2, 8, 4, 64, 64, generator=g)
     labels, t = torch.arange(8) % 3, torch.randint(1, 982, (8,), generator=g)
     loss = diffusion_loss(ldm, layout, "token", s, v0, z0, labels, t, noise)
-    scaler = loss_scaler(ldm) if scaled else torch.amp.GradScaler("cpu", enabled=False)
+    scaler = loss_scaler(ldm) if scaled else torch.amp.GradScaler(device, enabled=False)
     scaler.scale(loss).backward()
-    return s.grad / scaler.get_scale() if scaler.is_enabled() else s.grad
+    grad = s.grad / scaler.get_scale() if scaler.is_enabled() else s.grad
+    return grad.float().cpu()
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -58,16 +58,16 @@ def test_committed_configs_have_sd_v1_4_shapes(meta_sd):
 
 @pytest.mark.sd_scale
 def test_sd_v1_4_architecture_federation_at_512px_on_cpu(tmp_path, monkeypatch):
-    """scripts/sd_cpu_proof.py end to end: two SuperNodes, flwr run, payload shapes.
+    """scripts/sd_proof.py end to end: two SuperNodes, flwr run, payload shapes.
 
     The model folder is FEDBIP_SD_MODEL (default /tmp/sd-v1-4-random), built first if missing.
     """
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import sd_cpu_proof
+    import sd_proof
 
     model = Path(os.environ.get("FEDBIP_SD_MODEL", "/tmp/sd-v1-4-random"))
     monkeypatch.setenv("FEDBIP_ALLOW_SD_ON_CPU", "1")
-    assert sd_cpu_proof.main([str(tmp_path), "--model", str(model)]) == 0
+    assert sd_proof.main([str(tmp_path), "--model", str(model)]) == 0
     proof = json.loads((tmp_path / "proof.json").read_text())
     assert proof["status"] == "finished:completed"
     assert proof["metrics"]["status"] == "completed"

@@ -1,6 +1,7 @@
-"""Stable Diffusion v1-4's architecture at 512 px through the real Flower deployment engine, on CPU.
+"""Stable Diffusion v1-4's architecture at 512 px through the real Flower deployment engine.
 
-    FEDBIP_ALLOW_SD_ON_CPU=1 python scripts/sd_cpu_proof.py WORK_DIR [--model /tmp/sd-v1-4-random]
+    FEDBIP_ALLOW_SD_ON_CPU=1 python scripts/sd_proof.py WORK_DIR [--model /tmp/sd-v1-4-random]
+    python scripts/sd_proof.py WORK_DIR --device cuda     # on a GPU (scripts/gpu_check.sh)
 
 Two institutions with DomainNet's prompt template, real CLIP tokens for their domain phrases
 ("quickdraw" = quick draw, "clipart" = cli part) and a few images each in their own folder (the
@@ -8,13 +9,14 @@ built-in world's images, class folders named after DomainNet classes, resized to
 SuperLink and two SuperNodes (``--insecure``, all on 127.0.0.1: a simulation cannot give each
 node its own node config, which dataset "imagefolder" needs), then ``flwr run`` with 1 concept
 epoch, 3 PNDM steps, multiplier 1 and 1 classifier epoch. While it runs, every process of the
-federation is sampled each second (RSS, threads) with the load average; WORK_DIR/proof.json
-gets the timeline, the peak RSS per process and phase, the payload shapes and metrics.json.
-Every process started here is stopped by PID. Exit status 0 only if the run completed.
+federation is sampled each second (RSS, threads; on CUDA the GPU memory in use) with the load
+average; WORK_DIR/proof.json gets the timeline, the peaks per process and phase, the payload
+shapes and metrics.json. Every process started here is stopped by PID. Exit status 0 only if
+the run completed.
 
 The model folder is built first if missing (scripts/build_sd_architecture.py, ~4.3 GB).
-Needs ~12 GB of free memory (three processes map the 4.3 GB model; the two institutions run
-concurrently) and ~40 min on 2 cores shared with other jobs (BENCHMARKS.md).
+On the CPU it needs ~12 GB of free memory (three processes map the 4.3 GB model; the two
+institutions run concurrently) and ~40 min on 2 cores shared with other jobs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ RUN_CONFIG = {
     "prompt-template": '"A {S} of {V}."',  # DomainNet's (Table 5), n_s = n_v = 1
     "n-s": "1",
     "n-v": "1",
-    "device": '"cpu"',
     "image-size": "512",
     "concept-epochs": "1",
     "concept-batch-size": "2",
@@ -60,8 +61,18 @@ RUN_CONFIG = {
     "min-clients": "2",
     "wait-for-clients-s": "600.0",
     "reply-timeout-s": "7200.0",
-    "run-name": '"sd-cpu-proof"',
 }
+
+
+def tool(name: str) -> str:
+    """A Flower command beside this Python, else on PATH (e.g. installed with pip --target)."""
+    beside = BIN / name
+    return str(beside) if beside.exists() else shutil.which(name) or str(beside)
+
+
+def python_path() -> str:
+    """This checkout first, then whatever PYTHONPATH already holds (carried wheels)."""
+    return os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
 
 
 def free_port() -> int:
@@ -91,10 +102,17 @@ def write_institution(folder: Path, domain: str, shots: int, test: int, index: i
 class Sampler(threading.Thread):
     """Each second: RSS and threads of every process under the given roots, and the load."""
 
-    def __init__(self, roles: dict[int, str]):
+    def __init__(self, roles: dict[int, str], gpu: bool = False):
         super().__init__(daemon=True)
         self.roles, self.samples, self.stop_flag = roles, [], threading.Event()
-        self.started = time.time()
+        self.started, self.gpu = time.time(), gpu
+
+    @staticmethod
+    def gpu_used_mb() -> int | None:
+        """GPU memory in use on the whole device (nvidia-smi), MiB."""
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
+        return int(out[0]) if out and out[0].isdigit() else None
 
     def role_of(self, proc: psutil.Process, root_role: str) -> str:
         cmd = " ".join(proc.cmdline())
@@ -118,6 +136,8 @@ class Sampler(threading.Thread):
                         row["procs"][name] = (old[0] + info[0], old[1] + info[1])
                 except psutil.NoSuchProcess:
                     continue
+            if self.gpu:
+                row["gpu_mb"] = self.gpu_used_mb()
             self.samples.append(row)
 
 
@@ -184,6 +204,7 @@ def window_peak(samples: list[dict], name: str, start: float, end: float) -> dic
         "peak_rss_mb": round(max(r["procs"][name][0] for r in rows) / 2**20),
         "max_threads": max(r["procs"][name][1] for r in rows),
         "mean_load1": round(sum(r["load1"] for r in rows) / len(rows), 2),
+        **({"peak_gpu_mb_device": max(r["gpu_mb"] or 0 for r in rows)} if "gpu_mb" in rows[0] else {}),
     }
 
 
@@ -224,12 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shots", type=int, default=3, help="training images per class")
     parser.add_argument("--test-per-class", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    run_name = f"sd-{args.device}-proof"
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     if not (args.model / "build_info.json").exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"),
-                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": python_path()})
     home = work / "flwr-home"
     home.mkdir(exist_ok=True)
     link_port, api_ports = free_port(), [free_port(), free_port()]
@@ -240,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "FEDBIP_PROJECT_DIR": str(ROOT),
         "FEDBIP_ALLOW_SD_ON_CPU": "1",
         "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
     }
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "sd"\n\n[superlink.sd]\naddress = "127.0.0.1:{link_port}"\n'
@@ -258,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         roles[proc.pid] = name
         return proc
 
-    result: dict = {"run_config": RUN_CONFIG, "model": str(args.model)}
-    sampler = Sampler(roles)
+    result: dict = {"run_config": RUN_CONFIG, "model": str(args.model), "device": args.device}
+    sampler = Sampler(roles, gpu=args.device == "cuda")
     sampler.start()
     try:
-        link = start("superlink", [str(BIN / "flower-superlink"), "--insecure", "--host",
+        link = start("superlink", [tool("flower-superlink"), "--insecure", "--host",
                                    "127.0.0.1", "--port", str(link_port),
                                    "--disable-runtime-dependency-installation"])
         wait_port(link_port, link)
@@ -272,23 +295,24 @@ def main(argv: list[str] | None = None) -> int:
             node_config = (f'data-root="{data}" domain="{domain}" client-id="{domain}-0" '
                            f'output-dir="{work / "institutions" / domain}"')
             start(f"supernode-{domain}", [
-                str(BIN / "flower-supernode"), "--insecure", "--superlink",
+                tool("flower-supernode"), "--insecure", "--superlink",
                 f"127.0.0.1:{link_port}", "--port", str(api_ports[i]),
                 "--node-config", node_config])
-        values = {**RUN_CONFIG, "model": f'"{args.model}"', "output-dir": f'"{work / "outputs"}"'}
+        values = {**RUN_CONFIG, "model": f'"{args.model}"', "output-dir": f'"{work / "outputs"}"',
+                  "device": f'"{args.device}"', "run-name": f'"{run_name}"'}  # fmt: skip
         run_config = " ".join(f"{k}={v}" for k, v in values.items())
         result["command"] = ["flwr", "run", str(ROOT), "sd", "--stream", "--run-config", run_config]
         started = time.time()
         result["run_started_t"] = round(started - sampler.started, 1)
         proc = subprocess.run(
-            [str(BIN / "flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
+            [tool("flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
         result["seconds_wall"] = round(time.time() - started, 1)
         (logs / "flwr-run.log").write_text(proc.stdout + proc.stderr)
         match = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
         if match:
             status = subprocess.run(
-                [str(BIN / "flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
+                [tool("flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
             try:
                 result["status"] = json.loads(status.stdout)["runs"][0]["status"]
@@ -299,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler.join()
         for proc in reversed(procs):
             stop_tree(proc)
-    run = work / "outputs" / "sd-cpu-proof"
+    run = work / "outputs" / run_name
     metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
     result.update(
         metrics=metrics,
