@@ -48,7 +48,7 @@ def denoise(
     scheduler.timesteps = timesteps
     z = z_t.to(ldm.device, ldm.dtype)
     guided = guidance_scale > 1.0
-    context = torch.cat([uncond.expand_as(cond), cond]) if guided else cond
+    context = (torch.cat([uncond.expand_as(cond), cond]) if guided else cond).to(ldm.device, ldm.dtype)
     for t in timesteps:
         model_in = scheduler.scale_model_input(torch.cat([z, z]) if guided else z, t)
         with ldm.sampling_precision():

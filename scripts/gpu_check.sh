@@ -6,7 +6,7 @@
 #
 # Stages, most valuable first; each has its own time cap, a failed stage is logged and the next
 # one still runs, and stages that no longer fit in GPU_CHECK_BUDGET_S (default 900) are skipped
-# with a line saying so:
+# with a line saying so (GPU_CHECK_ONLY="cuda-tests sd-proof" runs only the stages named):
 #   1. `pytest -m cuda tests/test_cuda.py`: every one-shot method's upload, training set and
 #      classifier on the GPU (fp16 LDM, fp16 autocast classifier) against the CPU in float32,
 #      and fp16 concept gradients with loss scaling against float32.
@@ -27,7 +27,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 cd "$ROOT" || exit 1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 FEDBIP_PROJECT_DIR="$ROOT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 FEDBIP_PROJECT_DIR="$ROOT" PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+ONLY=${GPU_CHECK_ONLY:-}  # e.g. "cuda-tests sd-proof": run only these stages
 LOG="$OUT/gpu_check.log"
 START=$SECONDS
 
@@ -35,6 +36,9 @@ START=$SECONDS
 stage() {
     local name=$1 cap=$2
     shift 2
+    if [[ -n $ONLY && " $ONLY " != *" $name "* ]]; then
+        return 0
+    fi
     local left=$((BUDGET - (SECONDS - START)))
     if ((left < 30)); then
         echo "== $name: skipped, ${left}s of the budget left" | tee -a "$LOG"

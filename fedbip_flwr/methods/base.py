@@ -276,7 +276,7 @@ def fresh_noise_set(
     seed = client_seed(cfg.seed, stream)
     key = hashlib.sha256(
         repr((seed, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)).encode()
-        + cond_per_class.float().contiguous().numpy().tobytes() + labels.numpy().tobytes()
+        + cond_per_class.float().cpu().contiguous().numpy().tobytes() + labels.cpu().numpy().tobytes()
     ).hexdigest()
     ldm = server.ldm()
     batches = functools.partial(
