@@ -31,6 +31,10 @@ def test_the_cuda_paths_fp16_model_keeps_shapes_and_dtypes_on_the_cpu(args, tiny
     images = speed.project_images(args, ldm, latents, cond, uncond)
     assert images.shape == (2, 3, 32, 32) and images.dtype == torch.float32
     assert torch.isfinite(images).all()
+    # embeddings made by a float32 model (the same-images check) reach the fp16 UNet too: on
+    # an H200 this raised "expected mat1 and mat2 to have the same dtype" before denoise cast them
+    mixed = speed.project_images(args, ldm, latents, cond.float(), uncond.float())
+    assert (mixed - images).abs().max() == 0
 
 
 def test_synthesis_cases_report_throughput(args):
