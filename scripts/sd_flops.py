@@ -68,7 +68,10 @@ def estimate(flops: dict[str, int], tflops: float, steps: int = 50, epochs: int 
     """Seconds per image at the paper's settings, at ``tflops`` sustained."""
     rate = tflops * 1e12
     client = flops["vae_encode_512"] + epochs * flops["concept_step_per_image"]
-    server = (2 if guidance else 1) * steps * flops["unet_forward_64x64_b1"] + flops["vae_decode_512"]
+    # PNDM (skip_prk_steps, as SD v1-4 ships) evaluates the UNet steps + 1 times: its first
+    # step twice (torch's flop counter on an H200 confirmed it: BENCHMARKS.md, "On a GPU")
+    evaluations = (2 if guidance else 1) * (steps + 1)
+    server = evaluations * flops["unet_forward_64x64_b1"] + flops["vae_decode_512"]
     return {
         "client_tflop_per_image": client / 1e12,
         "server_tflop_per_synthetic_image": server / 1e12,
