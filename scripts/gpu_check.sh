@@ -18,7 +18,8 @@
 #      against the stock pipeline, both fp16); float32 at 10 steps with the same-images check
 #      and the matmul peaks; the concept step against the textual-inversion recipe and the
 #      classifier's steps/s; torch.compile last.
-# Writes OUT_DIR/gpu_check.log and one JSON per stage (BENCHMARKS.md says how to read them).
+# Writes OUT_DIR/gpu_check.log, one JSON per stage and OUT_DIR/summary.md, the page to read first
+# (scripts/gpu_summary.py; BENCHMARKS.md, "On a GPU", has an H200's figures to compare with).
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 SD_MODEL=${SD_MODEL:-/tmp/sd-v1-4-random}
@@ -76,3 +77,4 @@ speed float32 150 --cases synth-check,synth-stock,synth-project,matmul --batch 4
 speed concept 150 --cases concept-project,concept-recipe,classifier --concept-images 16
 speed compile 200 --cases synth-project-half-compile --batch 8 --steps 50 --guidance 7.5
 echo "== done in $((SECONDS - START))s" | tee -a "$LOG"
+"$PY" scripts/gpu_summary.py "$OUT" >/dev/null && echo "summary: $OUT/summary.md"

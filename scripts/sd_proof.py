@@ -208,33 +208,60 @@ def window_peak(samples: list[dict], name: str, start: float, end: float) -> dic
     }
 
 
-def phases(samples: list[dict], metrics: dict) -> dict:
+SERVER_PHASES = ("round", "synthesis", "classifier", "evaluation")  # as they run
+
+
+def first_block(samples: list[dict], name: str) -> tuple[float, float] | None:
+    """First and last time of the first unbroken run of samples in which ``name`` is alive:
+    a ClientApp process lives for one message (train, later evaluate)."""
+    times = [r["t"] for r in samples if name in r["procs"]]
+    if not times:
+        return None
+    alive = {r["t"] for r in samples if name in r["procs"]}
+    rows = [r["t"] for r in samples if r["t"] >= times[0]]
+    last = times[0]
+    for t in rows:
+        if t not in alive:
+            break
+        last = t
+    return times[0], last
+
+
+def phases(samples: list[dict], metrics: dict, sampler_started: float | None = None) -> dict:
     """Peak RSS per phase: windows from the run's own timings, placed on the sampled timeline.
 
-    A client's train process is placed by its first sample and ``seconds-total`` (instance and
-    concept are its last two phases); the server's phases follow its process start in the order
-    of metrics.json ``seconds``. Windows are accurate to the ~1 s sampling and the few seconds
-    of imports before a process starts timing.
+    A client's train process is placed by its first unbroken run of samples: its timed phases
+    (instance, then concept) end when the process does, and what comes before them is start-up
+    (imports, data, the model). The server's phases start at its ``started-unix`` and follow
+    in the order they run (metrics.json stores them sorted by name); the model loads inside
+    the round, whose window holds both. Windows are accurate to the ~1 s sampling.
     """
     found: dict[str, dict] = {}
     for client in metrics.get("clients", []):
         name = f"clientapp-{client['domain']}"
-        first = next((r["t"] for r in samples if name in r["procs"]), None)
+        block = first_block(samples, name)
         m = client.get("metrics", {})
-        if first is None or "seconds-total" not in m:
+        if block is None or "seconds-total" not in m:
             continue
-        end = first + m["seconds-total"]
+        first, end = block
         concept = end - m["seconds-concept"]
         instance = concept - m["seconds-instance"]
         found[f"{client['client_id']}: start, data, model load"] = window_peak(samples, name, first, instance)
         found[f"{client['client_id']}: instance (VAE encode, z(T))"] = window_peak(samples, name, instance, concept)
         found[f"{client['client_id']}: concept learning"] = window_peak(samples, name, concept, end)
-    first = next((r["t"] for r in samples if "serverapp" in r["procs"]), None)
-    if first is not None:
-        t = first
-        for phase, seconds in metrics.get("seconds", {}).items():
-            found[f"server: {phase}"] = window_peak(samples, "serverapp", t, t + seconds)
-            t += seconds
+    server = first_block(samples, "serverapp")
+    seconds = metrics.get("seconds", {})
+    if server is not None:
+        if "started-unix" in metrics and sampler_started is not None:
+            t = metrics["started-unix"] - sampler_started  # the ServerApp's own clock zero
+        else:  # older runs: back from the process's end (a few seconds of report writing late)
+            t = server[1] - sum(seconds.values())
+        for phase in [*SERVER_PHASES, *sorted(seconds.keys() - set(SERVER_PHASES) - {"load-model"})]:
+            if phase in seconds:
+                # the model loads inside the round: the round's window holds both
+                span = seconds[phase] + (seconds.get("load-model", 0.0) if phase == "round" else 0.0)
+                found[f"server: {phase}"] = window_peak(samples, "serverapp", t, t + span)
+                t += span
     return found
 
 
@@ -329,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics=metrics,
         payload_shapes=payload_shapes(run) if run.exists() else {},
         processes=phase_peaks(sampler.samples, metrics),
-        phases=phases(sampler.samples, metrics),
+        phases=phases(sampler.samples, metrics, sampler.started),
+        sampler_started_unix=sampler.started,
         max_load1=max((r["load1"] for r in sampler.samples), default=0),
         samples=sampler.samples,
     )

@@ -67,7 +67,7 @@ def main(grid: Grid, context: Context) -> None:
     method = methods.create(cfg.method)
     job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
 
-    started = time.perf_counter()
+    started, started_unix = time.perf_counter(), time.time()
     accept = functools.partial(method.accept, server=job)
     uploads = load_persisted(folder, accept)
     strategy = OneShotStrategy(
@@ -91,7 +91,10 @@ def main(grid: Grid, context: Context) -> None:
         write_json(folder.clients, clients)
     seconds["round"] = time.perf_counter() - started - seconds.get("load-model", 0.0)
 
-    metrics: dict = {"status": "running", "clients": clients, "config": cfg.to_flat()}
+    # started-unix: where the phases in `seconds` begin (round, synthesis, classifier,
+    # evaluation, one after the other), so process samplers can place them in time
+    metrics: dict = {"status": "running", "clients": clients, "config": cfg.to_flat(),
+                     "started-unix": started_unix}  # fmt: skip
     if len(uploads) < cfg.min_clients:
         reason = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
         _record_failure(folder, metrics, reason)

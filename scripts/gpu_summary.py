@@ -1,0 +1,80 @@
+"""One readable page from what scripts/gpu_check.sh wrote: OUT_DIR/summary.md.
+
+    python scripts/gpu_summary.py OUT_DIR
+
+Reads gpu_check.log (the stages and how each ended, the CUDA tests' result), sd_gpu_proof.json
+(the 512-px federation: status, wall time, phases, payload shapes) and every speed_*.json (the
+speed benchmark's own tables), so a lab sees in one page what its GPU did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from fedbip_flwr.speed import markdown as speed_markdown
+
+ORDER = ["speed_half", "speed_float32", "speed_concept", "speed_compile"]  # gpu_check.sh's order
+
+
+def stages(log: str) -> list[str]:
+    """The `== name: exit N after Ss` lines (and skipped stages), as a list."""
+    return [line.removeprefix("== ") for line in log.splitlines()
+            if line.startswith("== ") and ("exit" in line or "skipped" in line)]  # fmt: skip
+
+
+def tests_line(log: str) -> str:
+    found = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", log, flags=re.M)
+    return found[-1] if found else "no test result in the log"
+
+
+def proof_section(proof: dict) -> list[str]:
+    lines = [f"Status `{proof.get('status', 'unknown')}` in {proof.get('seconds_wall', float('nan')):.1f} s "
+             f"from `flwr run` to its exit (device {proof.get('device', '?')}).", "",
+             "| phase | seconds | peak RSS (MB) |", "|---|---:|---:|"]  # fmt: skip
+    for phase, p in proof.get("phases", {}).items():
+        if p:
+            lines.append(f"| {phase} | {p['seconds']:.1f} | {p['peak_rss_mb']} |")
+    gpu = [r["gpu_mb"] for r in proof.get("samples", []) if r.get("gpu_mb") is not None]
+    if gpu:  # device-wide (nvidia-smi each second): the clients' phases overlap
+        synthesis = proof.get("phases", {}).get("server: synthesis", {}).get("peak_gpu_mb_device")
+        lines += ["", f"GPU memory in use on the device peaked at {max(gpu):,} MB over the run"
+                  + (f" and at {synthesis:,} MB during synthesis." if synthesis else ".")]
+    lines += ["", "| upload | tensors | bytes |", "|---|---|---:|"]
+    for client, shapes in proof.get("payload_shapes", {}).items():
+        tensors = ", ".join(f"{k} {v}" for k, v in shapes.items() if not k.startswith("_"))
+        lines.append(f"| {client} | {tensors} | {shapes.get('_bytes', 0):,} |")
+    return lines
+
+
+def summary(out: Path) -> str:
+    log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
+    first = log.splitlines()[:3]
+    lines = ["# GPU check", "", *(f"    {line}" for line in first), "", "## Stages", ""]
+    lines += [f"- {s}" for s in stages(log)] or ["- none ran"]
+    lines += ["", f"CUDA tests (`pytest -m cuda tests/test_cuda.py`): {tests_line(log)}.", ""]
+    proof = out / "sd_gpu_proof.json"
+    if proof.exists():
+        lines += ["## SD v1-4's architecture at 512 px through flwr", "", *proof_section(json.loads(proof.read_text())), ""]
+    for path in sorted(out.glob("speed_*.json"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem)):
+        result = json.loads(path.read_text())
+        command = "fedbip speed " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in result["settings"].items()
+                                             if k in ("cases", "batch", "steps", "guidance", "image_size"))  # fmt: skip
+        lines += [speed_markdown(result, command).replace("## Speed", f"## Speed ({path.stem})", 1)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    text = summary(args.out)
+    (args.out / "summary.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
