@@ -71,6 +71,8 @@ def test_run_completes_and_writes_outputs(e2e_run):
     # clients x classes x shots x 2: the default federation's 2 z(T) per image, one pass each
     assert metrics["accuracy"]["num_synthetic_images"] == 3 * 6 * 3 * 2
     assert {"load-model", "round", "synthesis", "classifier"} <= set(metrics["seconds"])
+    # the phases' clock zero, for samplers (scripts/sd_proof.py): before the run folder's end
+    assert 0 < metrics["started-unix"] <= (folder / "metrics.json").stat().st_mtime
     accepted = [c for c in metrics["clients"] if c["status"] == "accepted"]
     assert len(accepted) == 3 and all(c["payload_bytes"] > 0 for c in accepted)
     assert metrics["config"]["concept-epochs"] == 2
