@@ -416,6 +416,10 @@ ONCE = ("synth-check", "matmul", *FEDERATIONS)
 def child(args: argparse.Namespace) -> None:
     result = CASES[args.child](args, args.child)
     result["peak_rss_mb"] = result.get("peak_rss_mb") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # what a smaller card must hold
+        result["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -512,7 +516,7 @@ def markdown(result: dict, command: str) -> str:
         s = result["settings"]
         lines += [f"Synthesis: {s['batch']} images of {s['image_size']} px, {s['steps']} PNDM steps, "
                   f"guidance {s['guidance']}, from the same z(T) and prompt embeddings.", "",
-                  "| loop | images/s | vs stock float32 | GFLOP/s | first call (s) | peak RSS (MB) |",
+                  "| loop | images/s | vs stock float32 | GFLOP/s | first call (s) | peak RSS (MB; GPU where one ran) |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for name in SYNTH_VARIANTS:
             if name not in c:
@@ -520,8 +524,9 @@ def markdown(result: dict, command: str) -> str:
             e = c[name]
             gflops = e["images_per_s"] * check["gflop_per_image"] if "gflop_per_image" in check else None
             vs = ratio(c, name, "synth-stock", "images_per_s")
+            gpu_mb = f" (GPU {e['peak_gpu_mb']:.0f})" if "peak_gpu_mb" in e else ""
             lines.append(f"| {name} | {e['images_per_s']:.2f} | {f'{vs:.2f}x' if vs else '–'} | "
-                         f"{f'{gflops:.1f}' if gflops else '–'} | {e['first_call_seconds']:.1f} | {e['peak_rss_mb']:.0f} |")  # fmt: skip
+                         f"{f'{gflops:.1f}' if gflops else '–'} | {e['first_call_seconds']:.1f} | {e['peak_rss_mb']:.0f}{gpu_mb} |")  # fmt: skip
         if check:
             lines += ["", f"Same work: the stock pipeline's images and the project's differ by at most "
                       f"{check['max_abs_difference_stock_vs_project']:.1e} (pixels in [0, 1]); half "
@@ -539,11 +544,12 @@ def markdown(result: dict, command: str) -> str:
                      f"bfloat16 {bf16}{fp16}.")  # fmt: skip
     if "concept-project" in c or "concept-recipe" in c:
         r = ratio(c, "concept-project", "concept-recipe", "seconds_per_step")
-        lines += ["", "| concept step | s/step | vectors learned | peak RSS (MB) |", "|---|---|---|---|"]
+        lines += ["", "| concept step | s/step | vectors learned | peak RSS (MB; GPU where one ran) |", "|---|---|---|---|"]
         for name in ("concept-project", "concept-recipe"):
             if name in c:
                 e = c[name]
-                lines.append(f"| {name} | {e['seconds_per_step']:.3f} | {e['vectors']} | {e['peak_rss_mb']:.0f} |")
+                gpu_mb = f" (GPU {e['peak_gpu_mb']:.0f})" if "peak_gpu_mb" in e else ""
+                lines.append(f"| {name} | {e['seconds_per_step']:.3f} | {e['vectors']} | {e['peak_rss_mb']:.0f}{gpu_mb} |")
         if r:
             lines.append(f"\nThe project's step takes {r:.2f}x the textual-inversion recipe's time.")
     if "classifier" in c or "classifier-bf16" in c:
