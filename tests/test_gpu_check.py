@@ -19,7 +19,7 @@ import gpu_summary  # noqa: E402
 
 def test_only_the_named_stages_run_and_a_summary_is_written(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "GPU_CHECK_ONLY": "no-such-stage", "GPU_CHECK_BUDGET_S": "60"}
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_ONLY": "no-such-stage", "GPU_CHECK_BUDGET_S": "60"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env,
                           capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -31,7 +31,7 @@ def test_only_the_named_stages_run_and_a_summary_is_written(tmp_path):
 
 def test_a_stage_past_the_budget_is_skipped_with_a_line(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "GPU_CHECK_ONLY": "build-sd", "GPU_CHECK_BUDGET_S": "10"}
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_ONLY": "build-sd", "GPU_CHECK_BUDGET_S": "10"}
     subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(out)], env=env,
                    capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     assert "== build-sd: skipped" in (out / "gpu_check.log").read_text()
