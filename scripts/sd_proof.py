@@ -214,17 +214,13 @@ SERVER_PHASES = ("round", "synthesis", "classifier", "evaluation")  # as they ru
 def first_block(samples: list[dict], name: str) -> tuple[float, float] | None:
     """First and last time of the first unbroken run of samples in which ``name`` is alive:
     a ClientApp process lives for one message (train, later evaluate)."""
-    times = [r["t"] for r in samples if name in r["procs"]]
-    if not times:
-        return None
-    alive = {r["t"] for r in samples if name in r["procs"]}
-    rows = [r["t"] for r in samples if r["t"] >= times[0]]
-    last = times[0]
-    for t in rows:
-        if t not in alive:
+    block: tuple[float, float] | None = None
+    for row in samples:
+        if name in row["procs"]:
+            block = (block[0] if block else row["t"], row["t"])
+        elif block:
             break
-        last = t
-    return times[0], last
+    return block
 
 
 def phases(samples: list[dict], metrics: dict, sampler_started: float | None = None) -> dict:
