@@ -426,7 +426,7 @@ def child(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- parent: orchestration
 def run_child(args: argparse.Namespace, case: str) -> dict:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("child", "cases", "repeats", "out", "no_write") and v is not None]  # fmt: skip
+                 if k not in ("child", "cases", "repeats", "out", "no_write", "markdown") and v is not None]  # fmt: skip
     command = [sys.executable, "-m", "fedbip_flwr.speed", "--child", case, *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -585,6 +585,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classifier-images", type=int, default=1024)
     parser.add_argument("--classifier-steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "perf.json")
+    parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md",
+                        help="the file whose speed section is rewritten")
     parser.add_argument("--no-write", action="store_true", help="print, write no file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -602,7 +604,7 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.no_write:
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        write_section(ROOT / "BENCHMARKS.md", text, MARKER)
+        write_section(args.markdown, text, MARKER)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ stage() {
 stage cuda-tests 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -s
 stage build-sd 240 "$PY" scripts/build_sd_architecture.py "$SD_MODEL"
 WORK=${GPU_CHECK_WORK:-/tmp/gpu-check}  # the proof's run folder (payloads, shards, classifier)
+rm -f "$WORK/sd-proof/proof.json"  # never summarize an earlier run's record
 stage sd-proof 300 "$PY" scripts/sd_proof.py "$WORK/sd-proof" --device cuda --model "$SD_MODEL" --timeout 280
 cp "$WORK/sd-proof/proof.json" "$OUT/sd_gpu_proof.json" 2>/dev/null
 tail -n 40 "$WORK"/sd-proof/logs/*.log >"$OUT/sd_proof_logs.txt" 2>/dev/null
@@ -70,7 +71,7 @@ speed() {  # speed NAME CAP ARGS...: fedbip speed at 512 px on the GPU, one JSON
     local name=$1 cap=$2
     shift 2
     stage "speed-$name" "$cap" "$PY" -m fedbip_flwr.speed --device cuda --model "$SD_MODEL" \
-        --image-size 512 --repeats 1 --out "$OUT/speed_$name.json" "$@"
+        --image-size 512 --repeats 1 --out "$OUT/speed_$name.json" --markdown "$WORK/speed_$name.md" "$@"
 }
 speed half 150 --cases synth-stock-half,synth-project-half,synth-project-half-cl --batch 8 --steps 50 --guidance 7.5
 speed float32 150 --cases synth-check,synth-stock,synth-project,matmul --batch 4 --steps 10 --guidance 7.5
