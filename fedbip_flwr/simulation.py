@@ -142,6 +142,24 @@ def superlink_processes(home: Path) -> list[psutil.Process]:
     return found
 
 
+def stop_process_tree(pid: int, timeout: float = 20) -> list[int]:
+    """Stop a process and all its descendants: SIGTERM, then SIGKILL; returns the PIDs."""
+    try:
+        root = psutil.Process(pid)
+        family = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return []
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.terminate()
+    _, alive = psutil.wait_procs(family, timeout=timeout)
+    for member in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+    return [member.pid for member in family]
+
+
 def stop_local_superlink(home: Path) -> list[int]:
     """Kill the SuperLink that ``flwr run`` auto-started for this FLWR_HOME, and its children."""
     stopped = []

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import psutil
 
+from fedbip_flwr.simulation import stop_process_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CLASSES = {"circle": "airplane", "square": "clock"}  # built-in shape folder -> DomainNet class
@@ -139,25 +141,6 @@ class Sampler(threading.Thread):
             if self.gpu:
                 row["gpu_mb"] = self.gpu_used_mb()
             self.samples.append(row)
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    try:
-        root = psutil.Process(proc.pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for member in family:
-        try:
-            member.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(family, timeout=20)
-    for member in alive:
-        try:
-            member.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -345,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler.stop_flag.set()
         sampler.join()
         for proc in reversed(procs):
-            stop_tree(proc)
+            stop_process_tree(proc.pid)
     run = work / "outputs" / run_name
     metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
     result.update(

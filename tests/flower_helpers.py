@@ -11,7 +11,13 @@ from pathlib import Path
 import psutil
 
 from fedbip_flwr import simulation
-from fedbip_flwr.simulation import FLWR, free_port, run_status, stop_local_superlink
+from fedbip_flwr.simulation import (
+    FLWR,
+    free_port,
+    run_status,
+    stop_local_superlink,
+    stop_process_tree,
+)
 
 __all__ = [
     "FLWR", "ROOT", "flwr_env", "free_port", "free_port_block", "processes_mentioning",
@@ -32,28 +38,6 @@ def run_simulation(
 ) -> tuple[int, str]:
     """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
     return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT)
-
-
-def stop_process_tree(pid: int, timeout: float = 20) -> list[int]:
-    """Stop a process and all its descendants: SIGTERM, then SIGKILL; returns the PIDs."""
-    try:
-        root = psutil.Process(pid)
-        family = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return []
-    for member in family:
-        try:
-            member.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(family, timeout=timeout)
-    for member in alive:
-        try:
-            member.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=timeout)
-    return [member.pid for member in family]
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
