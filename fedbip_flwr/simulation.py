@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, log: Path | None = None, timeout: float = 60) -> None:
+    """Until something listens on 127.0.0.1:port; fail with ``log``'s tail if ``proc`` exits first."""
+
+    def tail() -> str:
+        return f":\n{log.read_text()[-4000:]}" if log is not None and log.exists() else ""
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}{tail()}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout} s{tail()}")
 
 
 def superlink_port(home: Path) -> int:

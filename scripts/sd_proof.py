@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from fedbip_flwr.simulation import stop_process_tree
+from fedbip_flwr.simulation import free_port, stop_process_tree, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -75,12 +74,6 @@ def tool(name: str) -> str:
 def python_path() -> str:
     """This checkout first, then whatever PYTHONPATH already holds (carried wheels)."""
     return os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_institution(folder: Path, domain: str, shots: int, test: int, index: int) -> Path:
@@ -141,18 +134,6 @@ class Sampler(threading.Thread):
             if self.gpu:
                 row["gpu_mb"] = self.gpu_used_mb()
             self.samples.append(row)
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args[0]} exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def payload_shapes(run: Path) -> dict:
@@ -294,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         link = start("superlink", [tool("flower-superlink"), "--insecure", "--host",
                                    "127.0.0.1", "--port", str(link_port),
                                    "--disable-runtime-dependency-installation"])
-        wait_port(link_port, link)
+        wait_for_port(link_port, link, logs / "superlink.log", timeout=90)
         for i, domain in enumerate(INSTITUTIONS):
             data = write_institution(work / "data" / domain, domain, args.shots,
                                      args.test_per_class, i)

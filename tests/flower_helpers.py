@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -17,6 +15,7 @@ from fedbip_flwr.simulation import (
     run_status,
     stop_local_superlink,
     stop_process_tree,
+    wait_for_port,
 )
 
 __all__ = [
@@ -64,14 +63,3 @@ def free_port_block(count: int) -> int:
     raise RuntimeError(f"found no block of {count} free ports on 127.0.0.1")
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
-    """Until something listens on 127.0.0.1:port; fail with the log if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise AssertionError(f"nothing listens on port {port} after {timeout} s:\n{log.read_text()[-4000:]}")
