@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-ldm")
     build_ldm(TINY, WORDS, seed=0).save(folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def library_logger_as_found():
+    """Undo what a test's in-process `fedbip` command or app does to the library's logger.
+
+    `setup_logging` gives the logger a handler on the sys.stderr of that moment (under pytest,
+    the test's capture, closed when the test ends) and stops propagation: left in place, every
+    later test's log lines go to a closed file ("I/O operation on closed file") and never reach
+    `caplog`, so a test's outcome would depend on which tests ran before it in its process.
+    """
+    logger = logging.getLogger("fedbip_flwr")
+    handlers, propagate, level = list(logger.handlers), logger.propagate, logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.propagate, logger.level = propagate, level
 
 
 @pytest.fixture()
