@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,16 @@ def tiny_ldm(tiny_model_dir: Path) -> LDM:
 
 
 # `compose` builds images and runs the whole docker/compose.yaml topology with podman. It is part
-# of the default run (`python -m pytest -q tests`); `-m "not compose"` leaves it out.
-MARKERS = {"compose": "builds and runs docker/compose.yaml with podman; deselect: -m 'not compose'"}
+# of the default run (the README's test command); `-m "not compose"` leaves it out.
+# `long(minutes=M)` marks a module that takes about M minutes on one of two workers sharing two
+# idle cores (test_compose: from nothing, as in CI; 3 with its images built). The suite runs on
+# two workers, a module at a time each (`-n 2 --dist loadfile --no-loadscope-reorder`); the
+# longest modules go first, so that the last minutes are not one worker finishing a long module
+# while the other has nothing left to do.
+MARKERS = {
+    "compose": "builds and runs docker/compose.yaml with podman; deselect: -m 'not compose'",
+    "long(minutes)": "a module that takes minutes; scheduled before the others, longest first",
+}
 
 # Opt-in tests run only when their marker is selected (`-m sd_scale`); any other run skips them
 # with the reason below. `sd_scale` runs Stable Diffusion v1-4's architecture (random weights,
@@ -65,9 +74,30 @@ OPT_IN_MARKERS = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in {**MARKERS, **OPT_IN_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+    share_cores_between_workers()
+
+
+def share_cores_between_workers() -> None:
+    """Under pytest-xdist, give each worker (and the processes it starts) its share of the cores.
+
+    Two workers with torch's default of one thread per core would run 2x as many OpenMP threads
+    as cores, and OpenMP's spinning threads then slow every test down many times over.
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+
+
+def minutes_long(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("long")
+    return marker.kwargs["minutes"] if marker else 0.0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=minutes_long, reverse=True)  # stable: modules stay whole, in their order
     selected = config.getoption("markexpr") or ""
     for name, description in OPT_IN_MARKERS.items():
         if name in selected.replace("not " + name, ""):

@@ -18,6 +18,8 @@ from fedbip_flwr.classifier import batches_per_epoch
 from fedbip_flwr.judges import load_judges
 from fedbip_flwr.server import RunFolder
 
+pytestmark = pytest.mark.long(minutes=1.6)
+
 
 def test_every_budget_rule_meets_the_global_classifier_budget():
     settings = Settings(classifier_steps=300)

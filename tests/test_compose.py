@@ -1,6 +1,6 @@
 """docker/compose.yaml for real: build, bring the topology up, run the federation, tear down.
 
-Part of the default run (`python -m pytest -q tests`); `-m "not compose"` leaves it out. It needs
+Part of the default run (the README's test command); `-m "not compose"` leaves it out. It needs
 root, podman (with runc, docker/podman-containers.conf) and podman-compose, debootstrap, and
 Debian's and Python's package repositories; .ci/run installs them. Where the engine cannot start,
 the test fails with one sentence saying why. No image registry is needed: the official Flower
@@ -28,7 +28,7 @@ from fedbip_flwr import shapes
 from tests.flower_helpers import FLWR, ROOT, free_port
 from tests.test_flower_e2e import SMALL, as_run_config
 
-pytestmark = pytest.mark.compose
+pytestmark = [pytest.mark.compose, pytest.mark.long(minutes=8)]
 
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 FLOWER_STAND_IN = "localhost/flwr-local:1.41.0"

@@ -26,6 +26,8 @@ from tests.flower_helpers import (
 )
 from tests.test_flower_e2e import SMALL, as_run_config
 
+pytestmark = pytest.mark.long(minutes=3)
+
 DEPLOY = ROOT / "deploy"
 NUM_SUPERNODES = 3
 

@@ -23,6 +23,8 @@ from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.server import RunFolder, evaluate_models, train_global
 
+pytestmark = pytest.mark.long(minutes=9)
+
 ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.10  # accuracy points FedBiP must gain over prompts-only, on average over rare domains
 SGD_STEPS = 120  # the same classifier budget for both methods

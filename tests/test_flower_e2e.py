@@ -23,6 +23,8 @@ from fedbip_flwr.simulation import (
 )
 from tests.flower_helpers import FLWR, flwr_env, run_simulation, run_status, stop_local_superlink
 
+pytestmark = pytest.mark.long(minutes=1.4)
+
 FLOWER_DEFAULT_PORT = 39091  # where `flwr run .` starts its local SuperLink (flwr.cli.constant)
 
 SMALL = {

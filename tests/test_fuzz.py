@@ -63,6 +63,8 @@ from tests.test_payload import (
 )
 from tests.test_resume import RECORDING_CLIENT, make_wrapper_app, received, run_to_end
 
+pytestmark = pytest.mark.long(minutes=1.4)
+
 SERVER = make_expectations(max_bytes=3 * 2**20)  # room for an over-long header below the cap
 METRICS = {"num-examples": N}
 

@@ -21,6 +21,8 @@ from fedbip_flwr.storage import read_tensors
 from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
 from tests.test_flower_e2e import SMALL, as_run_config
 
+pytestmark = pytest.mark.long(minutes=6)
+
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
        "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip

@@ -52,6 +52,8 @@ from tests.flower_helpers import (
 from tests.test_flower_e2e import SMALL as E2E_SMALL
 from tests.test_flower_e2e import as_run_config
 
+pytestmark = pytest.mark.long(minutes=2.4)
+
 SHOTS = {"sketch": 2, "quickdraw": 3, "painting": 4}  # unequal clients: 12, 18, 24 images
 SMALL = {"image_size": 32, "concept_epochs": 0, "num_inference_steps": 3, "multiplier": 2,
          "synthesis_batch_size": 4, "eta_std": 0.5, "device": "cpu"}  # fmt: skip

@@ -18,6 +18,8 @@ from server_app.strategy import OneShotStrategy
 from tests.flower_helpers import ROOT, run_simulation, run_status, stop_local_superlink
 from tests.test_flower_e2e import SMALL, as_run_config
 
+pytestmark = pytest.mark.long(minutes=1.1)
+
 WRAPPER = '''
 import uuid
 from pathlib import Path

@@ -36,6 +36,8 @@ from tests.flower_helpers import (
 )
 from tests.test_flower_e2e import SMALL, as_run_config
 
+pytestmark = pytest.mark.long(minutes=3.6)
+
 RECORDING_CLIENT = '''
 """The project's ClientApp, leaving one file per message it receives in the output folder."""
 import uuid

@@ -32,6 +32,8 @@ from tests.flower_helpers import (
 )
 from tests.test_flower_e2e import SMALL, as_run_config
 
+pytestmark = pytest.mark.long(minutes=3.7)
+
 DEPLOY = ROOT / "deploy"
 INSTITUTIONS = {  # client id: (domain, training images per class; 0 = no folder at all)
     "sketch-a": ("sketch", 2),

@@ -31,6 +31,8 @@ from fedbip_flwr.shapes import (
 )
 from fedbip_flwr.viz import to_uint8
 
+pytestmark = pytest.mark.long(minutes=11)
+
 
 # --------------------------------------------------------------------------------------------
 # constants, determinism, layout

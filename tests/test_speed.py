@@ -10,6 +10,8 @@ import torch
 from fedbip_flwr import speed
 from fedbip_flwr.ldm import load_ldm
 
+pytestmark = pytest.mark.long(minutes=0.8)
+
 
 @pytest.fixture()
 def args(tiny_model_dir):
