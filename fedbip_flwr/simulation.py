@@ -111,18 +111,20 @@ def run_simulation(
     timeout: float,
     app: Path | None = None,
     *,
-    cpus_per_client: float = 1,
+    cpus_per_client: int = 1,
     env: Mapping[str, str] | None = None,
+    actors: int | None = None,
 ) -> tuple[int, str]:
     """``flwr run APP --stream`` on this home's local simulation SuperLink; (run id, output).
 
     ``run_config`` is ``--run-config``'s text or a dict of values. ``env`` adds variables to the
     processes (e.g. ``OMP_NUM_THREADS``); the SuperLink, started by the first run of a home,
-    keeps those it started with.
+    keeps those it started with. ``actors`` caps how many ClientApp processes run at once
+    (default: as many as the cores allow, :func:`federation_config`).
     """
     home.mkdir(parents=True, exist_ok=True)
     text = run_config if isinstance(run_config, str) else run_config_arg(run_config)
-    federation = f"num-supernodes={supernodes} client-resources-num-cpus={cpus_per_client}"
+    federation = federation_config(supernodes, cpus_per_client, actors)
     proc = subprocess.run(
         [FLWR, "run", str(app or project_dir() or Path.cwd()), "--stream",
          "--run-config", text, "--federation-config", federation],
@@ -134,6 +136,20 @@ def run_simulation(
     if not match:
         raise SimulationError(f"flwr run did not start a run:\n{output[-4000:]}")
     return int(match.group(1)), output
+
+
+def federation_config(supernodes: int, cpus_per_client: int = 1, actors: int | None = None) -> str:
+    """``--federation-config`` for ``supernodes`` simulated clients.
+
+    Ray starts one ClientApp process (actor) per ``cpus_per_client`` of the cores it is given;
+    each imports torch and diffusers (~10 CPU-seconds) before serving clients in turn. With
+    ``actors`` Ray is given only ``actors * cpus_per_client`` cores, so no more start: on a
+    machine already busy (a test worker beside another) a second actor only adds its start-up.
+    """
+    federation = f"num-supernodes={supernodes} client-resources-num-cpus={cpus_per_client}"
+    if actors is not None:
+        federation += f" init-args-num-cpus={actors * cpus_per_client}"
+    return federation
 
 
 def run_status(home: Path, run_id: int) -> str:

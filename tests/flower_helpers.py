@@ -11,6 +11,7 @@ import psutil
 from fedbip_flwr import simulation
 from fedbip_flwr.simulation import (
     FLWR,
+    federation_config,
     free_port,
     run_status,
     stop_local_superlink,
@@ -19,13 +20,23 @@ from fedbip_flwr.simulation import (
 )
 
 __all__ = [
-    "FLWR", "ROOT", "flwr_env", "free_port", "free_port_block", "processes_mentioning",
+    "FLWR", "ROOT", "federation",  "flwr_env", "free_port", "free_port_block", "processes_mentioning",
     "run_simulation", "run_status", "stop_local_superlink", "stop_process_tree", "wait_for_port",
 ]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
 # The checkout under test, not necessarily the one pip installed in editable mode.
 CHECKOUT = {"FEDBIP_PROJECT_DIR": str(ROOT)}
+
+
+def federation(supernodes: int) -> str:
+    """A test run's ``--federation-config``: its clients take turns in one Ray actor.
+
+    The suite runs on two workers sharing the cores, so a second actor would only add its
+    start-up (importing torch and diffusers) to every `flwr run`; what the tests check does
+    not depend on two clients personalizing at the same moment.
+    """
+    return federation_config(supernodes, cpus_per_client=1, actors=1)
 
 
 def flwr_env(home: Path) -> dict[str, str]:
@@ -36,7 +47,7 @@ def run_simulation(
     home: Path, run_config: str, supernodes: int, timeout: float, app: Path = ROOT
 ) -> tuple[int, str]:
     """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
-    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT)
+    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT, actors=1)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

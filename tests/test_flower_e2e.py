@@ -59,6 +59,13 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
     return {"status": status, "log": log, "folder": out / "e2e", "stopped": stopped, "values": values}
 
 
+def test_the_three_clients_take_turns_in_one_actor(e2e_run):
+    """`actors=1` (the tests' federation config) starts one ClientApp process, not one per core:
+    every line a ClientApp logged (each actor also logs its own termination) names one PID."""
+    pids = set(re.findall(r"ClientAppActor pid=(\d+)", e2e_run["log"]))
+    assert len(pids) == 1, (pids, e2e_run["log"][-4000:])
+
+
 def test_run_completes_and_writes_outputs(e2e_run):
     assert e2e_run["status"] == "finished:completed", e2e_run["log"][-4000:]
     assert e2e_run["stopped"], "the local SuperLink was not found to stop"

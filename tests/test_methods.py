@@ -195,18 +195,18 @@ E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local-epochs": 1,
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """One `flwr run` per method, two SuperNodes each, each on its own local SuperLink."""
+    """One `flwr run` per method, two SuperNodes each, one after another on one local SuperLink."""
     out = tmp_path_factory.mktemp("outputs")
+    home = tmp_path_factory.mktemp("flwr-home")
     results = {}
-    for method in (*ONE_SHOT, "fedavg"):
-        home = tmp_path_factory.mktemp(f"flwr-home-{method}")
-        values = {**E2E, "method": f'"{method}"', "run-name": f'"{method}"',
-                  "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}  # fmt: skip
-        try:
+    try:
+        for method in (*ONE_SHOT, "fedavg"):
+            values = {**E2E, "method": f'"{method}"', "run-name": f'"{method}"',
+                      "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}  # fmt: skip
             run_id, log = run_simulation(home, as_run_config(values), supernodes=2, timeout=900)
             results[method] = {"status": run_status(home, run_id), "log": log, "folder": out / method}
-        finally:
-            stop_local_superlink(home)
+    finally:
+        stop_local_superlink(home)
     return results
 
 

@@ -43,6 +43,7 @@ from fedbip_flwr.storage import atomic_write, read_small_tensor, write_json
 from tests.flower_helpers import (
     FLWR,
     ROOT,
+    federation,
     flwr_env,
     free_port,
     run_simulation,
@@ -253,8 +254,7 @@ def external_runs(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("flwr-home-restart")
     log_path = home / "flwr-run.log"
     command = [FLWR, "run", str(ROOT), "--stream", "--run-config", as_run_config(values),
-               "--federation-config",
-               f"num-supernodes={SUPERNODES} client-resources-num-cpus=1"]
+               "--federation-config", federation(SUPERNODES)]
     try:
         with open(log_path, "w") as log:
             flwr_run = subprocess.Popen(command, cwd=home, env=flwr_env(home), stdout=log, stderr=log)

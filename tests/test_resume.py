@@ -29,6 +29,7 @@ from fedbip_flwr.viz import quantize
 from tests.flower_helpers import (
     FLWR,
     ROOT,
+    federation,
     flwr_env,
     run_simulation,
     run_status,
@@ -125,7 +126,7 @@ def run_killed_at_first_shard(home: Path, run_config: str, app: Path, shards: Pa
     """Start `flwr run`, SIGKILL the ServerApp's process tree once a shard exists."""
     home.mkdir()
     command = [FLWR, "run", str(app), "--stream", "--run-config", run_config,
-               "--federation-config", "num-supernodes=3 client-resources-num-cpus=1"]
+               "--federation-config", federation(3)]
     with open(home / "flwr-run.log", "w") as log:
         flwr_run = subprocess.Popen(command, cwd=home, env=flwr_env(home), stdout=log, stderr=log)
     try:
