@@ -23,18 +23,22 @@ from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.server import RunFolder, evaluate_models, train_global
 
-pytestmark = pytest.mark.long(minutes=9)
+pytestmark = pytest.mark.long(minutes=7)
 
 ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.10  # accuracy points FedBiP must gain over prompts-only, on average over rare domains
 SGD_STEPS = 120  # the same classifier budget for both methods
+# Batches of 32 rather than the run's 64: the classifier is 85% of this test's time, and the
+# margin is the same (measured 2026-11-26, seeds 0 and 1: FedBiP 0.471 vs prompts-only 0.181,
+# 0.29; with 64: 0.456 vs 0.177, 0.28) for 500 CPU-seconds of the whole test against 629-663.
+BATCH = 32
 
 
 def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
     cfg = FedBiPConfig(
         method=method, domains="sketch,quickdraw", shots_per_class=8, test_per_class=20,
         num_inference_steps=10, guidance_scale=4.0, concept_epochs=2, multiplier=1,
-        classifier_init="random", classifier_steps=SGD_STEPS, seed=seed, replayable_client_noise=True,
+        classifier_init="random", classifier_steps=SGD_STEPS, classifier_batch_size=BATCH, seed=seed, replayable_client_noise=True,
     )  # fmt: skip
     server = ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
     uploads = {}
