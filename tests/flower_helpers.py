@@ -20,7 +20,7 @@ from fedbip_flwr.simulation import (
 )
 
 __all__ = [
-    "FLWR", "ROOT", "federation",  "flwr_env", "free_port", "free_port_block", "processes_mentioning",
+    "FLWR", "ROOT", "federation", "flwr_env", "free_port", "free_port_block", "processes_mentioning",
     "run_simulation", "run_status", "stop_local_superlink", "stop_process_tree", "wait_for_port",
 ]  # fmt: skip
 
@@ -29,14 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKOUT = {"FEDBIP_PROJECT_DIR": str(ROOT)}
 
 
-def federation(supernodes: int) -> str:
-    """A test run's ``--federation-config``: its clients take turns in one Ray actor.
+# A test run's clients take turns in one Ray actor. The suite runs on two workers sharing the
+# cores, so a second actor would only add its start-up (importing torch and diffusers) to every
+# `flwr run`; what the tests check does not depend on two clients personalizing at once.
+ACTORS = 1
 
-    The suite runs on two workers sharing the cores, so a second actor would only add its
-    start-up (importing torch and diffusers) to every `flwr run`; what the tests check does
-    not depend on two clients personalizing at the same moment.
-    """
-    return federation_config(supernodes, cpus_per_client=1, actors=1)
+
+def federation(supernodes: int) -> str:
+    """A test run's ``--federation-config`` (for tests that build the `flwr run` command)."""
+    return federation_config(supernodes, cpus_per_client=1, actors=ACTORS)
 
 
 def flwr_env(home: Path) -> dict[str, str]:
@@ -47,7 +48,7 @@ def run_simulation(
     home: Path, run_config: str, supernodes: int, timeout: float, app: Path = ROOT
 ) -> tuple[int, str]:
     """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
-    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT, actors=1)
+    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT, actors=ACTORS)
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
