@@ -143,7 +143,7 @@ def federation_config(supernodes: int, cpus_per_client: int = 1, actors: int | N
 
     Ray starts one ClientApp process (actor) per ``cpus_per_client`` of the cores it is given;
     each imports torch and diffusers (~10 CPU-seconds) before serving clients in turn. With
-    ``actors`` Ray is given only ``actors * cpus_per_client`` cores, so no more start: on a
+    ``actors`` Ray is given only ``actors * cpus_per_client`` cores, so no more actors start: on a
     machine already busy (a test worker beside another) a second actor only adds its start-up.
     """
     federation = f"num-supernodes={supernodes} client-resources-num-cpus={cpus_per_client}"
