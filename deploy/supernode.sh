@@ -7,7 +7,7 @@
 # node.key (this node's private EC key in OpenSSH format; its node.key.pub must have been
 # registered with `flwr supernode register` first). SUPERLINK_ADDRESS is host:port and must
 # match a name in the SuperLink certificate. NODE_CONFIG is what this node's ClientApp reads
-# from context.node_config, e.g. 'partition-id=0 data-dir="/srv/fedbip/data"'.
+# from context.node_config, e.g. 'partition-id=0 data-root="/srv/fedbip/data"'.
 # Further options go to flower-supernode, e.g. --port 9094 (each SuperNode on one host needs
 # its own) or --isolation process.
 set -euo pipefail
