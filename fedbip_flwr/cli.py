@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import click
 from flwr.common.config import get_project_config, parse_config_args
 from pydantic import BaseModel
 
@@ -30,8 +31,8 @@ from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
-    check_size,
     load_payload,
+    read_capped,
     tensor_summary,
 )
 from fedbip_flwr.report import write_report
@@ -92,7 +93,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     """Print metadata and a tensor table for a valid upload (any method); one line on stderr
     otherwise."""
     try:
-        blob = _read_capped(args.payload, int(args.max_mb * 2**20))
+        blob = read_capped(args.payload, int(args.max_mb * 2**20))
         upload = audit_upload(blob, int(args.max_mb * 2**20))
     except PayloadError as err:
         print(f"invalid payload: {err.reason}", file=sys.stderr)
@@ -107,12 +108,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print()
     print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
     return 0
-
-
-def _read_capped(path: Path, max_bytes: int) -> bytes:
-    """The file's bytes, refusing one above the cap before reading it."""
-    check_size(path.stat().st_size, max_bytes)
-    return path.read_bytes()
 
 
 def _meta_lines(meta: BaseModel) -> list[str]:
@@ -157,6 +152,10 @@ def _run_report(args: argparse.Namespace) -> int:
         path = write_report(args.run_dir)
     except (OSError, ValueError) as err:
         print(f"fedbip report: no report for '{args.run_dir}': {err}", file=sys.stderr)
+        return 1
+    except (TypeError, AttributeError, IndexError, KeyError) as err:
+        print(f"fedbip report: no report for '{args.run_dir}': its metrics.json is not shaped "
+              f"like a run's ({type(err).__name__}: {err})", file=sys.stderr)  # fmt: skip
         return 1
     print(f"wrote {path}")
     return 0
@@ -204,19 +203,38 @@ def _add_shapes_folder(subcommands: argparse._SubParsersAction[argparse.Argument
     )
     folder.add_argument("domain", choices=shapes.DOMAINS, help="visual domain")
     folder.add_argument("out", type=Path, metavar="OUT", help="folder to write into")
-    folder.add_argument("--shots", type=int, default=16, help="training images per class (%(default)s)")
-    folder.add_argument("--test-per-class", type=int, default=50, help="held-out images per class (%(default)s)")
-    folder.add_argument("--client-index", type=int, default=0, help="which client of the domain (%(default)s)")
-    folder.add_argument("--seed", type=int, default=0, help="world seed (%(default)s)")
-    folder.add_argument("--size", type=int, default=64, help="image side in pixels (%(default)s)")
+    folder.add_argument("--shots", type=_int_from(1), default=16, help="training images per class (%(default)s)")
+    folder.add_argument("--test-per-class", type=_int_from(1), default=50, help="held-out images per class (%(default)s)")
+    folder.add_argument("--client-index", type=_int_from(0), default=0, help="which client of the domain (%(default)s)")
+    folder.add_argument("--seed", type=_int_from(0), default=0, help="world seed (%(default)s)")
+    folder.add_argument("--size", type=_int_from(16), default=64, help="image side in pixels, 16 or more (%(default)s)")
     folder.set_defaults(func=_run_shapes_folder)
 
 
+def _int_from(low: int):
+    """An argparse type: an integer >= ``low``, refused with the flag's name otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
 def _run_shapes_folder(args: argparse.Namespace) -> int:
-    root = shapes.write_image_folder(
-        args.out, args.domain, args.shots, args.test_per_class, args.client_index, args.seed,
-        args.size,
-    )
+    try:
+        root = shapes.write_image_folder(
+            args.out, args.domain, args.shots, args.test_per_class, args.client_index, args.seed,
+            args.size,
+        )
+    except OSError as err:
+        print(f"fedbip shapes-folder: cannot write '{args.out}': {err.strerror or err}", file=sys.stderr)
+        return 1
     print(f"wrote {root}/train and {root}/test; classes: {','.join(shapes.CLASSES)}")
     return 0
 
@@ -254,10 +272,13 @@ def _run_personalize(args: argparse.Namespace) -> int:
         cfg = FedBiPConfig.from_flat({**run, **node.run_overrides()})
         ldm = functools.partial(load_for_run, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
         blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
-    except (ConfigError, DataError, OSError, ValueError) as err:
+        atomic_write(args.out, blob)
+    except (ConfigError, DataError, ModelLoadError, OSError, ValueError) as err:
         print(f"fedbip personalize: {err}", file=sys.stderr)
         return 1
-    atomic_write(args.out, blob)
+    except click.ClickException as err:  # Flower's parser of --run-config 'k=v ...'
+        print(f"fedbip personalize: --run-config: {err.format_message()}", file=sys.stderr)
+        return 1
     print(f"wrote {args.out}: {len(blob)} bytes, {metrics['num-examples']} images of "
           f"'{args.client_id}'; audit it with: fedbip inspect {args.out}")
     return 0
@@ -314,7 +335,7 @@ def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentPar
         "processes (on one machine or several over a shared RUN_DIR) split the work balanced "
         "by image count, each on its own GPU. Shards already there are kept, so a rerun after "
         "a crash makes only what is missing (docs/scale.md). Exit status 0: every shard is on "
-        "disk; 1: not a finished round, or a bad config or upload.",
+        "disk; 1: not a finished round, no accepted upload, or a bad config or upload.",
     )
     synthesize.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the ServerApp's run folder")
     synthesize.set_defaults(func=_run_synthesize)
@@ -328,6 +349,8 @@ def _run_synthesize(args: argparse.Namespace) -> int:
         cfg = distributed.read_run_config(folder)
         state = distributed.process_state(cfg)
         run = distributed.open_run(folder, cfg, state.device)
+        if not run.uploads:
+            raise distributed.RunNotReady(f"{folder.root} holds no accepted upload: nothing to synthesize")
         distributed.synthesize_share(run, state)
         if not state.is_main_process:
             return 0

@@ -352,9 +352,9 @@ class FedBiPConfig(FlatConfig):
             return data
         data = dict(data)
         name = data.get("dataset", "shapes")
-        spec = SPECS.get(name) if isinstance(name, str) else None
-        if spec is None:
-            return data  # the dataset field reports the unknown name
+        # An unknown name is the dataset field's one error; any spec's values keep the unfilled
+        # sentinels (n-s = 0, ...) from adding errors of their own.
+        spec = SPECS.get(name, SPECS["shapes"]) if isinstance(name, str) else SPECS["shapes"]
         defaults = {
             "prompt_template": spec.prompt_template,
             "n_s": spec.n_s,

@@ -26,7 +26,7 @@ from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from . import dataset
-from .config import FedBiPConfig
+from .config import ConfigError, FedBiPConfig
 from .ldm import load_for_run, select_device
 from .methods import Method, ServerJob, Upload, create
 from .server import RunFolder, ShardPending, WorkUnit, load_persisted, only_reuse
@@ -84,7 +84,13 @@ def read_run_config(folder: RunFolder) -> FedBiPConfig:
             f"the round of {folder.root} is not over ({folder.clients.name} is missing): run "
             "this once the ServerApp logs the command"
         )
-    return FedBiPConfig.from_flat(json.loads(folder.config.read_text()))
+    try:
+        values = json.loads(folder.config.read_text())
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise ConfigError(f"{folder.config} is not JSON: {err}") from err
+    if not isinstance(values, dict):
+        raise ConfigError(f"{folder.config} holds a {type(values).__name__}, not a run config")
+    return FedBiPConfig.from_flat(values)
 
 
 def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunSynthesis:

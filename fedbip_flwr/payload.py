@@ -222,8 +222,19 @@ def load_payload(
     :class:`PayloadError`. The cap is ``expect.max_bytes`` when given, else ``max_bytes``.
     """
     limit = expect.max_bytes if expect is not None else max_bytes
-    check_size(os.stat(path).st_size, limit)
-    return decode_payload(Path(path).read_bytes(), expect, max_bytes=limit)
+    return decode_payload(read_capped(path, limit), expect, max_bytes=limit)
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """A file's bytes, never more than ``max_bytes`` + 1 of them read: a file above the cap is
+    refused before reading, and a device or pipe, whose size the file system does not know,
+    once it passes the cap."""
+    with open(path, "rb") as file:
+        check_size(os.fstat(file.fileno()).st_size, max_bytes)
+        blob = file.read(max_bytes + 1)
+    if len(blob) > max_bytes:
+        raise PayloadError(f"payload is more than {max_bytes} bytes, {_ABOVE_CAP.format(limit=max_bytes)}")
+    return blob
 
 
 def decode_payload(
@@ -269,14 +280,16 @@ def read_tensors(
     return tensors, metadata
 
 
+_ABOVE_CAP = (
+    "above the cap of {limit} bytes (raise run config max-payload-mb if this client "
+    "legitimately holds that many images, or upload float16 latents)"
+)
+
+
 def check_size(size: int, limit: int) -> None:
     """Refuse oversize input before parsing it, so a huge upload costs no parsing work."""
     if size > limit:
-        raise PayloadError(
-            f"payload is {size} bytes, above the cap of {limit} bytes (raise run config "
-            "max-payload-mb if this client legitimately holds that many images, "
-            "or upload float16 latents)"
-        )
+        raise PayloadError(f"payload is {size} bytes, {_ABOVE_CAP.format(limit=limit)}")
 
 
 def _header_len(blob: bytes) -> int:
@@ -387,9 +400,9 @@ def _check_layout(
     """Exact tensor names, and byte ranges that tile the data section with no gap or overlap."""
     names = set(entries)
     if missing := sorted(set(wanted) - names):
-        raise PayloadError(f"missing tensor(s) {missing}; this upload holds {list(wanted)}")
+        raise PayloadError(f"missing tensor(s) {missing}: expected {list(wanted)}, found {sorted(names)}")
     if extra := sorted(names - set(wanted)):
-        raise PayloadError(f"unexpected tensor(s) {extra}; this upload holds {list(wanted)}")
+        raise PayloadError(f"unexpected tensor(s) {extra}: expected {list(wanted)}, found {sorted(names)}")
     for name, entry in entries.items():
         begin, end = entry["data_offsets"]
         nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]

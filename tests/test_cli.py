@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, with_header
 from test_report import ACCEPTED, completed_metrics, run_folder
 
+from fedbip_flwr import shapes
 from fedbip_flwr.cli import main, project_run_config
 from fedbip_flwr.payload import encode_payload, save_payload
 from tests.flower_helpers import ROOT
@@ -237,3 +240,119 @@ def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> N
     last = made.stderr.strip().splitlines()[-1]
     assert last.startswith("fedbip personalize: ") and "is not a folder" in last
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_inspect_stops_reading_a_stream_once_it_passes_the_cap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pipe (or device) has no size to check first: the reader must stop at the cap, not
+    hold everything the other end sends."""
+    fifo = tmp_path / "upload.safetensors"
+    os.mkfifo(fifo)
+    sent: list[int] = []
+
+    def send_64_mb() -> None:
+        try:
+            with open(fifo, "wb") as stream:
+                for _ in range(64):
+                    stream.write(bytes(2**20))
+                    sent.append(1)
+        except BrokenPipeError:
+            pass
+
+    writer = threading.Thread(target=send_64_mb)
+    writer.start()
+    assert main(["inspect", str(fifo), "--max-mb", "1"]) == 1
+    writer.join(timeout=60)
+    assert not writer.is_alive() and len(sent) < 64
+    assert capsys.readouterr().err == (
+        "invalid payload: payload is more than 1048576 bytes, above the cap of 1048576 bytes "
+        "(raise run config max-payload-mb if this client legitimately holds that many images, "
+        "or upload float16 latents)\n"
+    )
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], prefix: str) -> str:
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.startswith(prefix) and len(captured.err.splitlines()) == 1, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [("{bad", "is not JSON"), ("[1, 2]", "holds a list, not a run config")],
+    ids=["not json", "a list"],
+)
+def test_synthesize_refuses_a_broken_config_json_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], config: str, reason: str
+) -> None:
+    (tmp_path / "config.json").write_text(config)
+    (tmp_path / "clients.json").write_text("{}")
+    assert main(["synthesize", str(tmp_path)]) == 1
+    assert reason in _one_line_error(capsys, "fedbip synthesize: ")
+
+
+@pytest.mark.parametrize("metrics", [{"accuracy": 0.5}, {"clients": [1]}, {"seconds": [1]}])
+def test_report_refuses_metrics_of_another_shape_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], metrics: dict
+) -> None:
+    folder = run_folder(tmp_path / "run", metrics, grids=[])
+    assert main(["report", str(folder)]) == 1
+    assert "not shaped like a run's" in _one_line_error(capsys, f"fedbip report: no report for '{folder}'")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--shots", "0"), ("--test-per-class", "-2"), ("--client-index", "-1"), ("--seed", "x"), ("--size", "0")],
+)
+def test_shapes_folder_names_the_bad_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["shapes-folder", "sketch", str(tmp_path / "out"), flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be an integer >= " in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_shapes_folder_into_a_file_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "taken").write_text("")
+    assert main(["shapes-folder", "sketch", str(tmp_path / "taken"), "--shots", "1",
+                 "--test-per-class", "1", "--size", "16"]) == 1  # fmt: skip
+    assert "Not a directory" in _one_line_error(capsys, "fedbip shapes-folder: cannot write ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (["--run-config", "dataset=imagefolder"], "--run-config: The provided configuration string"),
+        (["--model", "/nonexistent/model"], "does not exist"),
+    ],
+    ids=["unquoted run config", "missing model"],
+)
+def test_personalize_refuses_a_bad_run_config_or_model_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], reason: str
+) -> None:
+    data = shapes.write_image_folder(tmp_path / "lab", "sketch", 1, 1, size=16)
+    classes = ",".join(shapes.CLASSES)
+    command = ["personalize", str(data), "--domain", "sketch", "--client-id", "lab",
+               "--out", str(tmp_path / "x.safetensors"),
+               "--run-config", f'dataset="imagefolder" classes="{classes}"', *extra]  # fmt: skip
+    assert main(command) == 1
+    assert reason in _one_line_error(capsys, "fedbip personalize: ")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_synthesize_with_no_accepted_upload_says_there_is_nothing_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A round whose every upload was refused is not 'every shard on disk'."""
+    from fedbip_flwr.config import FedBiPConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(FedBiPConfig.from_flat(project_run_config()).to_flat()))
+    (tmp_path / "clients.json").write_text("{}")
+    assert main(["synthesize", str(tmp_path)]) == 1
+    assert "holds no accepted upload" in _one_line_error(capsys, "fedbip synthesize: ")

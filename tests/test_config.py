@@ -98,6 +98,15 @@ def test_bad_config_is_one_sentence(flat, needle):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("dataset", ["nope", 3])
+def test_an_unknown_dataset_is_the_one_error(dataset):
+    """Over pyproject's sentinels (n-s = 0, ...), which only a known dataset fills."""
+    with pytest.raises(ConfigError) as err:
+        FedBiPConfig.from_flat({**PYPROJECT_CONFIG, "dataset": dataset})
+    assert str(err.value).startswith("Invalid FedBiP run config: 'dataset': Input should be 'shapes'")
+    assert str(err.value).count("': ") == 1, str(err.value)
+
+
 def test_an_institutions_node_config_wins_over_the_run_config():
     """The ClientApp's merge: the node's own keys over the run config, the rest untouched."""
     from flwr.app import Context, RecordDict

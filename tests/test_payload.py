@@ -315,12 +315,17 @@ MALFORMED: dict[str, tuple[Callable[[], bytes], str]] = {
     "client id hidden file": (lambda: raw_blob(meta_strings(client_id=".x")), "'fedbip.client_id'"),
     "client id too long": (lambda: raw_blob(meta_strings(client_id="x" * 49)), "'fedbip.client_id'"),
     "meta num_examples disagrees": (lambda: raw_blob(meta_strings(num_examples=5)), "num_examples=5"),
-    "extra tensor": (lambda: raw_blob(extra=torch.zeros(1)), "unexpected tensor(s) ['extra']"),
+    "extra tensor": (
+        lambda: raw_blob(extra=torch.zeros(1)),
+        "unexpected tensor(s) ['extra']: expected ['latents', 'labels', 'domain_concept', "
+        "'class_concepts'], found ['class_concepts', 'domain_concept', 'extra', 'labels', 'latents']",
+    ),
     "missing tensor": (
         lambda: safetensors.torch.save(
             {k: v for k, v in make_payload().tensors().items() if k != "labels"}, meta_strings()
         ),
-        "missing tensor(s) ['labels']",
+        "missing tensor(s) ['labels']: expected ['latents', 'labels', 'domain_concept', "
+        "'class_concepts'], found ['class_concepts', 'domain_concept', 'latents']",
     ),
     "offsets past the end": (
         lambda: edit_header(lambda h: _shift_offsets(h, _last_tensor(h), 8)),
