@@ -31,6 +31,7 @@ from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
+    PayloadTooLarge,
     load_payload,
     read_capped,
     tensor_summary,
@@ -95,6 +96,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
     try:
         blob = read_capped(args.payload, int(args.max_mb * 2**20))
         upload = audit_upload(blob, int(args.max_mb * 2**20))
+    except PayloadTooLarge as err:
+        print(f"invalid payload: payload is {err.amount}, above --max-mb {args.max_mb:g} "
+              f"({err.limit} bytes)", file=sys.stderr)  # fmt: skip
+        return 1
     except PayloadError as err:
         print(f"invalid payload: {err.reason}", file=sys.stderr)
         return 1

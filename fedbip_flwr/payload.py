@@ -61,6 +61,23 @@ class PayloadError(ValueError):
         return (type(self), (self.reason,))
 
 
+class PayloadTooLarge(PayloadError):
+    """Above the byte cap. ``amount`` is the size, or "more than <limit> bytes" for a stream
+    that was not read to its end; the reason names the server's knob, run config max-payload-mb
+    (the CLI names its own)."""
+
+    def __init__(self, amount: str, limit: int) -> None:
+        self.amount, self.limit = amount, limit
+        super().__init__(
+            f"payload is {amount}, above the cap of {limit} bytes (raise run config "
+            "max-payload-mb if this client legitimately holds that many images, or upload "
+            "float16 latents)"
+        )
+
+    def __reduce__(self) -> tuple[type[PayloadTooLarge], tuple[str, int]]:
+        return (type(self), (self.amount, self.limit))
+
+
 class UploadMeta(BaseModel):
     """What every method's upload says about itself; each method's metadata adds its own fields
     and fixes ``method`` to its name (:mod:`fedbip_flwr.methods`)."""
@@ -233,7 +250,7 @@ def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
         check_size(os.fstat(file.fileno()).st_size, max_bytes)
         blob = file.read(max_bytes + 1)
     if len(blob) > max_bytes:
-        raise PayloadError(f"payload is more than {max_bytes} bytes, {_ABOVE_CAP.format(limit=max_bytes)}")
+        raise PayloadTooLarge(f"more than {max_bytes} bytes", max_bytes)
     return blob
 
 
@@ -280,16 +297,10 @@ def read_tensors(
     return tensors, metadata
 
 
-_ABOVE_CAP = (
-    "above the cap of {limit} bytes (raise run config max-payload-mb if this client "
-    "legitimately holds that many images, or upload float16 latents)"
-)
-
-
 def check_size(size: int, limit: int) -> None:
     """Refuse oversize input before parsing it, so a huge upload costs no parsing work."""
     if size > limit:
-        raise PayloadError(f"payload is {size} bytes, {_ABOVE_CAP.format(limit=limit)}")
+        raise PayloadTooLarge(f"{size} bytes", limit)
 
 
 def _header_len(blob: bytes) -> int:
@@ -453,8 +464,8 @@ def _check_method(metadata: dict[str, str], wanted: str) -> None:
     method = _meta_value(metadata, "method")
     if method != wanted:
         raise PayloadError(
-            f"this is an upload for method {method!r} but the server runs {wanted!r} "
-            "(clients and server must share run config method)"
+            f"this is an upload for method {method!r}, not {wanted!r} (in a federation, "
+            "clients and server share run config method)"
         )
 
 

@@ -182,7 +182,7 @@ def test_a_fedbip_payload_names_its_method(tiny_ldm):
     blob = encode_upload(methods.prompts_only.PromptsOnlyMeta(
         schema_version=1, client_id="a", domain="sketch", class_names=list(shapes.CLASSES),
         num_examples=1), {"class_counts": torch.tensor([1, 0, 0, 0, 0, 0])})  # fmt: skip
-    with pytest.raises(PayloadError, match="upload for method 'prompts-only' but the server runs 'fedbip'"):
+    with pytest.raises(PayloadError, match="upload for method 'prompts-only', not 'fedbip'"):
         create("fedbip").accept(blob, server_job(FedBiPConfig.from_flat(CFG), tiny_ldm))
 
 

@@ -28,6 +28,7 @@ from fedbip_flwr.payload import (
     Payload,
     PayloadError,
     PayloadMeta,
+    PayloadTooLarge,
     decode_payload,
     encode_payload,
     load_payload,
@@ -499,3 +500,6 @@ def test_payload_error_survives_pickling() -> None:
     err = pickle.loads(pickle.dumps(PayloadError("labels out of range")))
     assert err.reason == "labels out of range"
     assert str(err) == "payload rejected: labels out of range"
+    too_large = PayloadTooLarge("9 bytes", 8)
+    copy = pickle.loads(pickle.dumps(too_large))
+    assert (type(copy), copy.amount, copy.limit, str(copy)) == (PayloadTooLarge, "9 bytes", 8, str(too_large))
