@@ -296,7 +296,9 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
         description="Run each method variant as a real flwr simulation on the shapes world "
         "for each seed, with one classifier budget for all; cache results per seed under "
         "OUT/methods/, then write OUT/methods.json, a section of BENCHMARKS.md and pictures. "
-        "Seeds can run as separate processes; --report-only rebuilds the tables.",
+        "Seeds can run as separate processes; --report-only rebuilds the tables. Relative "
+        "--work and --out are under the project checkout (next to BENCHMARKS.md), wherever "
+        "the command is run from.",
     )
     bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     bench.add_argument("--variants", default="", help="comma-separated rows by name (default: all)")
@@ -304,7 +306,7 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
     bench.add_argument("--threads", type=int, default=2, help="torch threads per process")
     bench.add_argument("--work", type=Path, default=Path("outputs/benchmark"),
                        help="run folders (large: synthetic shards)")  # fmt: skip
-    bench.add_argument("--out", type=Path, default=Path("benchmarks"))
+    bench.add_argument("--out", type=Path, default=Path("benchmarks"), help="methods.json and pictures")
     bench.add_argument("--report-only", action="store_true")
     bench.set_defaults(func=_run_benchmark)
 
