@@ -263,6 +263,11 @@ def _add_personalize(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
     personalize.add_argument("--seed", type=int, help="this institution's own seed (default: OS entropy)")
     personalize.add_argument("--model", help="this institution's copy of the base model")
     personalize.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to run")
+    personalize.add_argument(
+        "--bad-images", choices=("fail", "skip"),
+        help="an unreadable image file fails the job, naming every one (fail, the default), or "
+        "is left out and listed in a warning (skip); node config bad-images",
+    )  # fmt: skip
     personalize.set_defaults(func=_run_personalize)
 
 
@@ -270,7 +275,7 @@ def _run_personalize(args: argparse.Namespace) -> int:
     """Write the payload and say how to audit it; one line on stderr for a bad config or folder."""
     node_values = {"data-root": str(args.data_root.resolve()), "domain": args.domain,
                    "client-id": args.client_id, "seed": args.seed, "model": args.model,
-                   "device": args.device}  # fmt: skip
+                   "device": args.device, "bad-images": args.bad_images}  # fmt: skip
     try:
         node = NodeConfig.from_flat({k: v for k, v in node_values.items() if v is not None})
         run = {**project_run_config(), **parse_config_args(args.run_config)}
@@ -284,8 +289,10 @@ def _run_personalize(args: argparse.Namespace) -> int:
     except click.ClickException as err:  # Flower's parser of --run-config 'k=v ...'
         print(f"fedbip personalize: --run-config: {err.format_message()}", file=sys.stderr)
         return 1
+    skipped = metrics["unreadable-files-skipped"]
+    left_out = f" ({skipped} unreadable files left out)" if skipped else ""
     print(f"wrote {args.out}: {len(blob)} bytes, {metrics['num-examples']} images of "
-          f"'{args.client_id}'; audit it with: fedbip inspect {args.out}")
+          f"'{args.client_id}'{left_out}; audit it with: fedbip inspect {args.out}")
     return 0
 
 

@@ -20,6 +20,9 @@ from typing_extensions import Self
 
 from .specs import OWN_FOLDER, SPECS
 
+# node config bad-images: an unreadable image file fails the institution's job, or is left out
+BadImagePolicy = Literal["fail", "skip"]
+
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
 CLASS_SLOT = "{class}"  # fedlmg-prompt's class name
@@ -439,6 +442,11 @@ class NodeConfig(FlatConfig):
         "", description="imagefolder: the words S starts from, e.g. \"dermatoscopic image\"."
     )
     client_id: str = Field("", description="imagefolder: the name this institution uploads under.")
+    bad_images: BadImagePolicy = Field(
+        "fail",
+        description="imagefolder: an unreadable image file fails the job (\"fail\", naming "
+        "every one) or is left out (\"skip\", listed in a warning, counted in the metrics).",
+    )
     model: str = Field("", description="This institution's copy of the run's base model.")
     captioner: str = Field("", description="oscar: this institution's copy of the run's captioner.")
     device: Literal["", "auto", "cpu", "cuda"] = ""

@@ -42,9 +42,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ClientSet(ImageSet):
-    """A client's private images and the id it uploads under."""
+    """A client's private images, the id it uploads under, and how many unreadable files of
+    its folder were left out (node config ``bad-images = "skip"``)."""
 
     client_id: str
+    skipped_files: int = 0
 
 
 def class_names(cfg: FedBiPConfig) -> list[str]:
@@ -52,10 +54,10 @@ def class_names(cfg: FedBiPConfig) -> list[str]:
     return cfg.class_list
 
 
-def _own_split(cfg: FedBiPConfig) -> Split:
+def _own_split(cfg: FedBiPConfig, node: NodeConfig) -> Split:
     if not cfg.data_root:
         raise DataError("dataset imagefolder: set data-root to this institution's folder in its node config")
-    return own_folder_split(resolve(cfg.data_root), cfg.class_list)
+    return own_folder_split(resolve(cfg.data_root), cfg.class_list, node.bad_images)
 
 
 def _identity(node: NodeConfig) -> tuple[str, str]:
@@ -94,16 +96,17 @@ def institution_data(cfg: FedBiPConfig, node: NodeConfig) -> ClientSet:
     domain, client_id = institution_identity(cfg, node)
     if SPECS[cfg.dataset].layout != OWN_FOLDER:
         return load_client_data(cfg, node.partition_id, node.num_partitions)
-    pool = _own_split(cfg).train
-    images = pool.take(np.arange(len(pool)), cfg.image_size)
-    return ClientSet(images, torch.from_numpy(pool.labels), tuple(cfg.class_list), domain, client_id)
+    split = _own_split(cfg, node)
+    images = split.train.take(np.arange(len(split.train)), cfg.image_size)
+    labels = torch.from_numpy(split.train.labels)
+    return ClientSet(images, labels, tuple(cfg.class_list), domain, client_id, len(split.skipped))
 
 
 def institution_test_set(cfg: FedBiPConfig, node: NodeConfig, domain: str) -> ImageSet:
     """The held-out images an institution scores the classifier it gets back on."""
     if SPECS[cfg.dataset].layout != OWN_FOLDER:
         return _test_set(cfg, domain)
-    pool = _own_split(cfg).test
+    pool = _own_split(cfg, node).test
     if len(pool) == 0:
         raise DataError(f"{cfg.data_root} holds no held-out images to score the classifier on")
     images = pool.take(np.arange(len(pool)), cfg.image_size)

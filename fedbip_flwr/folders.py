@@ -9,12 +9,17 @@ Layouts (``docs/datasets.md`` has the trees):
   otherwise :data:`TEST_FRACTION` of every class is held out with a fixed seed, so the test
   split is the same for every run seed.
 * ``imagefolder``: an institution's own ``<data-root>/[train|test/]<class>/<image>``, in
-  torchvision's ImageFolder convention, labelled by the run config's class list.
+  torchvision's ImageFolder convention, labelled by the run config's class list. Every file is
+  decoded once when the folder is indexed (:func:`fedbip_flwr.images.find_unreadable`), so an
+  unreadable one is named before any model loads; node config ``bad-images`` says whether that
+  fails the institution's job or leaves the file out.
 * ``medmnist``: MedMNIST ``.npz`` files (``train_images``, ``train_labels``, ``test_*``) of any
   size; the smallest one at least ``image-size`` wide is used, else the largest.
 
-Indexing only lists files or reads label arrays, so a missing folder, class or file fails in
-seconds with one sentence; pixels are read when a client or the server takes its images.
+Hidden entries (names starting with ``.``: ``.ipynb_checkpoints/``, ``.DS_Store``, macOS's
+``._`` files) are never data, at any depth. Indexing the paper's datasets only lists files or
+reads label arrays, so a missing folder, class or file fails in seconds with one sentence; pixels
+are read (:func:`fedbip_flwr.images.open_rgb`) when a client or the server takes its images.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .config import BadImagePolicy
+from .images import BadImage, find_unreadable, image_files, is_hidden, open_rgb
 from .partitions import DataError, holdout
 from .specs import DatasetSpec
 
@@ -37,7 +44,7 @@ log = logging.getLogger(__name__)
 
 TEST_FRACTION = 0.2  # held out per class where a dataset ships no official test split
 SPLIT_SEED = 0  # fixed: the test split must not move with the run seed
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".tif", ".tiff", ".bmp"})
+IMAGE_SUFFIXES = frozenset(IMG_EXTENSIONS)  # torchvision's ImageFolder convention
 MEDMNIST_SIZES = (28, 64, 128, 224)
 SPLITS = ("train", "test")
 LAYOUT_HELP = "see docs/datasets.md for the expected layout"
@@ -69,20 +76,17 @@ class Pool:
 
 @dataclass(frozen=True)
 class Split:
-    """A domain's training pool (what clients draw from) and its test pool (what the server scores)."""
+    """A domain's training pool (what clients draw from) and its test pool (what the server
+    scores); ``skipped``: unreadable files left out under ``bad-images = "skip"``."""
 
     train: Pool
     test: Pool
-
-
-def _open_file(path: Path) -> Image.Image:
-    with Image.open(path) as image:
-        return image.convert("RGB")
+    skipped: tuple[BadImage, ...] = ()
 
 
 def _file_pool(paths: Sequence[Path], labels: Sequence[int]) -> Pool:
     files = tuple(paths)
-    return Pool(np.asarray(labels, dtype=np.int64), lambda i: _open_file(files[i]))
+    return Pool(np.asarray(labels, dtype=np.int64), lambda i: open_rgb(files[i]))
 
 
 def _domain_dir(spec: DatasetSpec, root: Path, domain: str) -> Path:
@@ -95,7 +99,7 @@ def _domain_dir(spec: DatasetSpec, root: Path, domain: str) -> Path:
 
 def _class_folder_pool(spec: DatasetSpec, domain_dir: Path) -> Pool:
     """Every image under the spec's class folders, found by exact name."""
-    present = {p.name for p in domain_dir.iterdir() if p.is_dir()}
+    present = {p.name for p in domain_dir.iterdir() if p.is_dir() and not is_hidden(p.name)}
     paths: list[Path] = []
     labels: list[int] = []
     for label, folder in enumerate(spec.folder_of_class()):
@@ -104,9 +108,7 @@ def _class_folder_pool(spec: DatasetSpec, domain_dir: Path) -> Pool:
                 f"{spec.name}: class folder '{folder}' is missing in {domain_dir} "
                 f"(class folders must match exactly); {LAYOUT_HELP}"
             )
-        files = sorted(
-            p for p in (domain_dir / folder).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES
-        )
+        files = image_files(domain_dir / folder, IMAGE_SUFFIXES)
         if not files:
             raise DataError(f"{spec.name}: class folder {domain_dir / folder} holds no images")
         paths += files
@@ -205,16 +207,17 @@ def open_split(spec: DatasetSpec, root: Path, domain: str, image_size: int) -> S
     return split
 
 
-def _own_class_pool(folder: Path, classes: Sequence[str]) -> Pool:
+def _own_class_files(folder: Path, classes: Sequence[str]) -> tuple[list[Path], list[int]]:
     """``<folder>/<class>/<image>`` (torchvision's ImageFolder convention), labelled by the run's
-    class order. A folder the run does not know is an error; a run class with no folder is the
-    institution's legal label skew, logged."""
-    present, _ = find_classes(str(folder))
+    class order, class folders in name order. A folder the run does not know is an error; a run
+    class with no folder is the institution's legal label skew, logged."""
+    present = sorted(p.name for p in folder.iterdir() if p.is_dir() and not is_hidden(p.name))
     unknown = [name for name in present if name not in classes]
     if unknown:
         raise DataError(
             f"class folder '{unknown[0]}' in {folder} is not one of the run's classes "
-            f"({', '.join(classes)}); rename or remove it"
+            f"({', '.join(classes)}); rename or remove it (hidden folders, named '.*', are "
+            "ignored)"
         )
     lacking = [name for name in classes if name not in present]
     if lacking:
@@ -222,26 +225,65 @@ def _own_class_pool(folder: Path, classes: Sequence[str]) -> Pool:
             "%s has no images of %s: label skew, which FedBiP allows; the upload has none of them",
             folder, ", ".join(lacking),
         )
-    index = {name: classes.index(name) for name in present}
-    found = make_dataset(str(folder), index, extensions=IMG_EXTENSIONS, allow_empty=True)
-    if not found:
+    paths: list[Path] = []
+    labels: list[int] = []
+    for name in present:
+        files = image_files(folder / name, IMAGE_SUFFIXES)
+        paths += files
+        labels += [classes.index(name)] * len(files)
+    if not paths:
         raise DataError(f"{folder} holds no images in class folders; {LAYOUT_HELP}")
-    paths, labels = zip(*found, strict=True)
-    return _file_pool([Path(p) for p in paths], labels)
+    return paths, labels
 
 
-def own_folder_split(root: Path, classes: Sequence[str]) -> Split:
+def _readable(
+    root: Path, parts: list[tuple[list[Path], list[int]]], bad_images: BadImagePolicy
+) -> tuple[list[tuple[list[Path], list[int]]], tuple[BadImage, ...]]:
+    """``parts`` without their unreadable files, or :class:`DataError` naming every one of them
+    (``bad_images = "fail"``). Each file is decoded once, here, before any model loads."""
+    bad = find_unreadable([path for paths, _ in parts for path in paths], root)
+    if not bad:
+        return parts, ()
+    listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
+    total = sum(len(paths) for paths, _ in parts)
+    if bad_images == "fail":
+        raise DataError(
+            f"{len(bad)} of {total} image files in {root} cannot be read: {listing}. Fix or "
+            'remove them, or leave them out with node config bad-images = "skip" '
+            "(fedbip personalize --bad-images skip)"
+        )
+    log.warning("left out %d of %d image files in %s that cannot be read (node config "
+                'bad-images = "skip"): %s', len(bad), total, root, listing)  # fmt: skip
+    unreadable = {b.path for b in bad}
+    kept = [
+        ([p for p in paths if p not in unreadable],
+         [y for p, y in zip(paths, labels) if p not in unreadable])
+        for paths, labels in parts
+    ]  # fmt: skip
+    if any(not paths for paths, _ in kept):
+        raise DataError(f"no readable image is left in {root} (or in one of its splits)")
+    return kept, tuple(bad)
+
+
+def own_folder_split(
+    root: Path, classes: Sequence[str], bad_images: BadImagePolicy = "fail"
+) -> Split:
     """An institution's own folder: ``<root>/train/`` and ``<root>/test/`` above the class
     folders, or the class folders directly in ``root`` (or in ``train/`` alone); without a
     ``test/`` folder, :data:`TEST_FRACTION` of each class is held out with a fixed seed, as for
-    the paper's datasets without official splits."""
+    the paper's datasets without official splits. Unreadable files fail the split or are left
+    out, as ``bad_images`` says."""
     if not root.is_dir():
         raise DataError(f"data-root {root} is not a folder; {LAYOUT_HELP}")
     if (root / "test").is_dir():
         if not (root / "train").is_dir():
             raise DataError(f"{root} has a test/ folder but no train/ folder; {LAYOUT_HELP}")
-        return Split(*(_own_class_pool(root / s, classes) for s in SPLITS))
-    pool = _own_class_pool(root / "train" if (root / "train").is_dir() else root, classes)
+        parts = [_own_class_files(root / s, classes) for s in SPLITS]
+        (train, test), skipped = _readable(root, parts, bad_images)
+        return Split(_file_pool(*train), _file_pool(*test), skipped)
+    folder = root / "train" if (root / "train").is_dir() else root
+    [(paths, labels)], skipped = _readable(root, [_own_class_files(folder, classes)], bad_images)
+    pool = _file_pool(paths, labels)
     train, test = holdout(pool.labels, TEST_FRACTION, (SPLIT_SEED,))
     log.info("%s has no test/ folder: %.0f%% of each class held out", root, 100 * TEST_FRACTION)
-    return Split(pool.subset(train), pool.subset(test))
+    return Split(pool.subset(train), pool.subset(test), skipped)

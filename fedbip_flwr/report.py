@@ -117,19 +117,28 @@ def _clients(metrics: dict[str, Any]) -> list[str]:
     clients = metrics.get("clients") or []
     if not clients:
         return []
+    sent = [client.get("metrics") or {} for client in clients]
+    skipped = [m.get("unreadable-files-skipped", 0) for m in sent]
     rows = [
         [
             _client_name(client),
             str(client.get("domain") or ""),
             str(client.get("status", "")),
+            str(m.get("num-examples", "")),
             _size(client.get("payload_bytes")),
-            _duration((client.get("metrics") or {}).get("seconds-total")),
+            _duration(m.get("seconds-total")),
             _text(client.get("reason", "")),
         ]
-        for client in clients
+        for client, m in zip(clients, sent)
     ]
-    header = ["client", "domain", "status", "upload", "time on client", "reason"]
-    return ["## Clients", "", *_table(header, rows, "lllrrl")]
+    header = ["client", "domain", "status", "images", "upload", "time on client", "reason"]
+    align = "lllrrrl"
+    if any(skipped):  # node config bad-images = "skip" left files out somewhere
+        header.insert(4, "unreadable files left out")
+        align = "lllrrrrl"
+        for row, count in zip(rows, skipped):
+            row.insert(4, str(count))
+    return ["## Clients", "", *_table(header, rows, align)]
 
 
 def _phases(metrics: dict[str, Any]) -> list[str]:

@@ -25,7 +25,7 @@ def client(client_id: str, domain: str, **metrics: Any) -> dict[str, Any]:
         "client_id": client_id,
         "domain": domain,
         "payload_bytes": 412_345,
-        "metrics": {"seconds-total": 66.0, **metrics},
+        "metrics": {"seconds-total": 66.0, "num-examples": 96, **metrics},
     }
 
 
@@ -80,7 +80,7 @@ def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: 
     assert report.startswith("# FedBiP run `run-7`")
     assert "**Status: completed.** Mean accuracy 69.8% over 3 domain(s)" in report
     for client_id, domain in ACCEPTED.items():
-        row = rf"\| {re.escape(client_id)} +\| {domain} +\| accepted +\| +412\.3 kB"
+        row = rf"\| {re.escape(client_id)} +\| {domain} +\| accepted +\| +96 +\| +412\.3 kB"
         assert re.search(row, report)
         assert f"### {client_id} ({domain})" in report
     failed = r"\| node 7 +\| +\| failed .*\| ClientApp raised \\\| out of memory +\|"

@@ -81,6 +81,7 @@ def institution_upload(
     blob, metrics = create(cfg.method).upload(job)
     return blob, {
         "num-examples": len(data),
+        "unreadable-files-skipped": data.skipped_files,
         "payload-bytes": len(blob),
         **metrics,
         "seconds-total": time.perf_counter() - started,
