@@ -1,6 +1,6 @@
 """ClientApp: compute and upload once on ``train`` (the run's method: FedBiP personalizes, the
-peers do their own); score the classifier sent back on ``evaluate``. FedAvg's rounds come here
-too (``train`` carries the global weights).
+peers do their own); score the classifier sent back on ``evaluate``. A multi-round method's
+rounds (FedAvg's: ``train`` carries the global weights) go to its own hooks.
 
 Thin over the library. Who this node is and where its data lives come from its own node config
 (:class:`fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase and
@@ -18,13 +18,13 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedbip_flwr import dataset
+from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import load_classifier_bytes
 from fedbip_flwr.client import kept_classifier_path, score_classifier
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import fedavg, institution_upload
+from fedbip_flwr.methods import MultiRound, institution_upload
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.wire import (
     METRICS_RECORD,
@@ -56,8 +56,9 @@ def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     cfg, node = configs(context)
-    if cfg.method == fedavg.NAME:
-        return Message(content=fedavg.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
+    method = methods.create(cfg.method)
+    if isinstance(method, MultiRound):
+        return Message(content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
     _, client_id = dataset.institution_identity(cfg, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
@@ -75,8 +76,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Score the classifier the server sent on this institution's held-out images; keep it."""
     setup_logging()
     cfg, node = configs(context)
-    if cfg.method == fedavg.NAME:
-        return Message(content=fedavg.client_evaluate(msg, cfg, node), reply_to=msg)
+    method = methods.create(cfg.method)
+    if isinstance(method, MultiRound):
+        return Message(content=method.client_evaluate(msg, cfg, node), reply_to=msg)
     domain, client_id = dataset.institution_identity(cfg, node)
     settings = message_config(msg)
     blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))

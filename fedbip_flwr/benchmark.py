@@ -139,7 +139,7 @@ def slug(name: str) -> str:
 
 def available(names: Sequence[str]) -> list[Variant]:
     """The named variants whose method this installation has (FedAvg runs Flower's own)."""
-    known = {*methods.names(), "fedavg"}
+    known = set(methods.names())
     return [v for v in map(variant, names) if v.method in known]
 
 

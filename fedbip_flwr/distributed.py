@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from . import dataset
 from .config import ConfigError, FedBiPConfig
 from .ldm import load_for_run, select_device
-from .methods import Method, ServerJob, Upload, create
+from .methods import Method, ServerJob, Upload, create_one_shot
 from .server import RunFolder, ShardPending, WorkUnit, load_persisted, only_reuse
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,10 @@ def read_run_config(folder: RunFolder) -> FedBiPConfig:
 def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunSynthesis:
     """The run's uploads re-read and validated by its method, as a restarted ServerApp does,
     with the LDM (loaded on first use) on ``device``."""
-    method = create(cfg.method)
+    try:
+        method = create_one_shot(cfg.method)
+    except ValueError as err:  # a multi-round run has no uploads to synthesize from
+        raise ConfigError(f"{folder.root}: {err}") from None
     loader = functools.cache(functools.partial(
         load_for_run, cfg.model, device, cfg.half_precision, cfg.image_size,
         channels_last=cfg.channels_last, compile_unet=cfg.compile_unet,

@@ -47,7 +47,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
         cfg = FedBiPConfig.from_flat({**flat, "half-precision": half, "multiplier": 1})
         ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
         job = ServerJob(cfg, dataset.class_names(cfg), lambda ldm=ldm: ldm)
-        method = methods.create(cfg.method)
+        method = methods.create_one_shot(cfg.method)
         uploads = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
         out = RunFolder(tmp / f"half-{half}")
         started = time.perf_counter()

@@ -1,7 +1,8 @@
 """ServerApp: one round of uploads, then the method's training set, the classifier and scores.
 
 Thin over the library: the run config's ``method`` names what clients upload and what the
-server makes of it (:mod:`fedbip_flwr.methods`; FedAvg runs Flower's own multi-round strategy). The classifier is scored where ``evaluation`` says: on the server's test
+server makes of it (:mod:`fedbip_flwr.methods`; a multi-round method, FedAvg, runs its own Flower
+strategy instead). The classifier is scored where ``evaluation`` says: on the server's test
 sets (simulations, paper presets) and/or by the institutions on their own held-out images,
 which also keep the classifier. A restart with the same ``run-name`` finds the uploads on disk
 and never asks a client that uploaded to upload again. With ``synthesis = "external"`` the
@@ -26,7 +27,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.distributed import RunSynthesis, SynthesisTimeout, wait_for_shards
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import ServerJob, fedavg
+from fedbip_flwr.methods import MultiRound, ServerJob
 from fedbip_flwr.paths import resolve
 from fedbip_flwr.report import write_report
 from fedbip_flwr.server import (
@@ -60,11 +61,11 @@ def main(grid: Grid, context: Context) -> None:
     dataset.verify(cfg)
     check_classifier_init(cfg.classifier_init)  # an offline server fails now, not after synthesis
     device = select_device(cfg.device)
-    if cfg.method == fedavg.NAME:
-        _run_fedavg(grid, cfg, folder, device)
+    method = methods.create(cfg.method)
+    if isinstance(method, MultiRound):
+        _run_rounds(method, grid, cfg, folder, device)
         return
     seconds: dict[str, float] = {}
-    method = methods.create(cfg.method)
     job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
 
     started, started_unix = time.perf_counter(), time.time()
@@ -158,11 +159,11 @@ def _record_failure(folder: RunFolder, metrics: dict, reason: str) -> None:
     write_report(folder.root)
 
 
-def _run_fedavg(grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device) -> None:
-    """FedAvg's rounds on Flower's own strategy, scored like every other method."""
+def _run_rounds(method: MultiRound, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device) -> None:
+    """A multi-round method's rounds on its Flower strategy, scored like every other method."""
     on_server = cfg.evaluation in ("server", "both")
     tests, _ = _test_sets(cfg, cfg.domain_list if on_server else [])
-    metrics = fedavg.run_server(
+    metrics = method.run_server(
         grid, cfg, folder,
         lambda model: evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
         if on_server else {},

@@ -15,10 +15,10 @@ from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import METHODS, FedBiPConfig, NodeConfig
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.base import decode_upload, encode_upload, fresh_noise_labels
-from fedbip_flwr.payload import PayloadError, encode_tensors
+from fedbip_flwr.payload import PayloadError, UploadMeta, encode_tensors
 from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
-from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
+from tests.flower_helpers import ROOT, run_simulation, run_status, stop_local_superlink
 from tests.test_flower_e2e import SMALL, as_run_config
 
 pytestmark = pytest.mark.long(minutes=6)
@@ -42,11 +42,33 @@ def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
     return ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
 
 
-def test_every_method_of_the_run_config_is_registered_or_multi_round():
-    assert set(methods.names()) | {"fedavg"} <= set(METHODS)
+def test_every_method_of_the_run_config_is_registered():
+    assert set(methods.names()) == set(METHODS)
     assert set(ONE_SHOT) <= set(methods.names())
+    assert isinstance(create("fedavg"), methods.MultiRound)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         create("nope")
+
+
+def test_the_apps_name_no_method():
+    """The apps reach every method through the registry: no method name, no method module."""
+    sources = [ROOT / "client_app" / "app.py", *sorted((ROOT / "server_app").glob("*.py"))]
+    for path in sources:
+        text = path.read_text()
+        for name in METHODS:
+            assert f'"{name}"' not in text, f"{path.name} names method {name}"
+            module = name.replace("-", "_")
+            assert f"methods import {module}" not in text and f"methods.{module}" not in text, path
+
+
+def test_a_multi_round_method_makes_no_upload_to_audit_or_compute():
+    meta = UploadMeta(schema_version=1, method="fedavg", client_id="a", domain="sketch",
+                      class_names=["circle"], num_examples=1)  # fmt: skip
+    blob = encode_upload(meta, {"labels": torch.zeros(1, dtype=torch.int64)})
+    with pytest.raises(PayloadError, match="'fedavg' trains over several rounds"):
+        methods.audit_upload(blob, 2**20)
+    with pytest.raises(ValueError, match="makes no one upload"):
+        methods.create_one_shot("fedavg")
 
 
 def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_ldm, tmp_path):

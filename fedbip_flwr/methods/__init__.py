@@ -2,7 +2,7 @@
 
 FedBiP and its peers OSCAR and FedLMG, and the references Prompts-only, Central and Local, all
 have the shape of :class:`~fedbip_flwr.methods.base.Method`; FedAvg (multi-round, Flower's own
-strategy) is :mod:`fedbip_flwr.methods.fedavg`. ``flwr run`` (run config ``method``), the
+strategy) is a :class:`~fedbip_flwr.methods.base.MultiRound`. ``flwr run`` (run config ``method``), the
 benchmark and the tests create them here, so no method is implemented twice.
 """
 
@@ -20,22 +20,24 @@ from ..client import client_generator
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
 from ..payload import PayloadError, decode_payload, parse_meta, read_header, upload_method
-from . import central, fedbip, fedlmg, local, oscar, prompts_only
+from . import central, fedavg, fedbip, fedlmg, local, oscar, prompts_only
 from .base import (
     ClientJob,
     Method,
+    MultiRound,
     ServerJob,
     Teacher,
     Upload,
     create,
+    create_one_shot,
     decode_upload,
     names,
     register,
 )
 
 __all__ = [
-    "ClientJob", "Method", "ServerJob", "Teacher", "Upload", "audit_upload",
-    "central", "create", "fedbip", "fedlmg", "institution_upload", "local", "names", "oscar",
+    "ClientJob", "Method", "MultiRound", "ServerJob", "Teacher", "Upload", "audit_upload",
+    "central", "create", "create_one_shot", "fedavg", "fedbip", "fedlmg", "institution_upload", "local", "names", "oscar",
     "prompts_only", "register",
 ]  # fmt: skip
 
@@ -51,7 +53,7 @@ def audit_upload(blob: bytes, max_bytes: int) -> Upload:
     if name == fedbip.FedBiP.name:
         return fedbip.as_upload(decode_payload(blob, max_bytes=max_bytes))
     try:
-        method = create(name)
+        method = create_one_shot(name)
     except ValueError as err:
         raise PayloadError(str(err)) from None
     _, metadata = read_header(bytes(blob))
@@ -78,7 +80,7 @@ def institution_upload(
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
-    blob, metrics = create(cfg.method).upload(job)
+    blob, metrics = create_one_shot(cfg.method).upload(job)
     return blob, {
         "num-examples": len(data),
         "unreadable-files-skipped": data.skipped_files,

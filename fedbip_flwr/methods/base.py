@@ -16,6 +16,10 @@ tests call alike:
 
 Methods are registered by name with :func:`register` and created with :func:`create`, as in
 timm. The names are :data:`fedbip_flwr.config.METHODS`, the run config's ``method`` key.
+A method trained over several rounds on one of Flower's own strategies instead (FedAvg, the
+multi-round reference) is a :class:`MultiRound`, in the same registry: its three hooks stand
+where a one-shot method uploads, is scored by an institution and runs the one-round strategy,
+so the apps name no method.
 """
 
 from __future__ import annotations
@@ -29,21 +33,23 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
 from torch import nn
 
 from ..classifier import Distillation, Teacher
-from ..config import METHODS, FedBiPConfig
+from ..config import METHODS, FedBiPConfig, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
 from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
 from ..payload import encode_tensors as _encode_tensors
 from ..payload import read_tensors as _read_tensors
-from ..server import WorkUnit, client_seed, keyed_shard, synthesis_settings
+from ..server import RunFolder, WorkUnit, client_seed, keyed_shard, synthesis_settings
 from ..synthesis import iter_from_noise
 
 __all__ = [
-    "ClientJob", "Distillation", "Method", "ServerJob", "Teacher", "Upload", "WorkUnit",
-    "create", "decode_upload", "encode_upload", "names", "register",
+    "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
+    "WorkUnit", "create", "create_one_shot", "decode_upload", "encode_upload", "names", "register",
 ]  # fmt: skip
 
 
@@ -165,8 +171,30 @@ class Method(ABC):
         return None
 
 
-_REGISTRY: dict[str, type[Method]] = {}
-T = TypeVar("T", bound=type[Method])
+class MultiRound(ABC):
+    """A method trained over several rounds on one of Flower's strategies, not from one upload."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
+        """A client's reply to one round's ``train`` message."""
+
+    @abstractmethod
+    def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
+        """A client's reply to one round's ``evaluate`` message (its own held-out images)."""
+
+    @abstractmethod
+    def run_server(
+        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], dict]
+    ) -> dict:
+        """Every round, the final model saved in ``folder`` and scored by ``evaluate`` (the
+        server's test sets; {} where it holds none); returns metrics.json's content."""
+
+
+AnyMethod = Method | MultiRound
+_REGISTRY: dict[str, type[AnyMethod]] = {}
+T = TypeVar("T", bound=type[AnyMethod])
 
 
 def register(cls: T) -> T:
@@ -177,12 +205,21 @@ def register(cls: T) -> T:
     return cls
 
 
-def create(name: str) -> Method:
+def create(name: str) -> AnyMethod:
     """The method registered under ``name`` (the run config's ``method``)."""
     try:
         return _REGISTRY[name]()
     except KeyError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def create_one_shot(name: str) -> Method:
+    """The one-shot method registered under ``name``; ValueError for a multi-round one, which
+    makes no single upload."""
+    method = create(name)
+    if not isinstance(method, Method):
+        raise ValueError(f"method {name!r} trains over several rounds and makes no one upload")
+    return method
 
 
 def names() -> list[str]:

@@ -11,83 +11,88 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from torch import nn
 
 from .. import dataset
 from ..classifier import build_classifier, save_classifier, train_classifier
 from ..client import client_generator, score_classifier
 from ..config import FedBiPConfig, NodeConfig
-from ..server import train_settings
+from ..server import RunFolder, train_settings
 from ..storage import write_json
+from .base import MultiRound, register
 
 log = logging.getLogger(__name__)
-NAME = "fedavg"
-ARRAYS, METRICS, CONFIG = "arrays", "metrics", "config"
-ROUND = "server-round"
+ARRAYS, METRICS = "arrays", "metrics"  # Flower's FedAvg's record keys
 
 
-def client_round(msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
-    """One client's round: the global weights, trained locally on its own images."""
-    data = dataset.institution_data(cfg, node)
-    model = build_classifier(len(data.classes), "random")
-    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
-    generator = client_generator(cfg, node, data.client_id)
-    seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-    train_classifier(model, data.images, data.labels, train_settings(cfg, cfg.fedavg_local_epochs), seed=seed, device=device)
-    return RecordDict({
-        ARRAYS: ArrayRecord(model.cpu().state_dict()),
-        METRICS: MetricRecord({"num-examples": len(data)}),
-    })  # fmt: skip
+@register
+class FedAvg(MultiRound):
+    name = "fedavg"
 
+    def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
+        """One client's round: the global weights, trained locally on its own images."""
+        data = dataset.institution_data(cfg, node)
+        model = build_classifier(len(data.classes), "random")
+        model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
+        generator = client_generator(cfg, node, data.client_id)
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
+        train_classifier(model, data.images, data.labels, train_settings(cfg, cfg.fedavg_local_epochs), seed=seed, device=device)
+        return RecordDict({
+            ARRAYS: ArrayRecord(model.cpu().state_dict()),
+            METRICS: MetricRecord({"num-examples": len(data)}),
+        })  # fmt: skip
 
-def client_evaluate(msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
-    """Flower's federated evaluation: the global weights scored on the client's held-out images."""
-    domain, _ = dataset.institution_identity(cfg, node)
-    model = build_classifier(len(cfg.class_list), "random")
-    model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
-    scores = score_classifier(model, dataset.institution_test_set(cfg, node, domain),
-                              cfg.classifier_image_size)  # fmt: skip
-    return RecordDict({METRICS: MetricRecord(
-        {"accuracy": scores["accuracy"], "num-examples": scores["num-examples"]}
-    )})  # fmt: skip
+    def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
+        """Flower's federated evaluation: the global weights scored on the client's held-out images."""
+        domain, _ = dataset.institution_identity(cfg, node)
+        model = build_classifier(len(cfg.class_list), "random")
+        model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
+        scores = score_classifier(model, dataset.institution_test_set(cfg, node, domain),
+                                  cfg.classifier_image_size)  # fmt: skip
+        return RecordDict({METRICS: MetricRecord(
+            {"accuracy": scores["accuracy"], "num-examples": scores["num-examples"]}
+        )})  # fmt: skip
 
+    def run_server(
+        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], dict]
+    ) -> dict:
+        """Flower's FedAvg over every connected client; the global model saved and scored.
 
-def run_server(grid: Grid, cfg: FedBiPConfig, folder, evaluate_fn) -> dict:
-    """Flower's FedAvg over every connected client; the global model saved and scored.
-
-    ``evaluate_fn(model) -> dict`` scores on the server's test sets ({} where it holds none);
-    institutions score every round's model on their own images when ``evaluation`` asks.
-    """
-    started = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model = build_classifier(len(cfg.class_list), cfg.classifier_init)
-    on_clients = cfg.evaluation in ("clients", "both")
-    strategy = FedAvg(
-        fraction_train=1.0,
-        fraction_evaluate=1.0 if on_clients else 0.0,
-        min_train_nodes=cfg.min_clients,
-        min_available_nodes=cfg.min_clients,
-        min_evaluate_nodes=cfg.min_clients if on_clients else 0,
-    )
-    result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=cfg.fedavg_rounds,
-                            timeout=cfg.reply_timeout_s)  # fmt: skip
-    if len(result.arrays) == 0:
-        raise RuntimeError("FedAvg produced no global model: every client failed (see the log)")
-    model.load_state_dict(result.arrays.to_torch_state_dict())
-    save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.class_list)})
-    metrics: dict = {"status": "completed", "config": cfg.to_flat(), "accuracy": evaluate_fn(model)}
-    if on_clients and result.evaluate_metrics_clientapp:
-        last = max(result.evaluate_metrics_clientapp)
-        metrics["evaluation"] = {
-            "where": cfg.evaluation,
-            "per_client": {},  # Flower's FedAvg aggregates the institutions' scores
-            "weighted_mean": float(result.evaluate_metrics_clientapp[last]["accuracy"]),
-            "round": last,
-        }
-    metrics["seconds"] = {"rounds": time.perf_counter() - started}
-    write_json(folder.metrics, metrics)
-    return metrics
+        ``evaluate(model) -> dict`` scores on the server's test sets ({} where it holds none);
+        institutions score every round's model on their own images when ``evaluation`` asks.
+        """
+        started = time.perf_counter()
+        torch.manual_seed(cfg.seed)
+        model = build_classifier(len(cfg.class_list), cfg.classifier_init)
+        on_clients = cfg.evaluation in ("clients", "both")
+        strategy = FlowerFedAvg(
+            fraction_train=1.0,
+            fraction_evaluate=1.0 if on_clients else 0.0,
+            min_train_nodes=cfg.min_clients,
+            min_available_nodes=cfg.min_clients,
+            min_evaluate_nodes=cfg.min_clients if on_clients else 0,
+        )
+        result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=cfg.fedavg_rounds,
+                                timeout=cfg.reply_timeout_s)  # fmt: skip
+        if len(result.arrays) == 0:
+            raise RuntimeError("FedAvg produced no global model: every client failed (see the log)")
+        model.load_state_dict(result.arrays.to_torch_state_dict())
+        save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.class_list)})
+        metrics: dict = {"status": "completed", "config": cfg.to_flat(), "accuracy": evaluate(model)}
+        if on_clients and result.evaluate_metrics_clientapp:
+            last = max(result.evaluate_metrics_clientapp)
+            metrics["evaluation"] = {
+                "where": cfg.evaluation,
+                "per_client": {},  # Flower's FedAvg aggregates the institutions' scores
+                "weighted_mean": float(result.evaluate_metrics_clientapp[last]["accuracy"]),
+                "round": last,
+            }
+        metrics["seconds"] = {"rounds": time.perf_counter() - started}
+        write_json(folder.metrics, metrics)
+        return metrics
