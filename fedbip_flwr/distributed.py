@@ -163,7 +163,7 @@ def external_command(folder: RunFolder) -> str:
     where = shlex.quote(str(folder.root.resolve()))
     return (
         f"`fedbip synthesize {where}` (one process), or on N GPUs `accelerate launch "
-        f"--num_processes N -m fedbip_flwr.cli synthesize {where}` (docs/scale.md)"
+        f"--num_processes N -m fedbip_tools.cli synthesize {where}` (docs/scale.md)"
     )
 
 

@@ -4,7 +4,7 @@
 
 Reads the published configs committed in models/sd-v1-4-architecture/ (no weights), initialises
 every part with seeded random weights, adds CLIP ViT-L/14's real BPE tokenizer rebuilt offline
-(fedbip_flwr/clip_bpe.py), checks the parameter counts against the published ones and saves the
+(fedbip_tools/clip_bpe.py), checks the parameter counts against the published ones and saves the
 folder with safetensors weights (about 4.3 GB in float32: never commit it). The folder loads with
 `load_ldm` and `StableDiffusionPipeline.from_pretrained` like the real checkpoint; it has the real
 model's shapes, FLOPs and memory, and synthesizes noise. A folder that already holds a complete
@@ -18,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from fedbip_flwr.sd_architecture import PUBLISHED_PARAMETERS, build_random_sd, parameter_counts
+from fedbip_tools.sd_architecture import PUBLISHED_PARAMETERS, build_random_sd, parameter_counts
 
 DONE = "build_info.json"
 

@@ -10,7 +10,7 @@ under every setting below, from the same noise. Each setting is judged by
 - a peer judge per domain: ResNet-18 trained on real images of OTHER clients of the client's
   domain (class fidelity where the five-domain judge below is weak: sketches, line drawings);
 - two independent ResNet-18 judges trained on real images of all five domains
-  (``fedbip_flwr.judges``, the benchmark's, smaller: ``--judge-per-class``, ``--judge-epochs``):
+  (``fedbip_tools.judges``, the benchmark's, smaller: ``--judge-per-class``, ``--judge-epochs``):
   class fidelity and the share judged as the client's domain (what the BatchNorm loss is for:
   the prompt names no domain).
 
@@ -34,7 +34,6 @@ from torch import nn
 from fedbip_flwr import dataset, shapes
 from fedbip_flwr.classifier import build_classifier, evaluate, train_classifier
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.judges import JUDGE_SEED, load_judges
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.fedlmg import class_prompts, guidance_settings, iter_guided
@@ -42,6 +41,7 @@ from fedbip_flwr.server import client_seed, train_settings
 from fedbip_flwr.storage import read_metadata, read_tensors, write_tensors
 from fedbip_flwr.synthesis import encode_texts
 from fedbip_flwr.viz import dequantize, image_grid, quantize
+from fedbip_tools.judges import JUDGE_SEED, load_judges
 
 # name -> changes to the paper variant's settings (CFG 3, w_BN 0.2, 10 edits at 0.1). On the
 # miniature model the gradient of CE + 0.2 L_BN is large (|sqrt(1 - abar) grad| ~ 1-3 x |eps|

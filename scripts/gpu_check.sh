@@ -70,7 +70,7 @@ tail -n 40 "$WORK"/sd-proof/logs/*.log >"$OUT/sd_proof_logs.txt" 2>/dev/null
 speed() {  # speed NAME CAP ARGS...: fedbip speed at 512 px on the GPU, one JSON per call
     local name=$1 cap=$2
     shift 2
-    stage "speed-$name" "$cap" "$PY" -m fedbip_flwr.speed --device cuda --model "$SD_MODEL" \
+    stage "speed-$name" "$cap" "$PY" -m fedbip_tools.speed --device cuda --model "$SD_MODEL" \
         --image-size 512 --repeats 1 --out "$OUT/speed_$name.json" --markdown "$WORK/speed_$name.md" "$@"
 }
 speed half 150 --cases synth-stock-half,synth-project-half,synth-project-half-cl --batch 8 --steps 50 --guidance 7.5

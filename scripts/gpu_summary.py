@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from fedbip_flwr.speed import markdown as speed_markdown
+from fedbip_tools.speed import markdown as speed_markdown
 
 ORDER = ["speed_half", "speed_float32", "speed_concept", "speed_compile"]  # gpu_check.sh's order
 

@@ -31,10 +31,10 @@ import torch
 from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import Precision, ShardImages
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.judges import Judges, load_judges
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.methods import ServerJob
 from fedbip_flwr.server import RunFolder, evaluate_models, train_global
+from fedbip_tools.judges import Judges, load_judges
 from server_app.app import load_persisted
 
 MODES = ("float32", "auto")

@@ -20,7 +20,7 @@ import torch
 from accelerate import init_empty_weights
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedbip_flwr.sd_architecture import build_modules
+from fedbip_tools.sd_architecture import build_modules
 
 META = torch.device("meta")
 

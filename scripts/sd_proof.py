@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from fedbip_flwr.simulation import free_port, stop_process_tree, wait_for_port
+from fedbip_tools.simulation import free_port, stop_process_tree, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import psutil
 
-from fedbip_flwr import simulation
-from fedbip_flwr.simulation import (
+from fedbip_tools import simulation
+from fedbip_tools.simulation import (
     FLWR,
     federation_config,
     free_port,

@@ -1,4 +1,4 @@
-"""The methods benchmark (fedbip_flwr/benchmark.py): its budget rules, its summary and report,
+"""The methods benchmark (fedbip_tools/benchmark.py): its budget rules, its summary and report,
 and one seed of two variants through the real `flwr run`, the second resuming from the first's
 uploads as a restarted server would."""
 
@@ -12,11 +12,11 @@ import statistics
 import pytest
 import torch
 
-from fedbip_flwr import benchmark
-from fedbip_flwr.benchmark import Bench, Settings
 from fedbip_flwr.classifier import batches_per_epoch
-from fedbip_flwr.judges import load_judges
 from fedbip_flwr.server import RunFolder
+from fedbip_tools import benchmark
+from fedbip_tools.benchmark import Bench, Settings
+from fedbip_tools.judges import load_judges
 
 pytestmark = pytest.mark.long(minutes=1.6)
 

@@ -22,8 +22,8 @@ from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, wit
 from test_report import ACCEPTED, completed_metrics, run_folder
 
 from fedbip_flwr import shapes
-from fedbip_flwr.cli import main, project_run_config
 from fedbip_flwr.payload import encode_payload, save_payload
+from fedbip_tools.cli import main, project_run_config
 from tests.flower_helpers import ROOT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ INVALID_IN_PROCESS: dict[str, tuple[Callable[[], bytes], str]] = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Run ``python -m fedbip_flwr.cli inspect`` once per case, all processes concurrently."""
+    """Run ``python -m fedbip_tools.cli inspect`` once per case, all processes concurrently."""
     folder = tmp_path_factory.mktemp("cli")
     paths = {"valid": save_payload(make_payload(), folder / "valid.safetensors")}
     for name, (build, _) in INVALID.items():
@@ -66,7 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Compl
             paths[name].write_bytes(build())
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "fedbip_flwr.cli", "inspect", str(path)],
+            [sys.executable, "-m", "fedbip_tools.cli", "inspect", str(path)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -212,12 +212,12 @@ def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, t
                   f'model="{tiny_model_dir}" image-size=32 concept-epochs=1 num-inference-steps=4')
     out = tmp_path / "upload.safetensors"
     made = subprocess.run(
-        [sys.executable, "-m", "fedbip_flwr.cli", "personalize", str(data), "--domain",
+        [sys.executable, "-m", "fedbip_tools.cli", "personalize", str(data), "--domain",
          "quickdraw", "--client-id", "lab-b", "--out", str(out), "--run-config", run_config],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert made.returncode == 0, made.stderr[-3000:]
     assert f"fedbip inspect {out}" in made.stdout
-    inspected = subprocess.run([sys.executable, "-m", "fedbip_flwr.cli", "inspect", str(out)],
+    inspected = subprocess.run([sys.executable, "-m", "fedbip_tools.cli", "inspect", str(out)],
                                cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert inspected.returncode == 0 and "client_id: lab-b" in inspected.stdout
     cfg = FedBiPConfig.from_flat({**project_run_config(), "dataset": "imagefolder",
@@ -232,7 +232,7 @@ def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, t
 
 def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> None:
     made = subprocess.run(
-        [sys.executable, "-m", "fedbip_flwr.cli", "personalize", str(tmp_path / "missing"),
+        [sys.executable, "-m", "fedbip_tools.cli", "personalize", str(tmp_path / "missing"),
          "--domain", "sketch", "--client-id", "lab", "--out", str(tmp_path / "x.safetensors"),
          "--run-config", 'dataset="imagefolder" classes="a,b"'],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)

@@ -10,9 +10,9 @@ import logging
 
 import pytest
 
-from fedbip_flwr.clip_bpe import CLIP_VOCAB_SIZE, clip_tokenizer
 from fedbip_flwr.concepts import count_tokens, plain_prompt, prompt_layout
 from fedbip_flwr.specs import SPECS
+from fedbip_tools.clip_bpe import CLIP_VOCAB_SIZE, clip_tokenizer
 
 PAPER = [spec for spec in SPECS.values() if spec.classes]  # imagefolder names its own
 

@@ -15,7 +15,7 @@ from fedbip_flwr import shapes
 from fedbip_flwr.client import client_generator, personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.simulation import (
+from fedbip_tools.simulation import (
     SimulationError,
     port_is_free,
     superlink_port,

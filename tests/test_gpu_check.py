@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedbip_flwr import speed
+from fedbip_tools import speed
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbip_flwr import cli, methods, shapes
+from fedbip_flwr import methods, shapes
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.distributed import (
@@ -40,6 +40,7 @@ from fedbip_flwr.methods import ServerJob
 from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.server import RunFolder, WorkUnit, synthesize_all
 from fedbip_flwr.storage import atomic_write, read_small_tensor, write_json
+from fedbip_tools import cli
 from tests.flower_helpers import (
     FLWR,
     ROOT,
@@ -68,7 +69,7 @@ def digests(folder: RunFolder) -> dict[str, str]:
 
 def fedbip_synthesize(folder: RunFolder, processes: int = 1) -> subprocess.CompletedProcess:
     """The command as a user runs it, on this tree's code: plain, or under accelerate."""
-    command = ["-m", "fedbip_flwr.cli", "synthesize", str(folder.root)]
+    command = ["-m", "fedbip_tools.cli", "synthesize", str(folder.root)]
     if processes > 1:  # accelerate's torchrun launcher; the command picks gloo on the CPU
         command = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(processes), "--num_machines", "1", "--mixed_precision", "no",

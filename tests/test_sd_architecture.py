@@ -16,7 +16,7 @@ import pytest
 import torch
 from accelerate import init_empty_weights
 
-from fedbip_flwr.sd_architecture import PUBLISHED_PARAMETERS, build_modules, parameter_counts
+from fedbip_tools.sd_architecture import PUBLISHED_PARAMETERS, build_modules, parameter_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The speed benchmark's cases (fedbip_flwr/speed.py) on a tiny model: the project's sampling
+"""The speed benchmark's cases (fedbip_tools/speed.py) on a tiny model: the project's sampling
 loop and the stock StableDiffusionPipeline do the same work, the CUDA path's fp16 dtype and
 shapes hold on the CPU, and the concept-step and classifier cases measure what they say."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedbip_flwr import speed
 from fedbip_flwr.ldm import load_ldm
+from fedbip_tools import speed
 
 pytestmark = pytest.mark.long(minutes=0.8)
 

@@ -47,8 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedbip_flwr.paths import project_dir
+
 from .benchmark import write_section
-from .paths import project_dir
 
 ROOT = project_dir() or Path.cwd()  # the checkout: benchmarks/, BENCHMARKS.md, the app
 MARKER = "speed"
@@ -355,7 +356,7 @@ def case_federation(args: argparse.Namespace, name: str) -> dict:
     """The default `flwr run` with three clients: wall time, phases, peak RSS of every process."""
     import psutil
 
-    from fedbip_flwr.simulation import flwr_env, run_status, stop_local_superlink
+    from fedbip_tools.simulation import flwr_env, run_status, stop_local_superlink
 
     with tempfile.TemporaryDirectory() as tmp:
         home, out = Path(tmp) / "home", Path(tmp) / "outputs"
@@ -427,7 +428,7 @@ def child(args: argparse.Namespace) -> None:
 def run_child(args: argparse.Namespace, case: str) -> dict:
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k not in ("child", "cases", "repeats", "out", "no_write", "markdown") and v is not None]  # fmt: skip
-    command = [sys.executable, "-m", "fedbip_flwr.speed", "--child", case, *forwarded]
+    command = [sys.executable, "-m", "fedbip_tools.speed", "--child", case, *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

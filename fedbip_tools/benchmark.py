@@ -7,7 +7,7 @@ seed, client data, test sets and classifier recipe; every classifier gets the sa
 SGD steps (``classifier-steps``; Local's per-client classifiers and FedAvg's rounds are sized to
 the same budget). The measurements come from what each run leaves in its folder: accuracy per
 domain (metrics.json), upload bytes and client seconds (clients.json), server seconds, the
-training set (training-set.json), which the fidelity judges (:mod:`fedbip_flwr.judges`) label,
+training set (training-set.json), which the fidelity judges (:mod:`fedbip_tools.judges`) label,
 and the classifier, whose membership-inference gaps are measured on the clients' real images.
 
 Variants that differ only in what the server does with the same uploads (FedBiP-S and -M from
@@ -41,15 +41,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import dataset, methods
-from .classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
-from .config import FedBiPConfig
+from fedbip_flwr import dataset, methods
+from fedbip_flwr.classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
+from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.paths import project_dir
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import write_json
+from fedbip_flwr.viz import image_grid
+
 from .judges import Judges, load_judges
-from .paths import project_dir
-from .server import RunFolder
 from .simulation import SimulationError, run_simulation, run_status, stop_local_superlink
-from .storage import write_json
-from .viz import image_grid
 
 log = logging.getLogger(__name__)
 MARKER = "methods"

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from .paths import project_dir
+from fedbip_flwr.paths import project_dir
 
 FLWR = str(Path(sys.executable).with_name("flwr"))
 

@@ -319,7 +319,7 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-    from fedbip_flwr import benchmark
+    from fedbip_tools import benchmark
 
     setup_logging()
     root = project_dir() or Path.cwd()
@@ -345,7 +345,7 @@ def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentPar
         help="make a run's training set (its shards) for a ServerApp run with synthesis external",
         description="Make the training-set shards of RUN_DIR from its config.json and persisted "
         "uploads (validated as the server does), as the ServerApp would. Launched by "
-        "`accelerate launch --num_processes N -m fedbip_flwr.cli synthesize RUN_DIR`, the N "
+        "`accelerate launch --num_processes N -m fedbip_tools.cli synthesize RUN_DIR`, the N "
         "processes (on one machine or several over a shared RUN_DIR) split the work balanced "
         "by image count, each on its own GPU. Shards already there are kept, so a rerun after "
         "a crash makes only what is missing (docs/scale.md). Exit status 0: every shard is on "
@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fedbip`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["speed"]:  # its own parser: it also parses its child processes' arguments
-        from fedbip_flwr import speed
+        from fedbip_tools import speed
 
         speed.main(argv[1:])
         return 0

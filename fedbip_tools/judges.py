@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import shapes
-from .classifier import TrainSettings, build_classifier, evaluate, train_classifier
-from .storage import read_tensors, write_tensors
+from fedbip_flwr import shapes
+from fedbip_flwr.classifier import TrainSettings, build_classifier, evaluate, train_classifier
+from fedbip_flwr.storage import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 JUDGE_SEED = 1000  # the judges' own real images: no benchmark seed's client or test set

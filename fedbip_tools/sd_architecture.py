@@ -3,7 +3,7 @@
 ``models/sd-v1-4-architecture/`` holds the four configs diffusers and transformers publish for
 ``CompVis/stable-diffusion-v1-4`` (UNet2DConditionModel, AutoencoderKL, CLIP ViT-L/14's text
 model, the PNDM scheduler). Built with random weights and CLIP's real BPE tokenizer
-(:mod:`fedbip_flwr.clip_bpe`), they give a diffusers folder that runs exactly the shapes, FLOPs
+(:mod:`fedbip_tools.clip_bpe`), they give a diffusers folder that runs exactly the shapes, FLOPs
 and memory of the real model: what the CPU proof at 512 px (BENCHMARKS.md) runs. Speed and
 shapes do not depend on the weights; images do, so nothing it synthesizes means anything.
 """
@@ -17,8 +17,9 @@ import torch
 from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
+from fedbip_flwr.ldm import LDM, _fingerprint_of
+
 from .clip_bpe import clip_tokenizer
-from .ldm import LDM, _fingerprint_of
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "models" / "sd-v1-4-architecture"
 

@@ -1,0 +1,42 @@
+"""The layout's rules, read from the code: the apps reach methods only through the registry,
+and what `flwr run` ships to nodes never needs the tools that stay home."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+
+from fedbip_flwr.config import METHODS
+from tests.flower_helpers import ROOT
+
+SHIPPED = ("fedbip_flwr", "client_app", "server_app")
+
+
+def imported_modules(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def test_the_apps_name_no_method():
+    """The apps reach every method through the registry: no method name, no method module."""
+    for path in [ROOT / "client_app" / "app.py", *sorted((ROOT / "server_app").glob("*.py"))]:
+        text, imports = path.read_text(), imported_modules(path)
+        for name in METHODS:
+            assert f'"{name}"' not in text, f"{path.name} names method {name}"
+            module = f"fedbip_flwr.methods.{name.replace('-', '_')}"
+            assert module not in imports, f"{path.name} imports {module}"
+
+
+def test_what_nodes_run_never_imports_the_tools():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    shipped = project["tool"]["flwr"]["app"]["fab-include"]
+    assert not [pattern for pattern in shipped if "fedbip_tools" in pattern]
+    for package in SHIPPED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tools = {name for name in imported_modules(path) if name.startswith("fedbip_tools")}
+            assert not tools, f"{path.relative_to(ROOT)} imports {sorted(tools)}, which nodes lack"
