@@ -37,6 +37,8 @@ COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
 RUN python -m pip install --no-cache-dir ${PIP_INSTALL_ARGS} -r /tmp/requirements.txt
 COPY --chown=app:app pyproject.toml ./
 COPY --chown=app:app README.md ./
+# What executors run, as fab-include ships it; fedbip_tools (the CLI, benchmark, builders) is for
+# people and stays out, so the image's `fedbip` console script is not usable here.
 COPY --chown=app:app fedbip_flwr fedbip_flwr
 COPY --chown=app:app client_app client_app
 COPY --chown=app:app server_app server_app
