@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbip_flwr import shapes
 from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
-
-WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
+from tests.flower_helpers import WORDS
 
 
 @pytest.fixture(scope="session")

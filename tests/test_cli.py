@@ -19,12 +19,11 @@ import pytest
 import safetensors.torch
 import torch
 from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, with_header
-from test_report import ACCEPTED, completed_metrics, run_folder
 
 from fedbip_flwr import shapes
 from fedbip_flwr.payload import encode_payload, save_payload
 from fedbip_tools.cli import main, project_run_config
-from tests.flower_helpers import ROOT
+from tests.flower_helpers import ACCEPTED, ROOT, completed_metrics, run_folder
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,15 @@ from fedbip_flwr.ldm import TINY, build_ldm, load_for_run
 from fedbip_flwr.methods import create
 from fedbip_flwr.server import RunFolder, train_global
 from fedbip_flwr.storage import read_tensors
-from tests.conftest import WORDS
-from tests.test_methods import ONE_SHOT, client_job, config, server_job
-from tests.test_precision import relative_error, s_gradient
+from tests.flower_helpers import (
+    ONE_SHOT,
+    WORDS,
+    client_job,
+    method_config,
+    relative_error,
+    s_gradient,
+    server_job,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -35,7 +41,7 @@ def gpu() -> None:
 
 def one_shot(method: str, model_dir: Path, device: torch.device, out: Path) -> dict:
     """Two clients' uploads, the server's training set and classifier, all on ``device``."""
-    cfg = config(method, device=device.type, classifier_precision="auto")
+    cfg = method_config(method, device=device.type, classifier_precision="auto")
     ldm = load_for_run(str(model_dir), device, cfg.half_precision, cfg.image_size)
     server = replace(server_job(cfg, ldm), device=device)
     uploads = {}

@@ -17,6 +17,8 @@ import pytest
 from tests.flower_helpers import (
     FLWR,
     ROOT,
+    SMALL,
+    as_run_config,
     flwr_env,
     free_port,
     free_port_block,
@@ -24,7 +26,6 @@ from tests.flower_helpers import (
     stop_process_tree,
     wait_for_port,
 )
-from tests.test_flower_e2e import SMALL, as_run_config
 
 pytestmark = pytest.mark.long(minutes=3)
 

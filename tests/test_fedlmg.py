@@ -38,6 +38,7 @@ from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_metadata, write_tensors
 from fedbip_flwr.synthesis import decode_latents, encode_texts
 from fedbip_flwr.viz import quantize
+from tests.flower_helpers import tampered
 
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 3, "local-epochs": 1,
        "shots-per-class": 2, "replayable-client-noise": True, "classifier-init": "random",
@@ -95,7 +96,6 @@ def test_the_upload_is_a_trained_resnet18_with_its_bn_statistics_and_class_count
 
 
 def test_a_negative_running_variance_is_refused(tiny_ldm):
-    from tests.test_methods import tampered
 
     cfg = config()
     blob, _ = upload_of(cfg, tiny_ldm)

@@ -21,29 +21,19 @@ from fedbip_tools.simulation import (
     superlink_port,
     superlink_processes,
 )
-from tests.flower_helpers import FLWR, flwr_env, run_simulation, run_status, stop_local_superlink
+from tests.flower_helpers import (
+    FLWR,
+    SMALL,
+    as_run_config,
+    flwr_env,
+    run_simulation,
+    run_status,
+    stop_local_superlink,
+)
 
 pytestmark = pytest.mark.long(minutes=1.4)
 
 FLOWER_DEFAULT_PORT = 39091  # where `flwr run .` starts its local SuperLink (flwr.cli.constant)
-
-SMALL = {
-    "domains": '"sketch,quickdraw,painting"',
-    "shots-per-class": 3,
-    "test-per-class": 4,
-    "image-size": 32,
-    "classifier-image-size": 32,
-    "concept-epochs": 2,
-    "num-inference-steps": 4,
-    "multiplier": 1,
-    "classifier-epochs": 2,
-    "run-name": '"e2e"',
-    "replayable-client-noise": "true",  # simulation opt-in: lets tests recompute payloads
-}
-
-
-def as_run_config(values: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in values.items())
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,14 @@ from fedbip_flwr.wire import (
     payload_content,
 )
 from server_app.strategy import ClientOutcome, OneShotStrategy
-from tests.test_flower_e2e import SMALL, as_run_config
+from tests.flower_helpers import (
+    RECORDING_CLIENT,
+    SMALL,
+    as_run_config,
+    make_wrapper_app,
+    received,
+    run_to_end,
+)
 from tests.test_payload import (
     LATENT_SHAPE,
     MALFORMED,
@@ -61,7 +68,6 @@ from tests.test_payload import (
     split_blob,
     with_header,
 )
-from tests.test_resume import RECORDING_CLIENT, make_wrapper_app, received, run_to_end
 
 pytestmark = pytest.mark.long(minutes=1.4)
 

@@ -13,34 +13,27 @@ import torch
 from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import METHODS, FedBiPConfig, NodeConfig
-from fedbip_flwr.methods import ClientJob, ServerJob, create
-from fedbip_flwr.methods.base import decode_upload, encode_upload, fresh_noise_labels
-from fedbip_flwr.payload import PayloadError, UploadMeta, encode_tensors
+from fedbip_flwr.methods import create
+from fedbip_flwr.methods.base import encode_upload, fresh_noise_labels
+from fedbip_flwr.payload import PayloadError, UploadMeta
 from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
 from fedbip_tools import cli
-from tests.flower_helpers import run_simulation, run_status, stop_local_superlink
-from tests.test_flower_e2e import SMALL, as_run_config
+from tests.flower_helpers import (
+    METHOD_CFG,
+    ONE_SHOT,
+    SMALL,
+    as_run_config,
+    client_job,
+    method_config,
+    run_simulation,
+    run_status,
+    server_job,
+    stop_local_superlink,
+    tampered,
+)
 
 pytestmark = pytest.mark.long(minutes=6)
-
-CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
-       "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
-       "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
-ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg")  # peers join as their modules land
-
-
-def config(method: str, **values) -> FedBiPConfig:
-    return FedBiPConfig.from_flat({**CFG, "method": method, **values})
-
-
-def client_job(cfg: FedBiPConfig, ldm, partition: int = 0) -> ClientJob:
-    data = dataset.load_client_data(cfg, partition)
-    return ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
-
-
-def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
-    return ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
 
 
 def test_every_method_of_the_run_config_is_registered():
@@ -62,7 +55,7 @@ def test_a_multi_round_method_makes_no_upload_to_audit_or_compute():
 
 
 def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_ldm, tmp_path):
-    cfg = config("prompts-only")
+    cfg = method_config("prompts-only")
     job = client_job(cfg, tiny_ldm)
     blob, _ = create("prompts-only").upload(job)
     upload = create("prompts-only").accept(blob, server_job(cfg, tiny_ldm))
@@ -78,16 +71,16 @@ def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_
 
 def test_images_per_class_overrides_the_fedbip_equal_count():
     counts = torch.tensor([3, 0, 1])
-    assert fresh_noise_labels(counts, config("prompts-only")).tolist() == [0] * 6 + [2] * 2
-    fixed = fresh_noise_labels(counts, config("prompts-only", **{"images-per-class": 2}))
+    assert fresh_noise_labels(counts, method_config("prompts-only")).tolist() == [0] * 6 + [2] * 2
+    fixed = fresh_noise_labels(counts, method_config("prompts-only", **{"images-per-class": 2}))
     assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
     # the default federation's FedBiP: 2 z(T) per image, 1 pass each; as many images again
-    independent = config("prompts-only", **{"latents-per-image": 2, "multiplier": 1})
+    independent = method_config("prompts-only", **{"latents-per-image": 2, "multiplier": 1})
     assert fresh_noise_labels(counts, independent).tolist() == [0] * 6 + [2] * 2
 
 
 def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):
-    cfg = config("central")
+    cfg = method_config("central")
     job = client_job(cfg, tiny_ldm)
     blob, _ = create("central").upload(job)
     upload = create("central").accept(blob, server_job(cfg, tiny_ldm))
@@ -101,7 +94,7 @@ def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_
 
 
 def test_local_uploads_a_trained_classifier_and_is_scored_per_client(tiny_ldm):
-    cfg = config("local")
+    cfg = method_config("local")
     server = server_job(cfg, tiny_ldm)
     uploads = {}
     for partition in (0, 1):
@@ -125,20 +118,10 @@ _VALID: dict[str, bytes] = {}  # one honest upload per method, shared by the lie
 
 
 def valid_upload(method: str, ldm) -> tuple[bytes, FedBiPConfig]:
-    cfg = config(method)
+    cfg = method_config(method)
     if method not in _VALID:  # every tiny_ldm is the same saved model
         _VALID[method], _ = create(method).upload(client_job(cfg, ldm))
     return _VALID[method], cfg
-
-
-def tampered(blob: bytes, method: str, cfg: FedBiPConfig, change) -> bytes:
-    """The upload re-encoded after ``change(tensors, metadata)``: a client that lies."""
-    upload = decode_upload(blob, create(method).meta_model,
-                           tuple(create(method).expected_tensors(server_job(cfg, None))), 2**40)  # fmt: skip
-    tensors = dict(upload.tensors)
-    meta = {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()}
-    change(tensors, meta)
-    return encode_tensors(tensors, meta)
 
 
 def first_float(tensors: dict) -> str:
@@ -168,7 +151,7 @@ def test_malformed_uploads_are_refused_with_a_reason(method, lie, tiny_ldm):
 @pytest.mark.parametrize("method", ONE_SHOT)
 def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm):
     blob, cfg = valid_upload(method, tiny_ldm)
-    server = server_job(config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm)
+    server = server_job(method_config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm)
     with pytest.raises(PayloadError, match="above the cap"):
         create(method).accept(blob, server)
     with pytest.raises(PayloadError):
@@ -195,7 +178,7 @@ def test_a_fedbip_payload_names_its_method(tiny_ldm):
         schema_version=1, client_id="a", domain="sketch", class_names=list(shapes.CLASSES),
         num_examples=1), {"class_counts": torch.tensor([1, 0, 0, 0, 0, 0])})  # fmt: skip
     with pytest.raises(PayloadError, match="upload for method 'prompts-only', not 'fedbip'"):
-        create("fedbip").accept(blob, server_job(FedBiPConfig.from_flat(CFG), tiny_ldm))
+        create("fedbip").accept(blob, server_job(FedBiPConfig.from_flat(METHOD_CFG), tiny_ldm))
 
 
 # --- every method through the real `flwr run` ------------------------------------------------
@@ -244,19 +227,19 @@ def test_the_node_config_cannot_change_the_method():
 
 
 def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
-    cfg = config("fedbip", **{"latents-per-image": 2})
+    cfg = method_config("fedbip", **{"latents-per-image": 2})
     job = client_job(cfg, tiny_ldm)
     blob, _ = create("fedbip").upload(job)
     upload = create("fedbip").accept(blob, server_job(cfg, tiny_ldm))
     n = len(job.data.labels)
     assert upload.meta.num_examples == 2 * n and upload.tensors["latents"].shape[0] == 2 * n
     assert torch.equal(upload.tensors["labels"], job.data.labels.repeat(2))
-    one, _ = create("fedbip").upload(client_job(config("fedbip"), tiny_ldm))
+    one, _ = create("fedbip").upload(client_job(method_config("fedbip"), tiny_ldm))
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
 
 
 def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(tiny_ldm, tmp_path):
-    cfg = config("fedbip", **{"synthesis-start": "fresh-noise"})
+    cfg = method_config("fedbip", **{"synthesis-start": "fresh-noise"})
     server = server_job(cfg, tiny_ldm)
     upload = create("fedbip").accept(create("fedbip").upload(client_job(cfg, tiny_ldm))[0], server)
     shards = create("fedbip").train_set({upload.client_id: upload}, server,
@@ -270,7 +253,7 @@ def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_conce
     again = create("fedbip").train_set({upload.client_id: other}, server,
                                        RunFolder(tmp_path / "b").shard_path)[upload.client_id]  # fmt: skip
     assert torch.equal(read_tensors(again[0])["images"], first["images"])
-    from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(config("fedbip"), tiny_ldm),
+    from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(method_config("fedbip"), tiny_ldm),
                                               RunFolder(tmp_path / "c").shard_path)[upload.client_id]  # fmt: skip
     assert not torch.equal(read_tensors(from_latents[0])["images"], first["images"])
 
@@ -283,7 +266,7 @@ def test_fedbip_inspect_audits_every_methods_upload(method, tiny_ldm, tmp_path, 
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     assert f"method: {method}" in out and f"bytes: {len(blob)}" in out
-    for name in create(method).expected_tensors(server_job(config(method), tiny_ldm))[:3]:
+    for name in create(method).expected_tensors(server_job(method_config(method), tiny_ldm))[:3]:
         assert name in out
     path.write_bytes(blob[:-5])
     assert cli.main(["inspect", str(path)]) == 1

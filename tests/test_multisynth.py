@@ -44,6 +44,7 @@ from fedbip_tools import cli
 from tests.flower_helpers import (
     FLWR,
     ROOT,
+    as_run_config,
     federation,
     flwr_env,
     free_port,
@@ -51,8 +52,9 @@ from tests.flower_helpers import (
     run_status,
     stop_local_superlink,
 )
-from tests.test_flower_e2e import SMALL as E2E_SMALL
-from tests.test_flower_e2e import as_run_config
+from tests.flower_helpers import (
+    SMALL as E2E_SMALL,
+)
 
 pytestmark = pytest.mark.long(minutes=2.4)
 

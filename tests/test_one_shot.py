@@ -15,8 +15,14 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedbip_flwr.server import RunFolder
 from server_app.strategy import OneShotStrategy
-from tests.flower_helpers import ROOT, run_simulation, run_status, stop_local_superlink
-from tests.test_flower_e2e import SMALL, as_run_config
+from tests.flower_helpers import (
+    ROOT,
+    SMALL,
+    as_run_config,
+    run_simulation,
+    run_status,
+    stop_local_superlink,
+)
 
 pytestmark = pytest.mark.long(minutes=1.1)
 

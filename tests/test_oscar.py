@@ -1,4 +1,4 @@
-"""OSCAR: captions -> per-class mean text-encoder states, uploaded once; fresh-noise CFG toward
+"""OSCAR: captions -> per-class mean text-encoder states, uploaded once; fresh-noise METHOD_CFG toward
 them on the server. The captioners it runs (a tiny BLIP built here, the shipped miniature
 one), the upload's contract and the server's training set, on tiny models."""
 
@@ -27,7 +27,7 @@ from fedbip_flwr.methods.oscar import class_conditioning
 from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
-from tests.test_methods import client_job, config, server_job, tampered
+from tests.flower_helpers import client_job, method_config, server_job, tampered
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIATURE = ROOT / "models" / "miniature-captioner"
@@ -114,7 +114,7 @@ def test_a_captioner_that_cannot_be_loaded_says_which(tmp_path):
 
 
 def test_the_upload_is_per_class_conditioning_of_the_text_encoders_shape(tiny_ldm):
-    cfg = config("oscar")
+    cfg = method_config("oscar")
     job = client_job(cfg, tiny_ldm)
     blob, metrics = create("oscar").upload(job)
     upload = create("oscar").accept(blob, server_job(cfg, tiny_ldm))
@@ -132,7 +132,7 @@ def test_the_upload_is_per_class_conditioning_of_the_text_encoders_shape(tiny_ld
 def test_each_class_row_is_the_mean_of_its_encoded_captions(tiny_ldm):
     """Eq. 7, with the captions the client sampled (same generator seed, k = 2 per image) and
     each caption encoded on its own."""
-    cfg = config("oscar", **{"captions-per-image": 2})
+    cfg = method_config("oscar", **{"captions-per-image": 2})
     job = client_job(cfg, tiny_ldm)
     blob, _ = create("oscar").upload(job)
     conditioning = create("oscar").accept(blob, server_job(cfg, tiny_ldm)).tensors["conditioning"]
@@ -172,7 +172,7 @@ def without_class(job: ClientJob, label: int) -> ClientJob:
 
 @pytest.mark.parametrize("images_per_class", [0, 3])
 def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny_ldm, tmp_path):
-    cfg = config("oscar", **{"images-per-class": images_per_class})
+    cfg = method_config("oscar", **{"images-per-class": images_per_class})
     job = without_class(client_job(cfg, tiny_ldm), 2)
     blob, _ = create("oscar").upload(job)
     server = server_job(cfg, tiny_ldm)
@@ -190,7 +190,7 @@ def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny
 
 
 def test_an_upload_with_a_blip_captioner_goes_through_the_same_method(tiny_ldm, tiny_blip_dir):
-    cfg = config("oscar", captioner=str(tiny_blip_dir))
+    cfg = method_config("oscar", captioner=str(tiny_blip_dir))
     blob, _ = create("oscar").upload(client_job(cfg, tiny_ldm))
     upload = create("oscar").accept(blob, server_job(cfg, tiny_ldm))
     assert upload.meta.captioner == tiny_blip_dir.name
@@ -235,7 +235,7 @@ OSCAR_LIES = {
 
 @pytest.mark.parametrize("lie", sorted(OSCAR_LIES))
 def test_oscar_specific_lies_are_refused_with_a_reason(lie, tiny_ldm):
-    cfg = config("oscar")
+    cfg = method_config("oscar")
     blob, _ = create("oscar").upload(client_job(cfg, tiny_ldm))
     change, reason = OSCAR_LIES[lie]
     with pytest.raises(PayloadError, match=reason):

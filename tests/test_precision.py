@@ -11,41 +11,18 @@ import pytest
 import torch
 
 from fedbip_flwr.concepts import (
-    diffusion_loss,
     initial_concepts,
     learn_concepts,
     loss_scaler,
     prompt_layout,
 )
 from fedbip_flwr.ldm import LDM, TINY, build_ldm
-from tests.conftest import WORDS
-
-CLASSES = ["circle", "square", "star"]
+from tests.flower_helpers import PRECISION_CLASSES, WORDS, relative_error, s_gradient
 
 
 @pytest.fixture(scope="module")
 def ldm() -> LDM:
     return build_ldm(TINY, WORDS, seed=0)
-
-
-def s_gradient(ldm: LDM, dtype: torch.dtype, scaled: bool, device: str = "cpu") -> torch.Tensor:
-    """d loss / d S on one SD-sized batch, with the LDM in ``dtype`` on ``device``."""
-    ldm.to(device, dtype)
-    layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
-    s0, v0 = initial_concepts(ldm, layout, "token")
-    s = s0.clone().requires_grad_(True)
-    g = torch.Generator().manual_seed(0)
-    z0, noise = torch.randn(2, 8, 4, 64, 64, generator=g)
-    labels, t = torch.arange(8) % 3, torch.randint(1, 982, (8,), generator=g)
-    loss = diffusion_loss(ldm, layout, "token", s, v0, z0, labels, t, noise)
-    scaler = loss_scaler(ldm) if scaled else torch.amp.GradScaler(device, enabled=False)
-    scaler.scale(loss).backward()
-    grad = s.grad / scaler.get_scale() if scaler.is_enabled() else s.grad
-    return grad.float().cpu()
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_half_precision_gradients_match_fp32(ldm):
@@ -67,7 +44,7 @@ def test_half_precision_gradients_match_fp32(ldm):
 def test_learning_in_half_precision_gives_float32_concepts(ldm, dtype):
     ldm.to("cpu", dtype)
     try:
-        layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
+        layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", PRECISION_CLASSES)
         s0, v0 = initial_concepts(ldm, layout, "token")
         z0 = torch.randn(6, *ldm.latent_shape(), generator=torch.Generator().manual_seed(0))
         result = learn_concepts(

@@ -3,70 +3,15 @@ only PNGs that exist; older or failed runs (keys missing) still get an honest re
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote
 
 import pytest
 from PIL import Image
 
 from fedbip_flwr.report import CLASSIFIER_PNG, write_report
-
-ACCEPTED = {"sketch-0": "sketch", "quickdraw 1": "quickdraw", "painting-0": "painting"}
-
-
-def client(client_id: str, domain: str, **metrics: Any) -> dict[str, Any]:
-    return {
-        "node_id": 100 + len(client_id),
-        "status": "accepted",
-        "reason": "",
-        "client_id": client_id,
-        "domain": domain,
-        "payload_bytes": 412_345,
-        "metrics": {"seconds-total": 66.0, "num-examples": 96, **metrics},
-    }
-
-
-def completed_metrics() -> dict[str, Any]:
-    """Every key a run writes today plus the optional curves and per-institution scores."""
-    clients = [
-        client(cid, dom, **{"concept-losses": [0.5, 0.4, 0.3]}) for cid, dom in ACCEPTED.items()
-    ]
-    clients.append(
-        {"node_id": 7, "status": "failed", "reason": "ClientApp raised | out of\nmemory",
-         "client_id": "", "domain": "", "payload_bytes": 0, "metrics": None}
-    )
-    return {
-        "status": "completed",
-        "clients": clients,
-        "accuracy": {
-            "per_domain": {"sketch": 0.693, "quickdraw": 0.6, "painting": 0.8},
-            "mean": 0.6977,
-            "num_synthetic_images": 576,
-            "classifier_seconds": 143.0,
-        },
-        "seconds": {"load-model": 2.5, "round": 66.0, "synthesis": 175.0, "classifier": 143.0},
-        "classifier": {"epoch_loss": [1.8, 1.1, 0.7], "epoch_accuracy": [0.3, 0.6, 0.8]},
-        "evaluation": {
-            "where": "both",
-            "per_client": {
-                "sketch-0": {"accuracy": 0.7, "num_examples": 300, "status": "ok", "reason": ""},
-                "quickdraw 1": {"accuracy": 0.5, "num_examples": 100, "status": "ok", "reason": ""},
-            },
-            "weighted_mean": 0.65,
-        },
-        "config": {"seed": 0},
-    }
-
-
-def run_folder(root: Path, metrics: dict[str, Any], grids: list[str]) -> Path:
-    root.mkdir()
-    (root / "metrics.json").write_text(json.dumps(metrics, sort_keys=True))  # as the server
-    for client_id in grids:
-        Image.new("RGB", (8, 4), "white").save(root / f"grid-{client_id}.png")
-    return root
+from tests.flower_helpers import ACCEPTED, completed_metrics, reported_client, run_folder
 
 
 def linked_images(report: str) -> list[str]:
@@ -107,7 +52,7 @@ def test_report_of_a_failed_run_has_status_reason_and_no_dangling_links(tmp_path
     metrics = {
         "status": "failed",
         "reason": "only 1 valid payload(s); min-clients is 2",
-        "clients": [client("sketch-0", "sketch"), {"node_id": 9, "status": "missing"}],
+        "clients": [reported_client("sketch-0", "sketch"), {"node_id": 9, "status": "missing"}],
         "config": {},
     }
     folder = run_folder(tmp_path / "run-8", metrics, grids=[])

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -28,74 +26,22 @@ from fedbip_flwr.storage import write_tensors
 from fedbip_flwr.viz import quantize
 from tests.flower_helpers import (
     FLWR,
-    ROOT,
+    RECORDING_CLIENT,
+    SMALL,
+    as_run_config,
     federation,
     flwr_env,
-    run_simulation,
-    run_status,
+    make_wrapper_app,
+    received,
+    run_to_end,
     stop_local_superlink,
 )
-from tests.test_flower_e2e import SMALL, as_run_config
 
 pytestmark = pytest.mark.long(minutes=3.6)
 
-RECORDING_CLIENT = '''
-"""The project's ClientApp, leaving one file per message it receives in the output folder."""
-import uuid
-from pathlib import Path
-
-from flwr.clientapp import ClientApp
-
-from client_app.app import train as project_train
-
-app = ClientApp()
-
-
-def record(context):
-    out = Path(context.run_config["output-dir"])
-    (out / f"received-{context.node_config['partition-id']}-{uuid.uuid4().hex}").touch()
-
-
-@app.train()
-def train(msg, context):
-    record(context)
-    return project_train(msg, context)
-'''
 
 PASSES = 3  # shards per client: the kill lands after the first of nine
 RESUME = {**SMALL, "multiplier": PASSES, "latents-per-image": 1, "run-name": '"resume"'}
-
-
-def make_wrapper_app(folder: Path, modules: dict[str, str], clientapp: str) -> Path:
-    """This tree's project with another ClientApp; the FAB carries the packages under test.
-
-    Copying the packages (rather than importing whatever fedbip-flwr is installed) makes the
-    ServerApp and ClientApp that run the ones of the tree being tested.
-    """
-    folder.mkdir()
-    for package in ("fedbip_flwr", "client_app", "server_app"):
-        shutil.copytree(ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    pyproject = re.sub(r'clientapp = ".*"', f'clientapp = "{clientapp}"', pyproject)
-    pyproject = pyproject.replace('name = "fedbip-flwr"', 'name = "fedbip-wrapped-client"')
-    pyproject = re.sub(r"(?ms)^fab-include = \[.*?\]\n", "", pyproject)  # lists this tree's files
-    (folder / "pyproject.toml").write_text(pyproject.replace('readme = "README.md"\n', ""))
-    for name, source in modules.items():
-        (folder / f"{name}.py").write_text(source)
-    return folder
-
-
-def run_to_end(home: Path, run_config: str, app: Path) -> tuple[str, str]:
-    """`flwr run` the app with three clients: (final status, output); its SuperLink is stopped."""
-    try:
-        run_id, output = run_simulation(home, run_config, 3, timeout=900, app=app)
-        return run_status(home, run_id), output
-    finally:
-        stop_local_superlink(home)
-
-
-def received(out: Path) -> list[str]:
-    return sorted(p.name.split("-")[1] for p in out.glob("received-*"))
 
 
 def digests(folder: Path) -> dict[str, str]:

@@ -25,12 +25,13 @@ from fedbip_flwr import shapes
 from tests.flower_helpers import (
     FLWR,
     ROOT,
+    SMALL,
+    as_run_config,
     flwr_env,
     free_port_block,
     stop_process_tree,
     wait_for_port,
 )
-from tests.test_flower_e2e import SMALL, as_run_config
 
 pytestmark = pytest.mark.long(minutes=3.7)
 
