@@ -224,7 +224,7 @@ class FedBiPConfig(FlatConfig):
         ge=1,
         description="Independent z(T) per private image (each its own partner, gamma and "
         "noise). With k the upload is k times larger and the server's multiplier applies to "
-        "all k*N: FedBiP-M as k=5, multiplier=1 instead of k=1, multiplier=5 (issue 18).",
+        "all k*N: FedBiP-M as k=5, multiplier=1 instead of k=1, multiplier=5.",
     )
     vae_batch_size: int = Field(
         8,

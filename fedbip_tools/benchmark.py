@@ -490,7 +490,7 @@ each ran (2 cores: above 2, the seconds are inflated by other work).
   left at their words, no learning). FedBiP-S / M / L make 2 / 5 / 10 images per z(T)
   (S and M are passes of L's uploads); "FedBiP-S / M / L (2 / 5 / 10 z(T) per image)" upload
   two / five / ten independent z(T) per image (each its own partner, gamma and noise) and
-  denoise each once (issue 18, defect 5): as many images as FedBiP-S / M / L from two / five /
+  denoise each once: as many images as FedBiP-S / M / L from two / five /
   ten times the upload.
 
 ### What the synthetic images show: class / domain fidelity (%)

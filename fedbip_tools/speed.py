@@ -1,4 +1,4 @@
-"""Speed benchmark (issue 19): the project against what a user would otherwise run.
+"""Speed benchmark: the project against what a user would otherwise run.
 
 Each case runs in its own child process (so it reports its own peak RSS), the cases interleaved
 over ``--repeats`` rounds, medians reported:

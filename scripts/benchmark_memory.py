@@ -1,6 +1,6 @@
 """Peak server RSS of synthesis + classifier training against the synthetic set's size.
 
-Issue 19's target: with the shipped miniature model, peak server RSS with multiplier 10 is within
+The target: with the shipped miniature model, peak server RSS with multiplier 10 is within
 20% of multiplier 2, and with 12 clients within 20% of 3. Each case runs in its own child
 process (its peak is ``ru_maxrss`` from ``os.wait4``, so nothing else in this process counts),
 once with this tree's code ("after") and once with an older commit's ("before", extracted with
@@ -125,7 +125,7 @@ def ratio(rows: list[dict], code: str, a: tuple[int, int], b: tuple[int, int]) -
 def markdown(result: dict) -> str:
     rows, codes = result["cases"], result["codes"]
     lines = [
-        "## Peak server RSS against the synthetic set's size (issue 19)",
+        "## Peak server RSS against the synthetic set's size",
         "",
         f"`{result['command']}` on {result['machine']}, {result['threads']} torch thread(s), "
         f"load average {result['load_before']} before and {result['load_after']} after "

@@ -107,7 +107,7 @@ def averaging_attack(payload: Payload, draws: int, alphas_cumprod: torch.Tensor)
 
 
 def test_averaging_the_k_z_T_of_one_image_does_not_reveal_it(tiny_ldm, client_images):
-    """Independent z(T) per image (issue 18, defect 5) are k noised views of one private
+    """Independent z(T) per image are k noised views of one private
     latent; at the default start timestep their mean is still dominated by the noise."""
     truth = encode_images(tiny_ldm.vae, client_images[0])
     errors = {}
