@@ -8,7 +8,8 @@ exactly once. The server treats those bytes as untrusted network input, so they 
   before safetensors sees it;
 * schema-checked (tensor names, dtypes, byte layout, metadata, shapes, finiteness, labels) and,
   when the server passes :class:`Expectations`, checked against the server's base model and run
-  config.
+  config, and for plausibility: z(T) must look like what the forward process makes at T, and
+  every concept vector must be of the concept space's scale (:class:`Plausibility`).
 
 Every rejection is a :class:`PayloadError` whose message says what is wrong and what to change;
 no other exception escapes :func:`decode_payload`, whatever the bytes. See ``docs/payload.md``.
@@ -165,6 +166,8 @@ class Expectations:
     # Tokens of a phrase (domain or class name) under the server's tokenizer: a concept has
     # max(n, tokens) vectors (fedbip_flwr.concepts.concept_slots). None: n is the size.
     phrase_tokens: Callable[[str], int] | None = None
+    # What honest numbers look like under the server's model; None: structure checks only.
+    plausibility: Plausibility | None = None
 
     def concept_sizes(self, domain: str) -> tuple[int, list[int]]:
         """Vectors of S for ``domain`` and of each V_y, as the clients' prompt layout has them."""
@@ -173,6 +176,105 @@ class Expectations:
             max(self.n_s, count(domain)),
             [max(self.n_v, count(name)) for name in self.class_names],
         )
+
+
+# How far an honest upload's statistics can lie from the method's, in docs/payload.md
+# "Plausibility". L bounds a scaled VAE latent's per-image RMS: the VAE's scaling factor makes
+# latents about unit variance, and the largest measured was 1.37 (the miniature model, a
+# saturated image; real shapes images <= 1.26; the tiny test model's random VAE <= 0.07).
+LATENT_RMS = 4.0
+# Standard deviations of the noise an honest z(T) may be off by. With k = 8 an honest image is
+# refused with probability below 3e-14, at any latent size (see latent_bounds).
+SIGMAS = 8.0
+# No used concept vector is smaller than 1/F of the concept space's coordinate scale s: measured,
+# the smallest embedding-table row is 0.57 s and the smallest learned concept 1.0 s.
+CONCEPT_FLOOR = 10.0
+# float16 storage rounds each latent by at most 2**-11 of itself; float32 arithmetic far less.
+ROUNDING = 1e-3
+
+
+def adam_step_bound(beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The most one Adam step moves a coordinate, in units of lr (7.27 for learn_concepts'
+    betas): |m_t| <= (1 - b1) sqrt(sum (b1^2 / b2)^i) sqrt(v_t / (1 - b2)) by Cauchy-Schwarz,
+    and the bias corrections only shrink the ratio."""
+    return (1 - beta1) / math.sqrt(1 - beta2) / math.sqrt(1 - beta1 * beta1 / beta2)
+
+
+@dataclass(frozen=True)
+class Plausibility:
+    """What the server's model and run config say an honest upload's numbers look like.
+
+    ``alpha_bar``: the scheduler's alphas_cumprod at the payload's T. ``concept_scale``: s,
+    :func:`fedbip_flwr.concepts.concept_scale` in the run's concept space. A concept starts at
+    most ``concept_init_rms`` s large and each optimizer step moves each coordinate by at most
+    ``concept_step`` s (lr times :func:`adam_step_bound`); ``concept_epochs``,
+    ``concept_batch_size`` and ``latents_per_image`` (the run config's) give the step count.
+    """
+
+    alpha_bar: float
+    concept_scale: float
+    concept_init_rms: float
+    concept_step: float
+    concept_epochs: int
+    concept_batch_size: int
+    latents_per_image: int
+    latent_rms: float = LATENT_RMS
+    sigmas: float = SIGMAS
+    concept_floor: float = CONCEPT_FLOOR
+
+    def concept_range(self, num_examples: int) -> tuple[float, float]:
+        """Allowed RMS of a used concept vector: [s / floor, s (init + step x steps)], the
+        steps those of learn_concepts over the client's images."""
+        images = -(-num_examples // self.latents_per_image)
+        steps = self.concept_epochs * -(-images // self.concept_batch_size)
+        ceiling = self.concept_init_rms + self.concept_step * steps
+        s = self.concept_scale
+        return s / self.concept_floor * (1 - ROUNDING), s * ceiling * (1 + ROUNDING)
+
+
+@dataclass(frozen=True)
+class LatentBounds:
+    """Per-image moments an honest z(T) of ``size`` elements has (with probability ~1)."""
+
+    abs_mean: float
+    std_low: float
+    std_high: float
+
+
+def latent_bounds(
+    alpha_bar: float, size: int, latent_rms: float = LATENT_RMS, sigmas: float = SIGMAS
+) -> LatentBounds:
+    """Bounds on one image's mean and std of z = a zbar + b eps (a^2 = abar_T, b^2 = 1 - a^2).
+
+    zbar interpolates two scaled latents, so RMS(zbar) <= L; eps ~ N(0, I_D) is independent
+    of zbar. Over the D elements, with m() the mean and s() the population std:
+
+    * m(z) = a m(zbar) + b m(eps), m(eps) ~ N(0, 1/D): |m(z)| <= a L + k b / sqrt(D).
+    * s(z)^2 = a^2 s(zbar)^2 + b^2 s(eps)^2 + 2ab c, with c = mean((zbar - m(zbar)) eps)
+      ~ N(0, s(zbar)^2 / D) given zbar, so |c| <= k s(zbar) / sqrt(D); D RMS(eps)^2 is
+      chi2(D), D s(eps)^2 chi2(D - 1), bounded by Laurent-Massart with x = k^2 / 2.
+      Upper: a^2 L^2 + 2ab k L / sqrt(D) + b^2 RMS(eps)^2. Lower: the larger of the
+      quadratic in s(zbar) minimised over [0, L] and the triangle bound b s(eps) - a L.
+
+    Each of the four tail events has probability <= max(P(|N(0,1)| > k), e^(-k^2/2)), so
+    an honest image fails with probability <= 2 erfc(k / sqrt 2) + 2 e^(-k^2/2) (< 3e-14
+    for k = 8), whatever D.
+    """
+    a, b = math.sqrt(alpha_bar), math.sqrt(max(0.0, 1.0 - alpha_bar))
+    d, k, lat = float(size), sigmas, latent_rms
+    x = k * k / 2
+    rms_high = (d + 2 * math.sqrt(d * x) + 2 * x) / d  # bound on RMS(eps)^2
+    std_low = max(0.0, (d - 1 - 2 * math.sqrt((d - 1) * x)) / d)  # bound on s(eps)^2
+    cross = k / math.sqrt(d)
+    var_high = a * a * lat * lat + 2 * a * b * cross * lat + b * b * rms_high
+    y = min(lat, b * cross / a) if a > 0 else 0.0  # s(zbar) minimising the quadratic
+    var_low = b * b * std_low + a * a * y * y - 2 * a * b * cross * y
+    low = max(math.sqrt(max(0.0, var_low)), b * math.sqrt(std_low) - a * lat, 0.0)
+    return LatentBounds(
+        abs_mean=(a * lat + k * b / math.sqrt(d)) * (1 + ROUNDING) + ROUNDING * math.sqrt(var_high),
+        std_low=low * (1 - ROUNDING),
+        std_high=math.sqrt(var_high) * (1 + ROUNDING),
+    )
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -617,6 +719,9 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
             "(clients and server must share run config domains)"
         )
     check_class_rows(p.class_concepts, n_v, expect.class_names)
+    if expect.plausibility is not None:
+        check_latent_moments(p.latents, expect.timestep, expect.plausibility)
+        check_concept_scale(p, n_v, expect.plausibility)
 
 
 def check_class_rows(
@@ -632,6 +737,70 @@ def check_class_rows(
                 f"{len(rows)} vectors (the rest zero), as the server's prompt layout does "
                 "(clients and server must share run config n-v and the base model's tokenizer)"
             )
+
+
+def check_latent_moments(latents: torch.Tensor, timestep: int, plaus: Plausibility) -> None:
+    """Refuse an upload any of whose z(T) has a mean or std that z(T) at ``timestep`` cannot
+    have (:func:`latent_bounds`): scaled, shifted or replaced latents poison the synthesis."""
+    size = math.prod(latents.shape[1:])
+    bounds = latent_bounds(plaus.alpha_bar, size, plaus.latent_rms, plaus.sigmas)
+    mean, std = _image_moments(latents)
+    why = (f"that z(T) at timestep {timestep} can have (an honest z(T) is sqrt(abar_T) times an "
+           f"image latent plus sqrt(1 - abar_T) = {math.sqrt(1 - plaus.alpha_bar):.3g} times "
+           "N(0, I) noise); was it noised to T with the server's scheduler and VAE?")
+    outside = (std < bounds.std_low) | (std > bounds.std_high)
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0])
+        raise PayloadError(
+            f"latents[{i}] has std {float(std[i]):.4g}{_others(outside)}, outside "
+            f"[{bounds.std_low:.3g}, {bounds.std_high:.3g}] {why}"
+        )
+    outside = mean.abs() > bounds.abs_mean
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0])
+        raise PayloadError(
+            f"latents[{i}] has mean {float(mean[i]):.4g}{_others(outside)}, outside "
+            f"[{-bounds.abs_mean:.3g}, {bounds.abs_mean:.3g}] {why}"
+        )
+
+
+def _image_moments(latents: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-image mean and population std, in float64, a few images at a time (bounded memory)."""
+    flat = latents.detach().reshape(len(latents), -1)
+    parts = [torch.var_mean(rows.double(), dim=1, correction=0) for rows in flat.split(chunk)]
+    variance = torch.cat([v for v, _ in parts])
+    return torch.cat([m for _, m in parts]), variance.sqrt()
+
+
+def _others(outside: torch.Tensor) -> str:
+    count = int(outside.sum())
+    return f" (as do {count - 1} more of the {len(outside)} latents)" if count > 1 else ""
+
+
+def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility) -> None:
+    """Refuse a used concept vector whose RMS its learning cannot give it: above where its
+    initial words plus every optimizer step at full size can take it, or far below the concept
+    space's scale (:meth:`Plausibility.concept_range`)."""
+    low, high = plaus.concept_range(p.meta.num_examples)
+    vectors = {
+        **{f"domain_concept[{j}] (S)": row for j, row in enumerate(p.domain_concept)},
+        **{f"class_concepts[{y}][{j}] (V of {name!r})": rows[j]
+           for y, (name, rows, length) in enumerate(
+               zip(p.meta.class_names, p.class_concepts, lengths, strict=True))
+           for j in range(min(length, len(rows)))},
+    }  # fmt: skip
+    rms = torch.stack(list(vectors.values())).double().pow(2).mean(-1).sqrt()
+    outside = (rms < low) | (rms > high)
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0])
+        raise PayloadError(
+            f"{list(vectors)[i]} has RMS {float(rms[i]):.4g}, outside [{low:.3g}, {high:.3g}] "
+            f"that a concept can have after the run's concept learning (its initial words, "
+            f"moved by at most {plaus.concept_step:.3g} x the {p.meta.concept_space} concept "
+            f"space's scale {plaus.concept_scale:.3g} per step, and never below 1/"
+            f"{plaus.concept_floor:g} of that scale); were the concepts learned with the "
+            "server's base model, concept space and run config?"
+        )
 
 
 # --- reporting --------------------------------------------------------------------------------

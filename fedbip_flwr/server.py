@@ -36,11 +36,11 @@ from .classifier import (
     save_classifier,
     train_classifier,
 )
-from .concepts import count_tokens
+from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
 from .instance import start_timestep
 from .ldm import LDM
-from .payload import Expectations, Payload
+from .payload import Expectations, Payload, Plausibility, adam_step_bound
 from .storage import read_metadata, write_tensors_streamed
 from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
@@ -107,13 +107,15 @@ class RunFolder:
 
 
 def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
-    """What every payload must agree with: the server's config and its base model."""
+    """What every payload must agree with: the server's config and its base model, including
+    the statistics an honest upload has under that model (:class:`Plausibility`)."""
+    timestep = start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep)
     return Expectations(
         max_bytes=int(cfg.max_payload_mb * 2**20),
         base_model=ldm.fingerprint,
         latent_shape=ldm.latent_shape(cfg.image_size),
         concept_dim=ldm.concept_dim,
-        timestep=start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep),
+        timestep=timestep,
         num_inference_steps=cfg.num_inference_steps,
         scheduler=type(ldm.scheduler).__name__,
         n_s=cfg.n_s,
@@ -123,7 +125,34 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         prompt_template=cfg.prompt_template,
         domains=tuple(cfg.domain_list),
         phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
+        plausibility=plausibility(cfg, ldm, timestep),
     )
+
+
+def plausibility(cfg: FedBiPConfig, ldm: LDM, timestep: int) -> Plausibility:
+    """The noise level at T and the concept scale and learning budget, for the moment checks."""
+    scale = concept_scale(ldm, cfg.concept_space)
+    return Plausibility(
+        alpha_bar=float(ldm.scheduler.alphas_cumprod[timestep]),
+        concept_scale=scale,
+        concept_init_rms=concept_init_rms(ldm, cfg.concept_space) / scale,
+        concept_step=cfg.concept_lr * adam_step_bound(),
+        concept_epochs=cfg.concept_epochs,
+        concept_batch_size=cfg.concept_batch_size,
+        latents_per_image=cfg.latents_per_image,
+    )
+
+
+@torch.no_grad()
+def concept_init_rms(ldm: LDM, space: str) -> float:
+    """The largest RMS a concept's initial vector can have: a row of the token embedding table,
+    or (hidden) an output of the text encoder's final LayerNorm, gamma * xhat + beta with
+    RMS(xhat) = 1, so at most max|gamma| + RMS(beta)."""
+    if space == "token":
+        table = ldm.text_encoder.get_input_embeddings().weight.float()
+        return float(table.pow(2).mean(-1).sqrt().max())
+    norm = next(m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm"))
+    return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())
 
 
 def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
-from tests.flower_helpers import WORDS
+from tests.helpers import WORDS
 
 
 @pytest.fixture(scope="session")

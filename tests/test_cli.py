@@ -18,12 +18,22 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from test_payload import N, make_meta, make_payload, meta_strings, raw_blob, with_header
 
 from fedbip_flwr import shapes
 from fedbip_flwr.payload import encode_payload, save_payload
 from fedbip_tools.cli import main, project_run_config
-from tests.flower_helpers import ACCEPTED, ROOT, completed_metrics, run_folder
+from tests.helpers import (
+    ACCEPTED,
+    ROOT,
+    N,
+    completed_metrics,
+    make_meta,
+    make_payload,
+    meta_strings,
+    raw_blob,
+    run_folder,
+    with_header,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

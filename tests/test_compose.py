@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from fedbip_flwr import shapes
-from tests.flower_helpers import FLWR, ROOT, SMALL, as_run_config, free_port
+from tests.helpers import FLWR, ROOT, SMALL, as_run_config, free_port
 
 pytestmark = [pytest.mark.compose, pytest.mark.long(minutes=8)]
 

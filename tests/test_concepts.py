@@ -33,7 +33,7 @@ from fedbip_flwr.payload import (
     encode_payload,
 )
 from fedbip_flwr.synthesis import SynthesisSettings, payload_layout
-from tests.flower_helpers import WORDS
+from tests.helpers import WORDS
 
 CLASSES = ["circle", "square", "star"]
 

@@ -20,7 +20,7 @@ from fedbip_flwr.ldm import TINY, build_ldm, load_for_run
 from fedbip_flwr.methods import create
 from fedbip_flwr.server import RunFolder, train_global
 from fedbip_flwr.storage import read_tensors
-from tests.flower_helpers import (
+from tests.helpers import (
     ONE_SHOT,
     WORDS,
     client_job,

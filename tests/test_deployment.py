@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.flower_helpers import (
+from tests.helpers import (
     FLWR,
     ROOT,
     SMALL,

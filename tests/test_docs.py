@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.flower_helpers import ROOT
+from tests.helpers import ROOT
 
 
 def readme_commands() -> list[str]:

@@ -38,7 +38,7 @@ from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_metadata, write_tensors
 from fedbip_flwr.synthesis import decode_latents, encode_texts
 from fedbip_flwr.viz import quantize
-from tests.flower_helpers import tampered
+from tests.helpers import tampered
 
 CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 3, "local-epochs": 1,
        "shots-per-class": 2, "replayable-client-noise": True, "classifier-init": "random",

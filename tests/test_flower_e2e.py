@@ -21,7 +21,7 @@ from fedbip_tools.simulation import (
     superlink_port,
     superlink_processes,
 )
-from tests.flower_helpers import (
+from tests.helpers import (
     FLWR,
     SMALL,
     as_run_config,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.flower_helpers import ROOT
+from tests.helpers import ROOT
 
 REQUIRE = "FEDBIP_REQUIRE_CONTAINERS"
 

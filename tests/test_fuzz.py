@@ -47,24 +47,22 @@ from fedbip_flwr.wire import (
     payload_content,
 )
 from server_app.strategy import ClientOutcome, OneShotStrategy
-from tests.flower_helpers import (
-    RECORDING_CLIENT,
-    SMALL,
-    as_run_config,
-    make_wrapper_app,
-    received,
-    run_to_end,
-)
-from tests.test_payload import (
+from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,
+    RECORDING_CLIENT,
+    SMALL,
     D,
     N,
+    as_run_config,
     make_expectations,
     make_meta,
     make_payload,
+    make_wrapper_app,
     meta_strings,
     raw_blob,
+    received,
+    run_to_end,
     split_blob,
     with_header,
 )

@@ -17,7 +17,7 @@ from fedbip_flwr.ldm import (
     load_for_run,
     load_ldm,
 )
-from tests.flower_helpers import WORDS
+from tests.helpers import WORDS
 
 
 def test_saved_tiny_model_loads_like_sd(tiny_model_dir):

@@ -19,7 +19,7 @@ from fedbip_flwr.payload import PayloadError, UploadMeta
 from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
 from fedbip_tools import cli
-from tests.flower_helpers import (
+from tests.helpers import (
     METHOD_CFG,
     ONE_SHOT,
     SMALL,

@@ -41,7 +41,7 @@ from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.server import RunFolder, WorkUnit, synthesize_all
 from fedbip_flwr.storage import atomic_write, read_small_tensor, write_json
 from fedbip_tools import cli
-from tests.flower_helpers import (
+from tests.helpers import (
     FLWR,
     ROOT,
     as_run_config,
@@ -52,7 +52,7 @@ from tests.flower_helpers import (
     run_status,
     stop_local_superlink,
 )
-from tests.flower_helpers import (
+from tests.helpers import (
     SMALL as E2E_SMALL,
 )
 

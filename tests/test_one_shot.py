@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedbip_flwr.server import RunFolder
 from server_app.strategy import OneShotStrategy
-from tests.flower_helpers import (
+from tests.helpers import (
     ROOT,
     SMALL,
     as_run_config,

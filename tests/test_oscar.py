@@ -27,7 +27,7 @@ from fedbip_flwr.methods.oscar import class_conditioning
 from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
-from tests.flower_helpers import client_job, method_config, server_job, tampered
+from tests.helpers import client_job, method_config, server_job, tampered
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIATURE = ROOT / "models" / "miniature-captioner"

@@ -23,7 +23,7 @@ from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.partitions import DataError, label_partition
 from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.specs import SPECS
-from tests.flower_helpers import WORDS
+from tests.helpers import WORDS
 
 STEP = 12  # colour quantum: channel value = STEP * code, decodable after JPEG and resizing
 SIZE = 8  # image-size of every test (the config's minimum)

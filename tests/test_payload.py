@@ -10,21 +10,16 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import struct
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import safetensors.torch
 import torch
 from safetensors import safe_open
 
 from fedbip_flwr.payload import (
-    SCHEMA_VERSION,
-    Expectations,
     Payload,
     PayloadError,
     PayloadMeta,
@@ -36,98 +31,17 @@ from fedbip_flwr.payload import (
     save_payload,
     summarize,
 )
-
-N, LATENT_SHAPE, D = 6, (4, 8, 8), 32
-CLASSES = ("cat", "dog", "fish")
-TEMPLATE = "a {S} style of a {V}"
-FINGERPRINT = "ab12"
-
+from tests.helpers import (
+    LATENT_SHAPE,
+    MALFORMED,
+    PAYLOAD_CLASSES,
+    D,
+    N,
+    make_expectations,
+    make_payload,
+)
 
 # --- factories ----------------------------------------------------------------------------------
-
-
-def make_meta(**overrides: Any) -> PayloadMeta:
-    fields: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "client_id": "partition-0",
-        "domain": "sketch",
-        "timestep": 981,
-        "scheduler": "PNDMScheduler",
-        "num_inference_steps": 50,
-        "n_s": 1,
-        "n_v": 2,
-        "concept_space": "token",
-        "class_names": list(CLASSES),
-        "prompt_template": TEMPLATE,
-        "base_model": FINGERPRINT,
-        "latent_shape": list(LATENT_SHAPE),
-        "latent_dtype": "float32",
-        "num_examples": N,
-    }
-    return PayloadMeta(**{**fields, **overrides})
-
-
-def make_payload(*, latent_dtype: str = "float32", seed: int = 0, **tensors: torch.Tensor) -> Payload:
-    """A valid payload; keyword tensors replace the random ones (for building bad cases)."""
-    meta = make_meta(latent_dtype=latent_dtype)
-    gen = torch.Generator().manual_seed(seed)
-    parts = {
-        "latents": torch.randn(N, *LATENT_SHAPE, generator=gen).to(getattr(torch, latent_dtype)),
-        "labels": torch.arange(N, dtype=torch.int64) % len(CLASSES),
-        "domain_concept": torch.randn(meta.n_s, D, generator=gen),
-        "class_concepts": torch.randn(len(CLASSES), meta.n_v, D, generator=gen),
-    }
-    return Payload(**{**parts, **tensors}, meta=meta)
-
-
-def make_expectations(**overrides: Any) -> Expectations:
-    fields: dict[str, Any] = {
-        "max_bytes": 1 << 20,
-        "base_model": FINGERPRINT,
-        "latent_shape": LATENT_SHAPE,
-        "concept_dim": D,
-        "timestep": 981,
-        "num_inference_steps": 50,
-        "scheduler": "PNDMScheduler",
-        "n_s": 1,
-        "n_v": 2,
-        "concept_space": "token",
-        "class_names": CLASSES,
-        "prompt_template": TEMPLATE,
-        "domains": ("sketch", "painting"),
-    }
-    return Expectations(**{**fields, **overrides})
-
-
-def meta_strings(**overrides: Any) -> dict[str, str]:
-    """The ``fedbip.*`` metadata of a valid payload, with fields replaced (raw JSON values)."""
-    meta = {f"fedbip.{k}": json.dumps(v) for k, v in make_meta().model_dump().items()}
-    meta.update({f"fedbip.{k}": json.dumps(v) for k, v in overrides.items()})
-    return meta
-
-
-def raw_blob(metadata: dict[str, str] | None = None, **tensors: torch.Tensor) -> bytes:
-    """Write with plain safetensors, bypassing our encoder's checks (a hostile or buggy client)."""
-    parts = {**make_payload().tensors(), **tensors}
-    return safetensors.torch.save(parts, metadata=meta_strings() if metadata is None else metadata)
-
-
-def split_blob(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    size = struct.unpack("<Q", blob[:8])[0]
-    return json.loads(blob[8 : 8 + size]), blob[8 + size :]
-
-
-def with_header(header: Any, data: bytes = b"") -> bytes:
-    """Hand-craft a blob: any header (object, list, or raw bytes) followed by ``data``."""
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + data
-
-
-def edit_header(edit: Callable[[dict[str, Any]], None]) -> bytes:
-    """A valid blob whose header was changed by ``edit`` (data bytes untouched)."""
-    header, data = split_blob(encode_payload(make_payload()))
-    edit(header)
-    return with_header(header, data)
 
 
 @pytest.fixture
@@ -163,7 +77,7 @@ def test_float16_latents_halve_the_latent_bytes() -> None:
 def test_equal_payloads_are_equal_bytes_in_any_process(blob: bytes) -> None:
     """safetensors orders metadata differently in each process; the encoder must not."""
     code = (
-        "import sys; from tests.test_payload import make_payload; "
+        "import sys; from tests.helpers import make_payload; "
         "from fedbip_flwr.payload import encode_payload; "
         "sys.stdout.buffer.write(encode_payload(make_payload()))"
     )
@@ -176,7 +90,7 @@ def test_metadata_is_readable_json_under_fedbip_keys(blob: bytes) -> None:
     entries, metadata = read_header(blob)
     assert set(entries) == {"latents", "labels", "domain_concept", "class_concepts"}
     assert set(metadata) == {f"fedbip.{field}" for field in PayloadMeta.model_fields}
-    assert json.loads(metadata["fedbip.class_names"]) == list(CLASSES)
+    assert json.loads(metadata["fedbip.class_names"]) == list(PAYLOAD_CLASSES)
     assert json.loads(metadata["fedbip.timestep"]) == 981
 
 
@@ -185,163 +99,6 @@ def test_decode_accepts_bytearray_and_memoryview(blob: bytes) -> None:
 
 
 # --- malformed blobs ----------------------------------------------------------------------------
-
-
-def _shift_offsets(header: dict[str, Any], name: str, delta: int) -> None:
-    header[name]["data_offsets"] = [o + delta for o in header[name]["data_offsets"]]
-
-
-def _last_tensor(header: dict[str, Any]) -> str:
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    return max(tensors, key=lambda k: tensors[k]["data_offsets"][1])
-
-
-def _second_tensor(header: dict[str, Any]) -> str:
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    return sorted(tensors, key=lambda k: tensors[k]["data_offsets"][0])[1]
-
-
-def _without(metadata: dict[str, str], key: str) -> dict[str, str]:
-    return {k: v for k, v in metadata.items() if k != key}
-
-
-MALFORMED: dict[str, tuple[Callable[[], bytes], str]] = {
-    "empty": (lambda: b"", "only 0 bytes"),
-    "seven bytes": (lambda: b"\x01" * 7, "8-byte header length"),
-    "huge header length": (lambda: struct.pack("<Q", 2**63) + b"{}", "exceeds"),
-    "header length past end": (lambda: struct.pack("<Q", 100) + b"{}", "past the end"),
-    "non-json header": (lambda: with_header(b"not json at all"), "not valid JSON"),
-    "non-utf8 header": (lambda: with_header(b"\xff\xfe{}"), "UTF-8"),
-    "nan literal in header": (lambda: with_header(b'{"x": NaN}'), "not valid JSON"),
-    "deeply nested header": (lambda: with_header(b"[" * 100_000), "not valid JSON"),
-    "header is a list": (lambda: with_header([1, 2]), "JSON array"),
-    "header is a string": (lambda: with_header("latents"), "JSON string"),
-    "duplicate key": (lambda: with_header(b'{"a": 1, "a": 2}'), "duplicate key"),
-    "metadata not an object": (lambda: with_header({"__metadata__": [1]}), "__metadata__"),
-    "metadata value not a string": (
-        lambda: with_header({"__metadata__": {"fedbip.n_s": 1}}),
-        "metadata values are strings",
-    ),
-    "entry not an object": (lambda: with_header({"latents": [0, 1]}), "header entry 'latents'"),
-    "unhashable dtype": (
-        lambda: with_header({"latents": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}),
-        "dtype",
-    ),
-    "bool in shape": (
-        lambda: with_header({"latents": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}),
-        "invalid shape",
-    ),
-    "negative offsets": (
-        lambda: with_header({"latents": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}),
-        "data_offsets",
-    ),
-    "unsupported dtype": (lambda: raw_blob(labels=torch.zeros(N, dtype=torch.int32)), "'I32'"),
-    "labels float": (lambda: raw_blob(labels=torch.zeros(N)), "labels must be int64"),
-    "concepts float16": (
-        lambda: raw_blob(domain_concept=torch.zeros(1, D, dtype=torch.float16)),
-        "domain_concept must be float32",
-    ),
-    "latents dtype disagrees with meta": (
-        lambda: raw_blob(latents=torch.zeros(N, *LATENT_SHAPE, dtype=torch.float16)),
-        "latent_dtype",
-    ),
-    "latents wrong shape": (lambda: raw_blob(latents=torch.zeros(N, 4, 8, 7)), "latents has shape"),
-    "latents wrong count": (lambda: raw_blob(latents=torch.zeros(N + 1, 4, 8, 8)), "latents has"),
-    "labels wrong shape": (
-        lambda: raw_blob(labels=torch.zeros(N - 1, dtype=torch.int64)),
-        "labels has shape",
-    ),
-    "class concepts wrong class count": (
-        lambda: raw_blob(class_concepts=torch.zeros(2, 2, D)),
-        "class_concepts has shape",
-    ),
-    "concept dims disagree": (
-        lambda: raw_blob(class_concepts=torch.zeros(3, 2, D + 1)),
-        "class_concepts has shape",
-    ),
-    "domain concept 1-d": (lambda: raw_blob(domain_concept=torch.zeros(D)), "(n_s, d)"),
-    "nan latents": (
-        lambda: raw_blob(latents=torch.full((N, *LATENT_SHAPE), float("nan"))),
-        "latents contain NaN or Inf",
-    ),
-    "inf class concepts": (
-        lambda: raw_blob(class_concepts=torch.full((3, 2, D), float("inf"))),
-        "class_concepts contain NaN or Inf",
-    ),
-    "label out of range": (
-        lambda: raw_blob(labels=torch.tensor([0, 1, 2, 3, 0, 1])),
-        "labels must lie in [0, 3)",
-    ),
-    "negative label": (
-        lambda: raw_blob(labels=torch.tensor([0, 1, -1, 2, 0, 1])),
-        "found -1",
-    ),
-    "schema version 2": (lambda: raw_blob(meta_strings(schema_version=2)), "schema version 2"),
-    "schema version as string": (
-        lambda: raw_blob(meta_strings(schema_version="1")),
-        "schema version '1'",
-    ),
-    "schema version as bool": (
-        lambda: raw_blob(meta_strings(schema_version=True)),
-        "schema version True",
-    ),
-    "no metadata": (lambda: raw_blob({}), "missing 'fedbip.schema_version'"),
-    "meta missing a field": (
-        lambda: raw_blob(_without(meta_strings(), "fedbip.domain")),
-        "missing ['fedbip.domain']",
-    ),
-    "meta unknown key": (lambda: raw_blob({**meta_strings(), "format": "pt"}), "unknown key"),
-    "meta value not json": (
-        lambda: raw_blob({**meta_strings(), "fedbip.n_s": "one"}),
-        "'fedbip.n_s' is not valid JSON",
-    ),
-    "meta value out of range": (lambda: raw_blob(meta_strings(n_s=0)), "'fedbip.n_s'"),
-    "meta value wrong type": (lambda: raw_blob(meta_strings(timestep="981")), "'fedbip.timestep'"),
-    "meta template without slot": (
-        lambda: raw_blob(meta_strings(prompt_template="a {V}")),
-        "prompt_template must contain {S}",
-    ),
-    "meta duplicate class names": (
-        lambda: raw_blob(meta_strings(class_names=["cat", "cat", "dog"])),
-        "unique",
-    ),
-    "meta bad concept space": (
-        lambda: raw_blob(meta_strings(concept_space="pixels")),
-        "'fedbip.concept_space'",
-    ),
-    "client id with a path": (
-        lambda: raw_blob(meta_strings(client_id="../../etc/passwd")),
-        "'fedbip.client_id'",
-    ),
-    "client id hidden file": (lambda: raw_blob(meta_strings(client_id=".x")), "'fedbip.client_id'"),
-    "client id too long": (lambda: raw_blob(meta_strings(client_id="x" * 49)), "'fedbip.client_id'"),
-    "meta num_examples disagrees": (lambda: raw_blob(meta_strings(num_examples=5)), "num_examples=5"),
-    "extra tensor": (
-        lambda: raw_blob(extra=torch.zeros(1)),
-        "unexpected tensor(s) ['extra']: expected ['latents', 'labels', 'domain_concept', "
-        "'class_concepts'], found ['class_concepts', 'domain_concept', 'extra', 'labels', 'latents']",
-    ),
-    "missing tensor": (
-        lambda: safetensors.torch.save(
-            {k: v for k, v in make_payload().tensors().items() if k != "labels"}, meta_strings()
-        ),
-        "missing tensor(s) ['labels']: expected ['latents', 'labels', 'domain_concept', "
-        "'class_concepts'], found ['class_concepts', 'domain_concept', 'latents']",
-    ),
-    "offsets past the end": (
-        lambda: edit_header(lambda h: _shift_offsets(h, _last_tensor(h), 8)),
-        "leaves a gap",
-    ),
-    "overlapping offsets": (
-        lambda: edit_header(lambda h: _shift_offsets(h, _second_tensor(h), -8)),
-        "overlaps",
-    ),
-    "shape disagrees with offsets": (
-        lambda: edit_header(lambda h: h["labels"].update(shape=[N + 1])),
-        "needs 56 bytes",
-    ),
-    "trailing bytes": (lambda: encode_payload(make_payload()) + b"\0" * 8, "padded"),
-}
 
 
 @pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
@@ -413,6 +170,19 @@ def test_expectation_mismatch_is_rejected(blob: bytes, case: str) -> None:
         decode_payload(blob, make_expectations(**overrides))
     assert reason in info.value.reason
     assert "the server's" in info.value.reason
+
+
+def test_implausible_payload_is_refused_only_against_the_servers_model() -> None:
+    """Moments need the server's noise schedule and concept scale: without them (``fedbip
+    inspect``, or Expectations with no plausibility) a well-formed upload passes."""
+    loud = encode_payload(make_payload(latents=50 * torch.randn(N, *LATENT_SHAPE)))
+    decode_payload(loud)
+    decode_payload(loud, make_expectations(plausibility=None))
+    with pytest.raises(PayloadError, match=r"^payload rejected: latents\[0\] has std [45]\d\.\d+ \(as do 5 more of the 6"):
+        decode_payload(loud, make_expectations())
+    small = encode_payload(make_payload(domain_concept=1e-4 * torch.randn(1, D)))
+    with pytest.raises(PayloadError, match=r"^payload rejected: domain_concept\[0\] \(S\) has RMS [\d.e-]+, outside \[0\.0999, 2\.46\]"):
+        decode_payload(small, make_expectations())
 
 
 # --- encoder refuses inconsistent payloads ------------------------------------------------------

@@ -17,7 +17,7 @@ from fedbip_flwr.concepts import (
     prompt_layout,
 )
 from fedbip_flwr.ldm import LDM, TINY, build_ldm
-from tests.flower_helpers import PRECISION_CLASSES, WORDS, relative_error, s_gradient
+from tests.helpers import PRECISION_CLASSES, WORDS, relative_error, s_gradient
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from fedbip_flwr.report import CLASSIFIER_PNG, write_report
-from tests.flower_helpers import ACCEPTED, completed_metrics, reported_client, run_folder
+from tests.helpers import ACCEPTED, completed_metrics, reported_client, run_folder
 
 
 def linked_images(report: str) -> list[str]:

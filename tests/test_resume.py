@@ -24,7 +24,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import RunFolder, synthesize_all, train_global
 from fedbip_flwr.storage import write_tensors
 from fedbip_flwr.viz import quantize
-from tests.flower_helpers import (
+from tests.helpers import (
     FLWR,
     RECORDING_CLIENT,
     SMALL,

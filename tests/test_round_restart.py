@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from fedbip_flwr import shapes
-from tests.flower_helpers import (
+from tests.helpers import (
     FLWR,
     ROOT,
     SMALL,

@@ -4,10 +4,11 @@ and what `flwr run` ships to nodes never needs the tools that stay home."""
 from __future__ import annotations
 
 import ast
+
 import tomllib
 
 from fedbip_flwr.config import METHODS
-from tests.flower_helpers import ROOT
+from tests.helpers import ROOT
 
 SHIPPED = ("fedbip_flwr", "client_app", "server_app")
 
@@ -40,3 +41,13 @@ def test_what_nodes_run_never_imports_the_tools():
         for path in sorted((ROOT / package).rglob("*.py")):
             tools = {name for name in imported_modules(path) if name.startswith("fedbip_tools")}
             assert not tools, f"{path.relative_to(ROOT)} imports {sorted(tools)}, which nodes lack"
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py, imported under one spelling."""
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for name in imported_modules(path):
+            parts = name.split(".")
+            assert not any(p.startswith("test_") or p == "conftest" for p in parts[:2]), (
+                f"{path.name} imports {name}: shared helpers belong in tests/helpers.py")
+            assert parts[0] != "helpers", f"{path.name}: import it as tests.helpers"

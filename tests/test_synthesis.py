@@ -22,7 +22,7 @@ from fedbip_flwr.synthesis import (
     synthesize_client,
     synthesize_pass,
 )
-from tests.flower_helpers import WORDS
+from tests.helpers import WORDS
 
 CLASSES = ["circle", "square", "star"]
 
