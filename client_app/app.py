@@ -11,8 +11,10 @@ error reply whose reason the server records.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
@@ -22,6 +24,7 @@ from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import load_classifier_bytes
 from fedbip_flwr.client import kept_classifier_path, score_classifier
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
+from fedbip_flwr.folders import UnreadableImages
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import MultiRound, institution_upload
@@ -52,7 +55,19 @@ def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
     return FedBiPConfig.from_flat({**context.run_config, **node.run_overrides()}), node
 
 
+@contextlib.contextmanager
+def names_stay_here() -> Iterator[None]:
+    """An error reply carries its text to the server: unreadable files are named in this
+    institution's log and counted, not named, in the reply."""
+    try:
+        yield
+    except UnreadableImages as err:
+        log.error("%s", err)
+        raise err.for_server() from None
+
+
 @app.train()
+@names_stay_here()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     cfg, node = configs(context)
@@ -72,6 +87,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 @app.evaluate()
+@names_stay_here()
 def evaluate(msg: Message, context: Context) -> Message:
     """Score the classifier the server sent on this institution's held-out images; keep it."""
     setup_logging()

@@ -236,6 +236,28 @@ def _own_class_files(folder: Path, classes: Sequence[str]) -> tuple[list[Path], 
     return paths, labels
 
 
+class UnreadableImages(DataError):
+    """Files of an institution's folder that do not decode. ``str()`` names every one, for the
+    institution's own eyes; :meth:`for_server` says only how many, because file names (a
+    patient's id, a date) must not leave the institution in an error reply."""
+
+    def __init__(self, root: Path, bad: Sequence[BadImage], total: int) -> None:
+        self.count, self.total = len(bad), total
+        listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
+        super().__init__(
+            f"{len(bad)} of {total} image files in {root} cannot be read: {listing}. {self.FIX}"
+        )
+
+    FIX = ('Fix or remove them, or leave them out with node config bad-images = "skip" '
+           "(fedbip personalize --bad-images skip)")  # fmt: skip
+
+    def for_server(self) -> DataError:
+        return DataError(
+            f"{self.count} of {self.total} image files of this institution cannot be read "
+            f"(named in its own log). {self.FIX}"
+        )
+
+
 def _readable(
     root: Path, parts: list[tuple[list[Path], list[int]]], bad_images: BadImagePolicy
 ) -> tuple[list[tuple[list[Path], list[int]]], tuple[BadImage, ...]]:
@@ -244,14 +266,10 @@ def _readable(
     bad = find_unreadable([path for paths, _ in parts for path in paths], root)
     if not bad:
         return parts, ()
-    listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
     total = sum(len(paths) for paths, _ in parts)
     if bad_images == "fail":
-        raise DataError(
-            f"{len(bad)} of {total} image files in {root} cannot be read: {listing}. Fix or "
-            'remove them, or leave them out with node config bad-images = "skip" '
-            "(fedbip personalize --bad-images skip)"
-        )
+        raise UnreadableImages(root, bad, total)
+    listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
     log.warning("left out %d of %d image files in %s that cannot be read (node config "
                 'bad-images = "skip"): %s', len(bad), total, root, listing)  # fmt: skip
     unreadable = {b.path for b in bad}

@@ -14,8 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 from PIL import Image
 
+from client_app import app as client_app
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.folders import own_folder_split
@@ -23,6 +26,7 @@ from fedbip_flwr.images import BACKGROUND, PROGRESS_FROM, open_rgb, why_unreadab
 from fedbip_flwr.methods import institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.report import write_report
+from fedbip_tools.cli import project_run_config
 
 CLASSES = list(shapes.CLASSES)
 SIZE = 32
@@ -216,3 +220,24 @@ def test_a_large_folder_shows_progress_while_it_is_checked(tmp_path: Path, capsy
         Image.new("L", (4, 4), i % 256).save(folder / f"{i:04d}.png")
     own_folder_split(tmp_path / "big", CLASSES)
     assert "checking images in" in capsys.readouterr().err
+
+
+def test_an_error_reply_to_the_server_counts_the_bad_files_and_names_none(
+    own_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ClientApp's own train step on a folder with bad files: the exception that becomes
+    Flower's error reply says how many, never which (a file name can be a patient's id)."""
+    for field in ("_task_id", "_run_id", "_node_id"):  # what a SuperNode's runtime sets
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    bad = plant_bad_files(own_folder)
+    run = {**project_run_config(), "method": "prompts-only", "dataset": "imagefolder",
+           "classes": ",".join(CLASSES), "image-size": SIZE}  # fmt: skip
+    node = {"data-root": str(own_folder), "domain": "sketch", "client-id": "inst"}
+    context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
+    message = Message(content=RecordDict({"config": ConfigRecord({})}), dst_node_id=1,
+                      message_type=MessageType.TRAIN)  # fmt: skip
+    with pytest.raises(DataError) as info:
+        client_app.train(message, context)
+    reason = str(info.value)
+    assert reason.startswith("3 of 33 image files of this institution cannot be read"), reason
+    assert not [name for name in bad if Path(name).name in reason] and str(own_folder) not in reason
