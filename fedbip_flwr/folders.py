@@ -236,20 +236,24 @@ def _own_class_files(folder: Path, classes: Sequence[str]) -> tuple[list[Path], 
     return paths, labels
 
 
+def _listing(root: Path, bad: Sequence[BadImage]) -> str:
+    return "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
+
+
 class UnreadableImages(DataError):
     """Files of an institution's folder that do not decode. ``str()`` names every one, for the
     institution's own eyes; :meth:`for_server` says only how many, because file names (a
     patient's id, a date) must not leave the institution in an error reply."""
 
-    def __init__(self, root: Path, bad: Sequence[BadImage], total: int) -> None:
-        self.count, self.total = len(bad), total
-        listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
-        super().__init__(
-            f"{len(bad)} of {total} image files in {root} cannot be read: {listing}. {self.FIX}"
-        )
-
     FIX = ('Fix or remove them, or leave them out with node config bad-images = "skip" '
            "(fedbip personalize --bad-images skip)")  # fmt: skip
+
+    def __init__(self, root: Path, bad: Sequence[BadImage], total: int) -> None:
+        self.count, self.total = len(bad), total
+        super().__init__(
+            f"{len(bad)} of {total} image files in {root} cannot be read: "
+            f"{_listing(root, bad)}. {self.FIX}"
+        )
 
     def for_server(self) -> DataError:
         return DataError(
@@ -269,9 +273,8 @@ def _readable(
     total = sum(len(paths) for paths, _ in parts)
     if bad_images == "fail":
         raise UnreadableImages(root, bad, total)
-    listing = "; ".join(f"{b.path.relative_to(root)}: {b.reason}" for b in bad)
     log.warning("left out %d of %d image files in %s that cannot be read (node config "
-                'bad-images = "skip"): %s', len(bad), total, root, listing)  # fmt: skip
+                'bad-images = "skip"): %s', len(bad), total, root, _listing(root, bad))  # fmt: skip
     unreadable = {b.path for b in bad}
     kept = [
         ([p for p in paths if p not in unreadable],
