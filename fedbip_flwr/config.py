@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from typing_extensions import Self
 
 from .specs import OWN_FOLDER, SPECS
@@ -27,7 +34,6 @@ CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
 CLASS_SLOT = "{class}"  # fedlmg-prompt's class name
 # Every method the registry (fedbip_flwr.methods) can create, by run-config name.
-METHODS = ("fedbip", "oscar", "fedlmg", "prompts-only", "central", "local", "fedavg")
 SD_V1_4 = "CompVis/stable-diffusion-v1-4"
 
 
@@ -72,12 +78,24 @@ class FedBiPConfig(FlatConfig):
     WHAT: ClassVar[str] = "FedBiP run config"
 
     # --- method (fedbip_flwr.methods) ----------------------------------------------------------
-    method: Literal[METHODS] = Field(  # type: ignore[valid-type]
+    method: str = Field(
         "fedbip",
-        description="Which method the federation runs: fedbip (this paper), the peers oscar "
-        "and fedlmg, or the references prompts-only, central (clients upload their images: "
-        "not private), local (each client's own classifier) and fedavg (multi-round).",
+        description="Which method the federation runs, by its name in the method registry "
+        "(fedbip_flwr.methods): fedbip (this paper), the peers oscar and fedlmg, or the "
+        "references prompts-only, central (clients upload their images: not private), local "
+        "(each client's own classifier) and fedavg (multi-round).",
     )
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        # The registry is the one list of methods; imported here, when a config is validated,
+        # because every method module imports this one.
+        from .methods import names
+
+        if name not in names():
+            raise ValueError(f"unknown method {name!r}; the registry knows {', '.join(names())}")
+        return name
     images_per_class: int = Field(
         0,
         ge=0,

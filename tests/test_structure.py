@@ -7,7 +7,7 @@ import ast
 
 import tomllib
 
-from fedbip_flwr.config import METHODS
+from fedbip_flwr.methods import names
 from tests.helpers import ROOT
 
 SHIPPED = ("fedbip_flwr", "client_app", "server_app")
@@ -27,7 +27,7 @@ def test_the_apps_name_no_method():
     """The apps reach every method through the registry: no method name, no method module."""
     for path in [ROOT / "client_app" / "app.py", *sorted((ROOT / "server_app").glob("*.py"))]:
         text, imports = path.read_text(), imported_modules(path)
-        for name in METHODS:
+        for name in names():
             assert f'"{name}"' not in text, f"{path.name} names method {name}"
             module = f"fedbip_flwr.methods.{name.replace('-', '_')}"
             assert module not in imports, f"{path.name} imports {module}"

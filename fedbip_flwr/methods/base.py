@@ -15,7 +15,8 @@ tests call alike:
    processes can make (`fedbip synthesize`); by default one per client, through ``train_set``.
 
 Methods are registered by name with :func:`register` and created with :func:`create`, as in
-timm. The names are :data:`fedbip_flwr.config.METHODS`, the run config's ``method`` key.
+timm. Their names are what the run config's ``method`` key accepts: the registry is the one
+list, so a new method is one module here and its import in ``methods/__init__.py``.
 A method trained over several rounds on one of Flower's own strategies instead (FedAvg, the
 multi-round reference) is a :class:`MultiRound`, in the same registry: its three hooks stand
 where a one-shot method uploads, is scored by an institution and runs the one-round strategy,
@@ -38,7 +39,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from ..classifier import Distillation, Teacher
-from ..config import METHODS, FedBiPConfig, NodeConfig
+from ..config import FedBiPConfig, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
 from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
@@ -198,9 +199,9 @@ T = TypeVar("T", bound=type[AnyMethod])
 
 
 def register(cls: T) -> T:
-    """Class decorator: make a method creatable by its ``name``."""
-    if cls.name not in METHODS:
-        raise ValueError(f"method {cls.name!r} is not in fedbip_flwr.config.METHODS")
+    """Class decorator: make a method creatable by its ``name`` (the run config's ``method``)."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"method {cls.name!r} is registered already, by {_REGISTRY[cls.name]}")
     _REGISTRY[cls.name] = cls
     return cls
 
