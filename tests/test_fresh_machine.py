@@ -4,6 +4,7 @@ why; CI, which installs everything, turns those skips into failures."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -39,11 +40,12 @@ def test_a_missing_engine_is_a_skip_with_its_reason_unless_ci_requires_it(requir
     proc = compose_test_without_engine(required)
     output = proc.stdout + proc.stderr
     summary = output.strip().splitlines()[-1]
-    reason = "The compose test needs podman, podman-compose, debootstrap"
+    # podman-compose may sit beside this Python (pip's), so the list can start at podman, debootstrap
+    reason = re.compile(r"The compose test needs podman, [\w, -]*debootstrap[\w, -]*, which this machine lacks")
     if required:
         assert proc.returncode == 1 and "1 error" in summary, output[-3000:]
-        assert reason in output and f"{REQUIRE}=1" in output, output[-3000:]
+        assert reason.search(output) and f"{REQUIRE}=1" in output, output[-3000:]
     else:
         assert proc.returncode == 0 and "1 skipped" in summary, output[-3000:]
         skipped = [line for line in output.splitlines() if line.startswith("SKIPPED")]
-        assert skipped and reason in skipped[0], output[-3000:]
+        assert skipped and reason.search(skipped[0]), output[-3000:]
