@@ -28,6 +28,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm.auto import tqdm
 
+from .logs import short_reason
+
 log = logging.getLogger(__name__)
 
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
@@ -117,7 +119,7 @@ def why_unreadable(path: Path) -> str | None:
     except UnidentifiedImageError:
         return "not an image file (PIL cannot identify it)"
     except Exception as err:  # noqa: BLE001 - any failure to decode makes the file unreadable
-        return f"damaged or truncated ({_first_line(err)})"
+        return f"damaged or truncated ({short_reason(err)})"
     return None
 
 
@@ -132,7 +134,3 @@ def find_unreadable(paths: Sequence[Path], where: Path) -> list[BadImage]:
             bad.append(BadImage(path, reason))
     return bad
 
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).splitlines()
-    return lines[0][:200] if lines else "no message"

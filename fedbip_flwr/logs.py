@@ -1,4 +1,5 @@
-"""Log lines from the library reach the Flower log stream (``flwr run --stream`` / ``flwr log``)."""
+"""Log lines from the library reach the Flower log stream (``flwr run --stream`` / ``flwr log``);
+an exception quoted in one of them, or in an error for a person, stays one bounded line."""
 
 from __future__ import annotations
 
@@ -15,3 +16,9 @@ def setup_logging(level: int = logging.INFO) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+def short_reason(err: BaseException) -> str:
+    """First line of an exception, bounded: messages end up in logs and terminals."""
+    lines = str(err).splitlines() or [type(err).__name__]
+    return lines[0][:200]

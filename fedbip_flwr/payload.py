@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from typing_extensions import Self
 
 from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, FedBiPConfig
+from fedbip_flwr.logs import short_reason
 from fedbip_flwr.storage import atomic_write
 
 SCHEMA_VERSION = 1
@@ -453,7 +454,7 @@ def _parse_json_object(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise PayloadError("header is not valid UTF-8 (not a safetensors file?)") from None
     except (ValueError, RecursionError) as err:
-        raise PayloadError(f"header is not valid JSON ({_short(err)})") from None
+        raise PayloadError(f"header is not valid JSON ({short_reason(err)})") from None
     if not isinstance(header, dict):
         raise PayloadError(f"header is a JSON {_json_type(header)}, expected an object")
     return header
@@ -589,7 +590,7 @@ def _meta_value(metadata: dict[str, str], field: str) -> Any:
     try:
         return json.loads(metadata[key], parse_constant=_reject_constant)
     except (ValueError, RecursionError) as err:
-        raise PayloadError(f"metadata '{key}' is not valid JSON ({_short(err)})") from None
+        raise PayloadError(f"metadata '{key}' is not valid JSON ({short_reason(err)})") from None
 
 
 def _check_schema_version(version: Any) -> None:
@@ -609,7 +610,7 @@ def _load_tensors(blob: bytes) -> dict[str, torch.Tensor]:
     try:
         return safetensors.torch.load(blob)
     except Exception as err:  # noqa: BLE001 - untrusted input: one error type, always
-        raise PayloadError(f"safetensors could not load it ({_short(err)})") from None
+        raise PayloadError(f"safetensors could not load it ({short_reason(err)})") from None
 
 
 # --- validation shared by encode and decode ---------------------------------------------------
@@ -829,10 +830,4 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _json_type(value: Any) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
-
-
-def _short(err: BaseException) -> str:
-    """First line of an exception, bounded: messages end up in logs and terminals."""
-    lines = str(err).splitlines() or [type(err).__name__]
-    return lines[0][:200]
 
