@@ -20,10 +20,11 @@ from tqdm.auto import tqdm
 from .classifier import evaluate
 from .concepts import learn_concepts, prompt_layout
 from .config import FedBiPConfig, NodeConfig
-from .instance import personalize_instances, start_timestep
+from .instance import personalize_instances
 from .ldm import LDM
 from .paths import resolve
 from .payload import SCHEMA_VERSION, Payload, PayloadMeta
+from .sampler import Sampler
 from .server import client_seed
 from .shapes import ImageSet
 
@@ -78,7 +79,8 @@ def personalize(
     come from to keep z(T) private.
     """
     report = ClientReport()
-    timestep = start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep)
+    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps)
+    timestep = sampler.first_timestep(cfg.start_timestep)
 
     started = time.perf_counter()
     instances = personalize_instances(
@@ -129,7 +131,7 @@ def personalize(
         client_id=client_id,
         domain=domain,
         timestep=timestep,
-        scheduler=type(ldm.scheduler).__name__,
+        scheduler=sampler.name,
         num_inference_steps=cfg.num_inference_steps,
         n_s=layout.n_s,
         n_v=layout.n_v,

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from typing_extensions import Self
 
+from .sampler import SchedulerName
 from .specs import OWN_FOLDER, SPECS
 
 # node config bad-images: an unreadable image file fails the institution's job, or is left out
@@ -286,6 +287,12 @@ class FedBiPConfig(FlatConfig):
 
     # --- server synthesis (eq. 5) ------------------------------------------------------------
     multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")
+    scheduler: SchedulerName = Field(
+        SchedulerName.PNDM,
+        description="The sampler the server denoises with (diffusers' class, built from the "
+        "model's noise schedule): pndm (the paper's), ddim, dpm-solver++, unipc. Clients noise "
+        "z(T) to its first timestep, so clients and server must agree.",
+    )
     num_inference_steps: int = Field(50, ge=1)
     guidance_scale: float = Field(7.5, ge=1.0, description="1.0 disables guidance.")
     eta_std: float = Field(

@@ -4,8 +4,9 @@
     zbar_i   = gamma * z_i(0) + (1 - gamma) * z_i'(0),  y_i' = y_i, i' != i, gamma ~ N(0.5, 0.1^2)
     z_i(T)   = sqrt(abar_T) * zbar_i + sqrt(1 - abar_T) * eps     (the scheduler's add_noise)
 
-T is the first timestep the server denoises from, so the server continues exactly where the
-client's forward process stopped. A class with a single image has no partner: that image is
+T is the first timestep the server denoises from (:meth:`fedbip_flwr.sampler.Sampler.first_timestep`),
+so the server continues exactly where the client's forward process stopped. Every sampler shares
+the model's noise schedule, so the forward noise is the same whichever one denoises. A class with a single image has no partner: that image is
 its own partner (zbar = z(0)); the noise at T is the only thing hiding it, so a warning is logged.
 """
 
@@ -15,46 +16,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from diffusers import AutoencoderKL, PNDMScheduler
+from diffusers import AutoencoderKL, SchedulerMixin
 
 log = logging.getLogger(__name__)
-
-
-def schedule_grid(scheduler: PNDMScheduler, num_inference_steps: int) -> torch.Tensor:
-    """The distinct timesteps of a ``num_inference_steps`` schedule, descending (981, 961, ...)."""
-    scheduler.set_timesteps(num_inference_steps)
-    return torch.unique(scheduler.timesteps).flip(0)
-
-
-def start_timestep(scheduler: PNDMScheduler, num_inference_steps: int, requested: int = 0) -> int:
-    """T: the schedule's first timestep (paper default, ``requested=0``), else the latest
-    schedule timestep <= ``requested`` (an earlier T keeps more of the image: privacy dial)."""
-    grid = schedule_grid(scheduler, num_inference_steps)
-    if requested == 0:
-        return int(grid[0])
-    eligible = grid[grid <= requested]
-    if len(eligible) == 0:
-        raise ValueError(
-            f"start-timestep {requested} is below the schedule's last timestep {int(grid[-1])}"
-        )
-    return int(eligible[0])
-
-
-def denoising_timesteps(
-    scheduler: PNDMScheduler, num_inference_steps: int, timestep: int
-) -> torch.Tensor:
-    """The PLMS timesteps from T down, with PNDM's warm-up repeat of the second one.
-
-    ``set_timesteps`` yields [981, 961, 961, 941, ...]: the repeated 961 is PNDM's second-order
-    warm-up step. Starting at an earlier T rebuilds that pattern from T instead of slicing it off.
-    """
-    grid = schedule_grid(scheduler, num_inference_steps)
-    if timestep not in grid.tolist():
-        raise ValueError(f"T={timestep} is not a timestep of the {num_inference_steps}-step schedule")
-    tail = grid[grid <= timestep]
-    if len(tail) < 2:
-        return tail
-    return torch.cat([tail[:2], tail[1:]])
 
 
 @torch.no_grad()
@@ -94,11 +58,11 @@ def sample_gammas(
 
 
 def forward_noise(
-    scheduler: PNDMScheduler, zbar: torch.Tensor, timestep: int, noise: torch.Tensor
+    noise_schedule: SchedulerMixin, zbar: torch.Tensor, timestep: int, noise: torch.Tensor
 ) -> torch.Tensor:
     """delta(T, zbar) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps, via the scheduler itself."""
     t = torch.full((zbar.shape[0],), timestep, dtype=torch.long)
-    return scheduler.add_noise(zbar, noise, t)
+    return noise_schedule.add_noise(zbar, noise, t)
 
 
 @dataclass(frozen=True)
@@ -124,7 +88,7 @@ class InstanceLatents:
 
 def personalize_instances(
     vae: AutoencoderKL,
-    scheduler: PNDMScheduler,
+    noise_schedule: SchedulerMixin,
     images: torch.Tensor,
     labels: torch.Tensor,
     timestep: int,
@@ -146,7 +110,7 @@ def personalize_instances(
         g = gammas[-1].view(-1, 1, 1, 1)
         zbar = g * z0 + (1 - g) * z0[partners[-1]]
         noise = torch.randn(z0.shape, generator=generator)
-        noised.append(forward_noise(scheduler, zbar, timestep, noise))
+        noised.append(forward_noise(noise_schedule, zbar, timestep, noise))
     return InstanceLatents(
         z0, torch.cat(noised), labels.clone(), torch.cat(partners), torch.cat(gammas), timestep
     )

@@ -694,12 +694,13 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
          "clients must encode images at the server's image size with the same VAE"),
         ("concept dimension", _concept_dim(p), expect.concept_dim,
          "concepts must come from the server's text encoder"),
-        ("timestep", meta.timestep, expect.timestep,
-         "z(T) must be noised to the first timestep the server denoises from"),
+        ("scheduler", meta.scheduler, expect.scheduler,
+         "z(T) only matches the sampler it was noised for: clients and server must share "
+         "run config scheduler"),
         ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
          "clients and server must share run config num-inference-steps"),
-        ("scheduler", meta.scheduler, expect.scheduler,
-         "z(T) only matches the scheduler it was noised for"),
+        ("timestep", meta.timestep, expect.timestep,
+         "z(T) must be noised to the first timestep the server denoises from"),
         ("n_s", meta.n_s, n_s, "clients and server must share run config n-s; S has one "
          "vector per token of the domain phrase, at least n-s"),
         ("n_v", meta.n_v, max(n_v), "clients and server must share run config n-v; V_y has "

@@ -38,9 +38,9 @@ from .classifier import (
 )
 from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
-from .instance import start_timestep
 from .ldm import LDM
 from .payload import Expectations, Payload, Plausibility, adam_step_bound
+from .sampler import Sampler
 from .storage import read_metadata, write_tensors_streamed
 from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
@@ -109,7 +109,8 @@ class RunFolder:
 def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
     """What every payload must agree with: the server's config and its base model, including
     the statistics an honest upload has under that model (:class:`Plausibility`)."""
-    timestep = start_timestep(ldm.scheduler, cfg.num_inference_steps, cfg.start_timestep)
+    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps)
+    timestep = sampler.first_timestep(cfg.start_timestep)
     return Expectations(
         max_bytes=int(cfg.max_payload_mb * 2**20),
         base_model=ldm.fingerprint,
@@ -117,7 +118,7 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         concept_dim=ldm.concept_dim,
         timestep=timestep,
         num_inference_steps=cfg.num_inference_steps,
-        scheduler=type(ldm.scheduler).__name__,
+        scheduler=sampler.name,
         n_s=cfg.n_s,
         n_v=cfg.n_v,
         concept_space=cfg.concept_space,
@@ -159,6 +160,7 @@ def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
     return SynthesisSettings(
         multiplier=cfg.multiplier,
         num_inference_steps=cfg.num_inference_steps,
+        scheduler=cfg.scheduler,
         guidance_scale=cfg.guidance_scale,
         eta_std=cfg.eta_std,
         batch_size=cfg.synthesis_batch_size,
@@ -186,8 +188,7 @@ def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) 
     A restart reuses a shard only under the same key, so resuming with a changed seed or
     synthesis setting recomputes instead of silently mixing two configurations.
     """
-    knobs = (payload_sha, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)
-    return hashlib.sha256(repr(knobs).encode() + eta.contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(repr((payload_sha, *settings.sampling_knobs())).encode() + eta.contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,19 @@
 """Server-side synthesis (paper eq. 5): denoise each uploaded z(T) with the client's concepts.
 
     S_hat = S + scale * eta,  eta ~ N(0, sigma^2)
-    x~_i  = D( PNDM-denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
+    x~_i  = D( denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
 
 Generation starts from z(T) itself, never from fresh noise, at exactly the payload's T. With a
 multiplier m (FedBiP-S/M/L = 2/5/10) every z(T) is denoised m times, each pass with its own eta:
-PNDM is deterministic, so eta is what makes the m images differ. ``scale`` is the concept
+every sampler here is deterministic (DDIM with eta 0), so eta is what makes the m images differ. ``scale`` is the concept
 space's typical coordinate size (:func:`fedbip_flwr.concepts.concept_scale`), so sigma = 0.1
 means the same in token and hidden space. A prompt embedding is computed once per
-(client, pass, class) and shared by the batch. PNDM's step follows the model's prediction type
-(epsilon or v-prediction) from the scheduler config.
+(client, pass, class) and shared by the batch. The sampler (:mod:`fedbip_flwr.sampler`, run
+config ``scheduler``) steps by the model's prediction type (epsilon or v-prediction).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -27,9 +26,9 @@ from .concepts import (
     prompt_layout,
     unconditional_embedding,
 )
-from .instance import denoising_timesteps, start_timestep
 from .ldm import LDM
 from .payload import Payload, PayloadError, check_class_rows
+from .sampler import Sampler, SchedulerName
 
 
 @torch.no_grad()
@@ -38,14 +37,12 @@ def denoise(
     z_t: torch.Tensor,
     cond: torch.Tensor,
     uncond: torch.Tensor,
-    timesteps: torch.Tensor,
-    num_inference_steps: int,
+    sampler: Sampler,
+    timestep: int,
     guidance_scale: float,
 ) -> torch.Tensor:
-    """Run PNDM from z(T) over ``timesteps`` with classifier-free guidance; returns z(0)."""
-    scheduler = copy.deepcopy(ldm.scheduler)  # PNDM keeps per-run state (its eps history)
-    scheduler.set_timesteps(num_inference_steps)
-    scheduler.timesteps = timesteps
+    """Denoise z(T), T = ``timestep``, to z(0) with classifier-free guidance."""
+    scheduler, timesteps = sampler.start(timestep)
     z = z_t.to(ldm.device, ldm.dtype)
     guided = guidance_scale > 1.0
     context = (torch.cat([uncond.expand_as(cond), cond]) if guided else cond).to(ldm.device, ldm.dtype)
@@ -86,6 +83,14 @@ class SynthesisSettings:
     batch_size: int
     vae_batch_size: int = 8  # run config vae-batch-size: latents per VAE decode
     n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
+    scheduler: SchedulerName = SchedulerName.PNDM
+
+    def sampler(self, ldm: LDM) -> Sampler:
+        return Sampler.create(self.scheduler, ldm.scheduler, self.num_inference_steps)
+
+    def sampling_knobs(self) -> tuple:
+        """What an image's pixels depend on beyond its input: part of every shard's key."""
+        return (self.num_inference_steps, self.guidance_scale, self.batch_size, str(self.scheduler))
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ def iter_pass(
     """
     cond_per_class = pass_conditioning(ldm, payload, settings, eta)
     uncond = unconditional_embedding(ldm)
-    timesteps = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, payload.meta.timestep)
+    sampler = settings.sampler(ldm)
     for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
         cond = cond_per_class[payload.labels[batch].to(cond_per_class.device)]
         z0 = denoise(
@@ -164,8 +169,8 @@ def iter_pass(
             payload.latents[batch].float(),
             cond,
             uncond,
-            timesteps,
-            settings.num_inference_steps,
+            sampler,
+            payload.meta.timestep,
             settings.guidance_scale,
         )
         images = decode_latents(ldm, z0, settings.vae_batch_size)
@@ -225,14 +230,13 @@ def iter_from_noise(
     depend on how many were drawn before them in other shards.
     """
     uncond = unconditional_embedding(ldm)
-    first = start_timestep(ldm.scheduler, settings.num_inference_steps)
-    grid = denoising_timesteps(ldm.scheduler, settings.num_inference_steps, first)
+    sampler = settings.sampler(ldm)
+    first = sampler.first_timestep()
     shape = ldm.latent_shape()
     for batch in labels.split(settings.batch_size):
         cond = cond_per_class[batch.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
         z_t = torch.randn((len(batch), *shape), generator=generator)
-        z0 = denoise(ldm, z_t, cond, uncond, grid, settings.num_inference_steps,
-                     settings.guidance_scale)  # fmt: skip
+        z0 = denoise(ldm, z_t, cond, uncond, sampler, first, settings.guidance_scale)
         yield decode_latents(ldm, z0, settings.vae_batch_size)
 
 

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from fedbip_flwr.paths import project_dir
+from fedbip_flwr.sampler import SchedulerName
 
 from .benchmark import write_section
 
@@ -88,21 +89,22 @@ def load(args: argparse.Namespace, *, half: bool, channels_last: bool = False, c
 
 
 def project_images(args: argparse.Namespace, ldm, latents, cond, uncond):
-    from fedbip_flwr.instance import denoising_timesteps, start_timestep
+    from fedbip_flwr.sampler import Sampler
     from fedbip_flwr.synthesis import decode_latents, denoise
 
-    first = start_timestep(ldm.scheduler, args.steps)
-    timesteps = denoising_timesteps(ldm.scheduler, args.steps, first)
-    z0 = denoise(ldm, latents, cond, uncond[:1], timesteps, args.steps, args.guidance)
+    sampler = Sampler.create(args.scheduler, ldm.scheduler, args.steps)
+    z0 = denoise(ldm, latents, cond, uncond[:1], sampler, sampler.first_timestep(), args.guidance)
     return (decode_latents(ldm, z0, args.batch) + 1) / 2  # [0, 1], as the pipeline returns
 
 
 def stock_images(args: argparse.Namespace, ldm, latents, cond, uncond):
-    from diffusers import PNDMScheduler, StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline
+
+    from fedbip_flwr.sampler import Sampler
 
     pipe = StableDiffusionPipeline(
         vae=ldm.vae, text_encoder=ldm.text_encoder, tokenizer=ldm.tokenizer, unet=ldm.unet,
-        scheduler=PNDMScheduler.from_config(ldm.scheduler.config), safety_checker=None,
+        scheduler=Sampler.create(args.scheduler, ldm.scheduler, args.steps).scheduler, safety_checker=None,
         feature_extractor=None, requires_safety_checker=False,
     )  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
@@ -209,7 +211,8 @@ def concept_setup(args: argparse.Namespace):
     from fedbip_flwr import dataset
     from fedbip_flwr.concepts import prompt_layout
     from fedbip_flwr.config import FedBiPConfig
-    from fedbip_flwr.instance import encode_images, start_timestep
+    from fedbip_flwr.instance import encode_images
+    from fedbip_flwr.sampler import Sampler
 
     cfg = FedBiPConfig.from_flat({"model": args.model, "classifier-init": "random", "num-inference-steps": args.steps,
                                   "image-size": args.image_size})  # fmt: skip
@@ -219,7 +222,8 @@ def concept_setup(args: argparse.Namespace):
     images, labels = data.images[: args.concept_images], data.labels[: args.concept_images]
     z0 = encode_images(ldm.vae, images)
     layout = prompt_layout(ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, data.domain, list(data.classes))
-    return torch, cfg, ldm, data, images, labels, z0, layout, start_timestep(ldm.scheduler, args.steps)
+    t_max = Sampler.create(args.scheduler, ldm.scheduler, args.steps).first_timestep()
+    return torch, cfg, ldm, data, images, labels, z0, layout, t_max
 
 
 def case_concept_project(args: argparse.Namespace, _name: str) -> dict:
@@ -581,6 +585,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--scheduler", default="pndm", choices=[s.value for s in SchedulerName])
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--concept-images", type=int, default=96)
     parser.add_argument("--classifier-images", type=int, default=1024)

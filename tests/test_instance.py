@@ -2,42 +2,21 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from diffusers import PNDMScheduler
 
 from fedbip_flwr.instance import (
-    denoising_timesteps,
     encode_images,
     forward_noise,
     personalize_instances,
     pick_partners,
     sample_gammas,
-    start_timestep,
 )
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
 
 
 def sd_scheduler() -> PNDMScheduler:
     return PNDMScheduler(**SD_SCHEDULER_CONFIG)
-
-
-def test_T_is_first_synthesis_timestep_of_sd_schedule():
-    sched = sd_scheduler()
-    assert start_timestep(sched, 50) == 981
-    assert math.isclose(float(sched.alphas_cumprod[981]), 0.00578, rel_tol=0.01)
-    assert math.isclose(float(sched.alphas_cumprod[981]) ** 0.5, 0.076, rel_tol=0.01)
-
-
-def test_earlier_T_snaps_to_schedule_and_keeps_pndm_warmup():
-    sched = sd_scheduler()
-    assert start_timestep(sched, 50, 801) == 801
-    assert start_timestep(sched, 50, 800) == 781
-    steps = denoising_timesteps(sched, 50, 601)
-    assert steps[:4].tolist() == [601, 581, 581, 561]
-    sched.set_timesteps(50)
-    assert torch.equal(denoising_timesteps(sched, 50, 981), sched.timesteps)
 
 
 def test_forward_noise_matches_equation():

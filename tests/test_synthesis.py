@@ -12,8 +12,8 @@ from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.client import personalize
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.instance import denoising_timesteps
 from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
+from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.synthesis import (
     SynthesisSettings,
     decode_latents,
@@ -156,10 +156,10 @@ def test_denoising_follows_the_models_prediction_type(tmp_path):
         {**v_model.scheduler.config, "prediction_type": "epsilon"}))  # fmt: skip
     z = torch.randn(2, *v_model.latent_shape(), generator=torch.Generator().manual_seed(0))
     cond = unconditional_embedding(v_model).expand(2, -1, -1)
-    steps = denoising_timesteps(v_model.scheduler, 10, 901)
-    out = denoise(v_model, z, cond, cond, steps, 10, 1.0)
+    out = denoise(v_model, z, cond, cond, Sampler.create("pndm", v_model.scheduler, 10), 901, 1.0)
     assert torch.isfinite(out).all()
-    assert not torch.allclose(out, denoise(as_eps, z, cond, cond, steps, 10, 1.0), atol=1e-3)
+    as_eps_out = denoise(as_eps, z, cond, cond, Sampler.create("pndm", as_eps.scheduler, 10), 901, 1.0)
+    assert not torch.allclose(out, as_eps_out, atol=1e-3)
 
 
 def test_half_precision_on_a_bf16_cpu_samples_under_bf16_autocast(tiny_model_dir, payload, monkeypatch):

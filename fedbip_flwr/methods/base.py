@@ -313,7 +313,7 @@ def fresh_noise_set(
     settings = synthesis_settings(cfg)
     seed = client_seed(cfg.seed, stream)
     key = hashlib.sha256(
-        repr((seed, settings.num_inference_steps, settings.guidance_scale, settings.batch_size)).encode()
+        repr((seed, *settings.sampling_knobs())).encode()
         + cond_per_class.float().cpu().contiguous().numpy().tobytes() + labels.cpu().numpy().tobytes()
     ).hexdigest()
     ldm = server.ldm()
