@@ -53,6 +53,12 @@ class LDM:
     # Compute dtype of sampling under autocast (weights unchanged): bfloat16 on a CPU with bf16
     # instructions when half-precision is on (load_for_run); None = the weights' own dtype.
     autocast: torch.dtype | None = None
+    compiled: bool = False  # the UNet is torch.compile'd (run config compile-unet)
+
+    def batch_bucket(self, batch_size: int) -> int | None:
+        """The batch size every UNet call is padded to: the full batch when the UNet is
+        compiled (one graph for all batches), else none."""
+        return batch_size if self.compiled else None
 
     def sampling_precision(self) -> contextlib.AbstractContextManager:
         """The context every no-grad sampling call (UNet, VAE decode) runs in."""
@@ -385,4 +391,5 @@ def load_for_run(
         # measured and left out: on an AVX2 CPU it gave 1.26x against plain compile's 1.25x
         # for twice the compile time (BENCHMARKS.md, speed section).
         ldm.unet.compile()
+        ldm.compiled = True
     return ldm

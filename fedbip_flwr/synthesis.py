@@ -40,8 +40,19 @@ def denoise(
     sampler: Sampler,
     timestep: int,
     guidance_scale: float,
+    pad_to: int | None = None,
 ) -> torch.Tensor:
-    """Denoise z(T), T = ``timestep``, to z(0) with classifier-free guidance."""
+    """Denoise z(T), T = ``timestep``, to z(0) with classifier-free guidance.
+
+    ``pad_to``: a smaller batch is filled up to this size with copies of its first row, whose
+    results are dropped. A compiled UNet compiles a graph per batch size, so without it a
+    pass's last, smaller batch would pay a second compile (every row is denoised on its own:
+    the padding changes no other row).
+    """
+    n = len(z_t)
+    if pad_to is not None and n < pad_to:
+        z_t = torch.cat([z_t, z_t[:1].expand(pad_to - n, *z_t.shape[1:])])
+        cond = torch.cat([cond, cond[:1].expand(pad_to - n, *cond.shape[1:])])
     scheduler, timesteps = sampler.start(timestep)
     z = z_t.to(ldm.device, ldm.dtype)
     guided = guidance_scale > 1.0
@@ -55,7 +66,7 @@ def denoise(
             eps_uncond, eps_cond = eps.chunk(2)
             eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
         z = scheduler.step(eps, t, z).prev_sample
-    return z
+    return z[:n]
 
 
 @torch.no_grad()
@@ -172,6 +183,7 @@ def iter_pass(
             sampler,
             payload.meta.timestep,
             settings.guidance_scale,
+            ldm.batch_bucket(settings.batch_size),
         )
         images = decode_latents(ldm, z0, settings.vae_batch_size)
         if on_batch is not None:
@@ -236,7 +248,8 @@ def iter_from_noise(
     for batch in labels.split(settings.batch_size):
         cond = cond_per_class[batch.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
         z_t = torch.randn((len(batch), *shape), generator=generator)
-        z0 = denoise(ldm, z_t, cond, uncond, sampler, first, settings.guidance_scale)
+        z0 = denoise(ldm, z_t, cond, uncond, sampler, first, settings.guidance_scale,
+                     ldm.batch_bucket(settings.batch_size))  # fmt: skip
         yield decode_latents(ldm, z0, settings.vae_batch_size)
 
 

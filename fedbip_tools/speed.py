@@ -158,6 +158,49 @@ def case_synthesis(args: argparse.Namespace, name: str) -> dict:
             "first_call_seconds": first, "autocast": str(ldm.autocast), "dtype": str(ldm.dtype)}  # fmt: skip
 
 
+def case_sampler_sweep(args: argparse.Namespace, _name: str) -> dict:
+    """Images/s of every scheduler at each of ``--sweep-steps``, half precision, one model
+    load: a sampler's cost is its UNet calls, so the figure to compare is steps, not names."""
+    _torch_setup(args)
+    ldm = load(args, half=True)
+    latents, cond, uncond = synthesis_inputs(args, ldm)
+    rows = {}
+    for name in SchedulerName:
+        for steps in (int(s) for s in args.sweep_steps.split(",")):
+            setting = argparse.Namespace(**{**vars(args), "scheduler": name.value, "steps": steps})
+            seconds, images, _ = timed(project_images, setting, ldm, latents, cond, uncond)
+            rows[f"{name.value} {steps}"] = {"seconds": seconds, "images_per_s": len(images) / seconds}
+    return {"rows": rows, "dtype": str(ldm.dtype)}
+
+
+def case_compile_bucket(args: argparse.Namespace, _name: str) -> dict:
+    """A compiled UNet given a full batch, then a pass's smaller last batch padded to the full
+    size (what synthesis does), then the same last batch unpadded: seconds of each call and
+    the graphs dynamo has compiled after it."""
+    torch = _torch_setup(args)
+    from torch._dynamo.utils import counters
+
+    from fedbip_flwr.sampler import Sampler
+    from fedbip_flwr.synthesis import denoise
+
+    ldm = load(args, half=True, compile_unet=True)
+    latents, cond, uncond = synthesis_inputs(args, ldm)
+    sampler = Sampler.create(args.scheduler, ldm.scheduler, args.steps)
+    first, tail = sampler.first_timestep(), max(1, args.batch // 3)
+
+    def call(n: int, pad_to: int | None) -> dict:  # one call, compile included: no warm-up
+        started = time.perf_counter()
+        denoise(ldm, latents[:n], cond[:n], uncond[:1], sampler, first, args.guidance, pad_to)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {"seconds": time.perf_counter() - started, "graphs": counters["stats"]["unique_graphs"]}
+
+    calls = [("full batch, first call", args.batch, None), ("full batch again", args.batch, None),
+             (f"last batch of {tail}, padded", tail, args.batch),
+             (f"last batch of {tail}, unpadded", tail, None), (f"last batch of {tail}, unpadded again", tail, None)]  # fmt: skip
+    return {"calls": {label: call(n, pad) for label, n, pad in calls}}
+
+
 def case_synth_check(args: argparse.Namespace, _name: str) -> dict:
     """Do the stock pipeline and the project's loop draw the same images? And bf16 vs float32?
     Plus the FLOPs of one image (torch's flop counter) for GFLOP/s."""
@@ -407,6 +450,8 @@ def _rss(proc) -> int:
 CASES = {
     **dict.fromkeys(SYNTH_VARIANTS, case_synthesis),
     "synth-check": case_synth_check,
+    "sampler-sweep": case_sampler_sweep,
+    "compile-bucket": case_compile_bucket,
     "matmul": case_matmul,
     "concept-project": case_concept_project,
     "concept-recipe": case_concept_recipe,
@@ -415,7 +460,7 @@ CASES = {
     **dict.fromkeys(FEDERATIONS, case_federation),
 }
 # Measured once, not repeated: checks, and the federations (minutes each on two cores).
-ONCE = ("synth-check", "matmul", *FEDERATIONS)
+ONCE = ("synth-check", "sampler-sweep", "compile-bucket", "matmul", *FEDERATIONS)
 
 
 def child(args: argparse.Namespace) -> None:
@@ -541,6 +586,14 @@ def markdown(result: dict, command: str) -> str:
         half = ratio(c, "synth-project-half", "synth-stock-half", "images_per_s")
         if half:
             lines += ["", f"In half precision the project's loop runs at {half:.2f}x the stock pipeline's."]
+    if "sampler-sweep" in c:
+        s = result["settings"]
+        lines += ["", f"Samplers: {s['batch']} images of {s['image_size']} px, guidance {s['guidance']}, "
+                  "half precision, one warm-up call each.", "", "| scheduler, steps | images/s |", "|---|---|"]  # fmt: skip
+        lines += [f"| {k} | {v['images_per_s']:.2f} |" for k, v in c["sampler-sweep"]["rows"].items()]
+    if "compile-bucket" in c:
+        lines += ["", "| compiled UNet call | seconds | graphs compiled so far |", "|---|---|---|"]
+        lines += [f"| {k} | {v['seconds']:.2f} | {v['graphs']} |" for k, v in c["compile-bucket"]["calls"].items()]
     if peak:  # also without synthesis cases: a matmul-only run reports its peak
         bf16 = f"{peak['bfloat16']:.0f} GFLOP/s" if peak.get("bfloat16") else "not native on this CPU (not timed)"
         fp16 = f"; float16 {peak['float16']:.0f} GFLOP/s" if peak.get("float16") else ""
@@ -586,6 +639,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--scheduler", default="pndm", choices=[s.value for s in SchedulerName])
+    parser.add_argument("--sweep-steps", default="5,10,25", help="sampler-sweep: step counts")
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--concept-images", type=int, default=96)
     parser.add_argument("--classifier-images", type=int, default=1024)

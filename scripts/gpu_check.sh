@@ -17,7 +17,8 @@
 #   4. `fedbip speed` at 512 px: half precision at the paper's 50 PNDM steps (the project's loop
 #      against the stock pipeline, both fp16); float32 at 10 steps with the same-images check
 #      and the matmul peaks; the concept step against the textual-inversion recipe and the
-#      classifier's steps/s; torch.compile last.
+#      classifier's steps/s; torch.compile; every sampler (run config scheduler) at 10, 25 and 50
+#      steps; the compiled UNet given a pass's smaller last batch, padded to the full batch and not.
 # Writes OUT_DIR/gpu_check.log, one JSON per stage and OUT_DIR/summary.md, the page to read first
 # (scripts/gpu_summary.py; BENCHMARKS.md, "On a GPU", has an H200's figures to compare with).
 set -u
@@ -77,5 +78,7 @@ speed half 150 --cases synth-stock-half,synth-project-half,synth-project-half-cl
 speed float32 150 --cases synth-check,synth-stock,synth-project,matmul --batch 4 --steps 10 --guidance 7.5
 speed concept 150 --cases concept-project,concept-recipe,classifier --concept-images 16
 speed compile 200 --cases synth-project-half-compile --batch 8 --steps 50 --guidance 7.5
+speed sampler 150 --cases sampler-sweep --batch 8 --sweep-steps 10,25,50 --guidance 7.5
+speed compile-bucket 300 --cases compile-bucket --batch 8 --steps 10 --guidance 7.5
 echo "== done in $((SECONDS - START))s" | tee -a "$LOG"
 "$PY" scripts/gpu_summary.py "$OUT" >/dev/null && echo "summary: $OUT/summary.md"

@@ -190,3 +190,22 @@ def test_channels_last_unet_samples_the_same_images(tiny_model_dir, payload):
     eta = torch.zeros(1, plain.concept_dim)
     a, b = (synthesize_pass(m, payload, settings(), eta) for m in (plain, fast))
     assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_padding_a_batch_to_its_bucket_changes_no_row(tiny_ldm):
+    """A compiled UNet gets every batch at the full size; the filler rows must not leak."""
+    generator = torch.Generator().manual_seed(0)
+    z = torch.randn(2, *tiny_ldm.latent_shape(), generator=generator)
+    uncond = unconditional_embedding(tiny_ldm)
+    cond = torch.randn(2, *uncond.shape[1:], generator=generator)
+    sampler = Sampler.create("dpm-solver++", tiny_ldm.scheduler, 4)
+    sizes: list[int] = []
+    hook = tiny_ldm.unet.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    try:
+        padded = denoise(tiny_ldm, z, cond, uncond, sampler, sampler.first_timestep(), 3.0, pad_to=5)
+    finally:
+        hook.remove()
+    plain = denoise(tiny_ldm, z, cond, uncond, sampler, sampler.first_timestep(), 3.0)
+    assert set(sizes) == {10}, "5 rows, doubled for guidance"
+    assert padded.shape == plain.shape == z.shape
+    assert torch.allclose(padded, plain, atol=1e-5)
