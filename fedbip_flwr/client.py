@@ -79,7 +79,7 @@ def personalize(
     come from to keep z(T) private.
     """
     report = ClientReport()
-    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps)
+    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps, cfg.timestep_spacing)
     timestep = sampler.first_timestep(cfg.start_timestep)
 
     started = time.perf_counter()

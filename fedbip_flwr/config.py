@@ -25,7 +25,7 @@ from pydantic import (
 )
 from typing_extensions import Self
 
-from .sampler import SchedulerName
+from .sampler import SchedulerName, TimestepSpacing
 from .specs import OWN_FOLDER, SPECS
 
 # node config bad-images: an unreadable image file fails the institution's job, or is left out
@@ -294,6 +294,11 @@ class FedBiPConfig(FlatConfig):
         "z(T) to its first timestep, so clients and server must agree.",
     )
     num_inference_steps: int = Field(50, ge=1)
+    timestep_spacing: TimestepSpacing = Field(
+        "leading",
+        description="Where the steps sit in 1..1000. leading (SD v1-x's, the paper's): T, the "
+        "noise level of z(T), drops with fewer steps; trailing: T = 999 at every step count.",
+    )
     guidance_scale: float = Field(7.5, ge=1.0, description="1.0 disables guidance.")
     eta_std: float = Field(
         0.1,

@@ -700,7 +700,8 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
         ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
          "clients and server must share run config num-inference-steps"),
         ("timestep", meta.timestep, expect.timestep,
-         "z(T) must be noised to the first timestep the server denoises from"),
+         "z(T) must be noised to the first timestep the server denoises from: clients and "
+         "server must share run config num-inference-steps, timestep-spacing and start-timestep"),
         ("n_s", meta.n_s, n_s, "clients and server must share run config n-s; S has one "
          "vector per token of the domain phrase, at least n-s"),
         ("n_v", meta.n_v, max(n_v), "clients and server must share run config n-v; V_y has "

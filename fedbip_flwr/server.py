@@ -109,7 +109,7 @@ class RunFolder:
 def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
     """What every payload must agree with: the server's config and its base model, including
     the statistics an honest upload has under that model (:class:`Plausibility`)."""
-    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps)
+    sampler = synthesis_settings(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     return Expectations(
         max_bytes=int(cfg.max_payload_mb * 2**20),
@@ -161,6 +161,7 @@ def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
         multiplier=cfg.multiplier,
         num_inference_steps=cfg.num_inference_steps,
         scheduler=cfg.scheduler,
+        timestep_spacing=cfg.timestep_spacing,
         guidance_scale=cfg.guidance_scale,
         eta_std=cfg.eta_std,
         batch_size=cfg.synthesis_batch_size,

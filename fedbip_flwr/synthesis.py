@@ -28,7 +28,7 @@ from .concepts import (
 )
 from .ldm import LDM
 from .payload import Payload, PayloadError, check_class_rows
-from .sampler import Sampler, SchedulerName
+from .sampler import Sampler, SchedulerName, TimestepSpacing
 
 
 @torch.no_grad()
@@ -95,13 +95,15 @@ class SynthesisSettings:
     vae_batch_size: int = 8  # run config vae-batch-size: latents per VAE decode
     n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
     scheduler: SchedulerName = SchedulerName.PNDM
+    timestep_spacing: TimestepSpacing = "leading"
 
     def sampler(self, ldm: LDM) -> Sampler:
-        return Sampler.create(self.scheduler, ldm.scheduler, self.num_inference_steps)
+        return Sampler.create(self.scheduler, ldm.scheduler, self.num_inference_steps, self.timestep_spacing)
 
     def sampling_knobs(self) -> tuple:
         """What an image's pixels depend on beyond its input: part of every shard's key."""
-        return (self.num_inference_steps, self.guidance_scale, self.batch_size, str(self.scheduler))
+        return (self.num_inference_steps, self.guidance_scale, self.batch_size, str(self.scheduler),
+                self.timestep_spacing)  # fmt: skip
 
 
 @dataclass(frozen=True)

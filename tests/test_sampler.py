@@ -50,6 +50,18 @@ def test_every_sampler_keeps_the_models_timesteps(config):
                      "unipc": [951, 913]}  # fmt: skip
 
 
+@pytest.mark.parametrize("steps", [5, 10, 25])
+def test_trailing_spacing_keeps_T_at_999_for_every_sampler_and_step_count(steps):
+    """Fewer steps must not buy speed with privacy: with trailing spacing the noise level of
+    z(T) is the same at every step count, and the four samplers share one grid."""
+    grids = {tuple(Sampler.create(name, SD, steps, "trailing").grid().tolist()) for name in SchedulerName}
+    assert len(grids) == 1
+    grid = grids.pop()
+    assert grid[0] == 999 and len(grid) == steps
+    leading = Sampler.create("pndm", SD, steps, "leading").first_timestep()
+    assert leading < 999 and SD.alphas_cumprod[leading] > SD.alphas_cumprod[999]
+
+
 @pytest.mark.parametrize("name", list(SchedulerName))
 def test_from_the_first_timestep_each_sampler_runs_its_stock_schedule(name):
     sampler = Sampler.create(name, SD, 10)
@@ -93,12 +105,13 @@ class OracleUNet(torch.nn.Module):
 
 
 @pytest.mark.parametrize("name", list(SchedulerName))
+@pytest.mark.parametrize("spacing", ["leading", "trailing"])
 @pytest.mark.parametrize("from_first", [True, False], ids=["first-T", "earlier-T"])
-def test_every_sampler_follows_the_trajectory_from_T_to_x0(tiny_ldm, name, from_first):
+def test_every_sampler_follows_the_trajectory_from_T_to_x0(tiny_ldm, name, spacing, from_first):
     generator = torch.Generator().manual_seed(0)
     x0 = torch.randn(2, *tiny_ldm.latent_shape(), generator=generator, dtype=torch.float64).float()
     eps = torch.randn(x0.shape, generator=generator)
-    sampler = Sampler.create(name, tiny_ldm.scheduler, 10)
+    sampler = Sampler.create(name, tiny_ldm.scheduler, 10, spacing)
     T = sampler.first_timestep(0 if from_first else 500)
     assert from_first or T < 500
     oracle = replace(tiny_ldm, unet=OracleUNet(x0, tiny_ldm.scheduler.alphas_cumprod))
