@@ -5,6 +5,12 @@ authors normalise with mean = std = 0.5), resized to ``image_size``. Light augme
 crop with padding, horizontal flip) keeps small synthetic sets from collapsing to one class.
 A :class:`Distillation` (FedLMG's MD / SD) adds a divergence to a teacher's soft targets on the
 same augmented batch; everything else about the recipe stays the same.
+
+``classifier-init`` picks the starting weights: ``imagenet`` (torchvision's, as the paper's SD
+configurations use), ``random``, or ``pretrained``: the ResNet-18 backbone shipped inside the
+base model's folder (``<model>/classifier-backbone/model.safetensors``, made by
+``scripts/pretrain_backbone.py`` from the model's own public pretraining corpus), which is to the
+miniature LDM what ImageNet is to Stable Diffusion. Either pretrained start gets a fresh head.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from . import ldm
-from .storage import read_small_tensor, tensor_location, write_tensors
+from .paths import resolve
+from .storage import read_small_tensor, read_tensors, tensor_location, write_tensors
 from .viz import dequantize, quantize
 
 
@@ -40,10 +47,32 @@ def imagenet_weights_path() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / IMAGENET_WEIGHTS.url.rsplit("/", 1)[-1]
 
 
-def check_classifier_init(init: str) -> None:
-    """Fail at start-up, not hours later after synthesis, when ImageNet weights cannot be had.
+# The backbone a base model ships for classifier-init = "pretrained", inside its folder.
+BACKBONE_DIR = "classifier-backbone"
+BACKBONE_FILE = "model.safetensors"
+BACKBONE_SCRIPT = "scripts/pretrain_backbone.py"
 
-    Looks in the torch hub cache only: nothing is downloaded and no model is built.
+
+def backbone_path(model: str | Path) -> Path:
+    """Where the run config's ``model`` keeps its classifier backbone; a relative folder
+    resolves as the LDM's does (:func:`fedbip_flwr.paths.resolve`)."""
+    return resolve(model) / BACKBONE_DIR / BACKBONE_FILE
+
+
+def _missing_backbone(path: Path) -> ClassifierInitError:
+    return ClassifierInitError(
+        f"classifier-init = \"pretrained\" needs the ResNet-18 backbone shipped with the base "
+        f"model at {path}, which is missing: make it with `python {BACKBONE_SCRIPT} --out "
+        f"{path.parent}` (trained on the miniature LDM's public pretraining corpus) or set run "
+        "config classifier-init = \"imagenet\" or \"random\"."
+    )
+
+
+def check_classifier_init(init: str, model: str | Path = "") -> None:
+    """Fail at start-up, not hours later after synthesis, when the initial weights cannot be had.
+
+    Looks in the torch hub cache (``imagenet``) or the base ``model``'s folder (``pretrained``)
+    only: nothing is downloaded and no model is built.
     """
     path = imagenet_weights_path()
     if init == "imagenet" and not path.is_file():
@@ -53,21 +82,50 @@ def check_classifier_init(init: str) -> None:
             f"{IMAGENET_WEIGHTS.url} there once where the network is reachable, or set run "
             "config classifier-init = \"random\"."
         )
+    if init == "pretrained" and not backbone_path(model).is_file():
+        raise _missing_backbone(backbone_path(model))
 
 
-def build_classifier(num_classes: int, init: str = "imagenet") -> nn.Module:
-    """ResNet-18 with a fresh ``num_classes`` head; ImageNet-initialised unless ``random``."""
+def save_backbone(model: nn.Module, folder: str | Path, metadata: dict[str, str] | None = None) -> Path:
+    """The whole ResNet-18 state dict (its ``fc`` for the classes it was trained on) as
+    ``folder/model.safetensors``: floating tensors in float16 (about 23 MB), BatchNorm's
+    batch counts as they are."""
+    state = {name: t.half() if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    return write_tensors(Path(folder) / BACKBONE_FILE, state, metadata)
+
+
+def load_backbone(path: str | Path) -> nn.Module:
+    """A ResNet-18 with the backbone's weights (float16 -> float32) and its own ``fc``."""
+    path = Path(path)
+    if not path.is_file():
+        raise _missing_backbone(path)
+    state = {name: t.float() if t.is_floating_point() else t for name, t in read_tensors(path).items()}
+    if "fc.weight" not in state:
+        raise ClassifierInitError(f"{path} holds no ResNet-18 state dict (no fc.weight)")
+    model = torchvision.models.resnet18(num_classes=state["fc.weight"].shape[0])
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def build_classifier(num_classes: int, init: str = "imagenet", model: str | Path = "") -> nn.Module:
+    """ResNet-18 with a fresh ``num_classes`` head: ImageNet-initialised (``imagenet``), from
+    the backbone shipped with the base ``model`` (``pretrained``: :func:`backbone_path`), or
+    ``random``."""
+    if init == "pretrained":
+        net = load_backbone(backbone_path(model))
+        net.fc = nn.Linear(net.fc.in_features, num_classes)
+        return net
     weights = IMAGENET_WEIGHTS if init == "imagenet" else None
     try:
-        model = torchvision.models.resnet18(weights=weights)
+        net = torchvision.models.resnet18(weights=weights)
     except (OSError, RuntimeError) as err:  # URLError is an OSError
         raise ClassifierInitError(
             "ResNet-18 ImageNet weights are not in the torch hub cache and cannot be "
             "downloaded here; set run config classifier-init = \"random\" or copy "
             f"{weights.url.rsplit('/', 1)[-1]} into $TORCH_HOME/hub/checkpoints ({err})."
         ) from None
-    model.fc = nn.Linear(model.fc.in_features, num_classes)
-    return model
+    net.fc = nn.Linear(net.fc.in_features, num_classes)
+    return net
 
 
 @dataclass(frozen=True)

@@ -327,7 +327,15 @@ class FedBiPConfig(FlatConfig):
     )
 
     # --- classifier (eq. 6) ------------------------------------------------------------------
-    classifier_init: Literal["imagenet", "random"] = "imagenet"
+    classifier_init: Literal["imagenet", "random", "pretrained"] = Field(
+        "imagenet",
+        description="The classifier's starting weights, each with a fresh head for the run's "
+        "classes: imagenet = torchvision's ResNet-18 ImageNet weights (the paper's, from the torch "
+        "hub cache), random, or pretrained = the ResNet-18 backbone shipped with the base model "
+        "(<model>/classifier-backbone/model.safetensors: for the miniature LDM, trained on its "
+        "public pretraining corpus only, never a client's or test image, by "
+        "scripts/pretrain_backbone.py).",
+    )
     classifier_epochs: int = Field(50, ge=1)
     classifier_steps: int = Field(
         0,

@@ -40,7 +40,6 @@ from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
 from .ldm import LDM
 from .payload import Expectations, Payload, Plausibility, adam_step_bound
-from .sampler import Sampler
 from .storage import read_metadata, write_tensors_streamed
 from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
@@ -346,7 +345,7 @@ def train_global(
     # The initial weights come from the global RNG: seed it here, or they would depend on
     # whatever ran before in this process (e.g. how much synthesis a resumed run still did).
     torch.manual_seed(cfg.seed)
-    model = build_classifier(len(class_names), cfg.classifier_init)
+    model = build_classifier(len(class_names), cfg.classifier_init, cfg.model)
     losses: list[float] = []
 
     def on_epoch(_epoch: int, loss: float) -> None:

@@ -59,7 +59,7 @@ def main(grid: Grid, context: Context) -> None:
         log.warning("removed %s, an unfinished write from an interrupted run", path)
     write_json(folder.config, cfg.to_flat())  # what `fedbip synthesize` works from
     dataset.verify(cfg)
-    check_classifier_init(cfg.classifier_init)  # an offline server fails now, not after synthesis
+    check_classifier_init(cfg.classifier_init, cfg.model)  # an offline server fails now, not after synthesis
     device = select_device(cfg.device)
     method = methods.create(cfg.method)
     if isinstance(method, MultiRound):

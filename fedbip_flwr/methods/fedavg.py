@@ -69,7 +69,7 @@ class FedAvg(MultiRound):
         """
         started = time.perf_counter()
         torch.manual_seed(cfg.seed)
-        model = build_classifier(len(cfg.class_list), cfg.classifier_init)
+        model = build_classifier(len(cfg.class_list), cfg.classifier_init, cfg.model)
         on_clients = cfg.evaluation in ("clients", "both")
         strategy = FlowerFedAvg(
             fraction_train=1.0,

@@ -28,7 +28,7 @@ def train_local_classifier(job: ClientJob) -> nn.Module:
     """ResNet-18 trained on the client's private images (seeded from the client's own noise)."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
     torch.manual_seed(seed)
-    model = build_classifier(len(job.data.classes), job.cfg.classifier_init)
+    model = build_classifier(len(job.data.classes), job.cfg.classifier_init, job.cfg.model)
     return train_classifier(model, job.data.images, job.data.labels, train_settings(job.cfg, job.cfg.local_epochs),
                             seed=seed, device=job.device).cpu()  # fmt: skip
 
