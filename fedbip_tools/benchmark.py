@@ -177,6 +177,10 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
         # 1 pass) leaves every row as cached
         "latents-per-image": 1,
         "multiplier": 2,
+        # the sampler every cached row was made with (PNDM on SD v1-x's leading grid): pinned, so
+        # the default federation's own sampler leaves every row as cached
+        "scheduler": "pndm",
+        "timestep-spacing": "leading",
         "output-dir": str(bench.seed_folder(seed)),
     }
 
