@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import read_metadata
 from tests.helpers import SMALL, as_run_config, make_wrapper_app, run_to_end
 
 pytestmark = pytest.mark.long(minutes=1.0)
@@ -73,9 +74,10 @@ def test_the_poisoned_upload_is_refused_for_its_latents(poisoned_run: dict) -> N
     rejected = [c for c in metrics["clients"] if c["status"] == "rejected"]
     assert len(rejected) == 1, metrics["clients"]
     reason = rejected[0]["reason"]
+    honest_T = read_metadata(folder.payload_path("sketch-0"))["fedbip.timestep"]  # the run's T
     # 36 latents: 6 classes x 3 shots x 2 z(T) per image
     assert re.match(r"payload rejected: latents\[0\] has std \d+\.\d+ \(as do 35 more of the 36 "
-                    r"latents\), outside \[0\.\d+, 1\.\d+\] that z\(T\) at timestep 751 can have "
+                    rf"latents\), outside \[0\.\d+, 1\.\d+\] that z\(T\) at timestep {honest_T} can have "
                     r"\(an honest z\(T\) is ", reason), reason
     assert json.loads(folder.clients.read_text()) == metrics["clients"]
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
