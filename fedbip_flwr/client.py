@@ -24,8 +24,7 @@ from .instance import personalize_instances
 from .ldm import LDM
 from .paths import resolve
 from .payload import SCHEMA_VERSION, Payload, PayloadMeta
-from .sampler import Sampler
-from .server import client_seed
+from .server import client_seed, synthesis_settings
 from .shapes import ImageSet
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ def personalize(
     come from to keep z(T) private.
     """
     report = ClientReport()
-    sampler = Sampler.create(cfg.scheduler, ldm.scheduler, cfg.num_inference_steps, cfg.timestep_spacing)
+    sampler = synthesis_settings(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
     timestep = sampler.first_timestep(cfg.start_timestep)
 
     started = time.perf_counter()

@@ -84,9 +84,13 @@ class Sampler:
 
     def grid(self) -> torch.Tensor:
         """The schedule's distinct timesteps, descending."""
+        return _distinct(self._fresh().timesteps)
+
+    def _fresh(self) -> SchedulerMixin:
+        """A copy of the scheduler with this step count's timesteps set, ready to step."""
         scheduler = copy.deepcopy(self.scheduler)
         scheduler.set_timesteps(self.num_inference_steps)
-        return torch.unique(scheduler.timesteps).flip(0)
+        return scheduler
 
     def first_timestep(self, requested: int = 0) -> int:
         """T: the schedule's first timestep (paper default, ``requested=0``), else the latest
@@ -103,14 +107,13 @@ class Sampler:
 
     def start(self, timestep: int) -> tuple[SchedulerMixin, torch.Tensor]:
         """A fresh scheduler positioned at T and the timesteps to step through from there."""
-        grid = self.grid()
+        scheduler = self._fresh()
+        grid = _distinct(scheduler.timesteps)
         if timestep not in grid.tolist():
             raise ValueError(
                 f"T={timestep} is not a timestep of the {self.num_inference_steps}-step "
                 f"{self.name} schedule"
             )
-        scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(self.num_inference_steps)
         if self.name == _SCHEDULERS[SchedulerName.PNDM][0]:
             scheduler.timesteps = plms_timesteps(grid, timestep)
             return scheduler, scheduler.timesteps
@@ -118,6 +121,10 @@ class Sampler:
         if hasattr(scheduler, "set_begin_index"):  # multistep solvers index their sigmas
             scheduler.set_begin_index(begin)
         return scheduler, scheduler.timesteps[begin:]
+
+
+def _distinct(timesteps: torch.Tensor) -> torch.Tensor:
+    return torch.unique(timesteps).flip(0)
 
 
 def plms_timesteps(grid: torch.Tensor, timestep: int) -> torch.Tensor:

@@ -188,7 +188,8 @@ def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) 
     A restart reuses a shard only under the same key, so resuming with a changed seed or
     synthesis setting recomputes instead of silently mixing two configurations.
     """
-    return hashlib.sha256(repr((payload_sha, *settings.sampling_knobs())).encode() + eta.contiguous().numpy().tobytes()).hexdigest()
+    knobs = repr((payload_sha, *settings.sampling_knobs())).encode()
+    return hashlib.sha256(knobs + eta.contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)
