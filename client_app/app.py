@@ -71,7 +71,7 @@ def names_stay_here() -> Iterator[None]:
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     cfg, node = configs(context)
-    method = methods.create(cfg.method)
+    method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
         return Message(content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
     _, client_id = dataset.institution_identity(cfg, node)
@@ -92,7 +92,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     """Score the classifier the server sent on this institution's held-out images; keep it."""
     setup_logging()
     cfg, node = configs(context)
-    method = methods.create(cfg.method)
+    method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
         return Message(content=method.client_evaluate(msg, cfg, node), reply_to=msg)
     domain, client_id = dataset.institution_identity(cfg, node)

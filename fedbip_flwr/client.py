@@ -8,7 +8,6 @@ Plain library code. Which method's upload a client computes is
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -19,38 +18,17 @@ from tqdm.auto import tqdm
 
 from .classifier import evaluate
 from .concepts import learn_concepts, prompt_layout
-from .config import FedBiPConfig, NodeConfig
+from .config import FedBiPConfig
 from .instance import personalize_instances
 from .ldm import LDM
 from .paths import resolve
 from .payload import SCHEMA_VERSION, Payload, PayloadMeta
-from .server import client_seed, synthesis_settings
 from .shapes import ImageSet
+from .synthesis import SynthesisSettings
 
 log = logging.getLogger(__name__)
 
 LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-
-def client_generator(cfg: FedBiPConfig, node: NodeConfig, client_id: str) -> torch.Generator:
-    """The one source of a client's randomness: partners, gamma, the noise hiding z(T), and
-    concept learning's noise, timesteps and batch order.
-
-    By default it is seeded from the operating system's entropy, so nothing the server sees or
-    sets (run config, payload, Flower context) lets it replay the noise and undo z(T). An
-    institution may seed it from its own node config (the server never sees that); simulations
-    and benchmarks may opt in to ``replayable-client-noise``, which lets the server replay it.
-    """
-    if node.seed is not None:
-        log.info("[%s] randomness seeded from this institution's node config", client_id)
-        return torch.Generator().manual_seed(node.seed)
-    if cfg.replayable_client_noise:
-        log.warning(
-            "[%s] replayable-client-noise is on: the server can replay this client's noise and "
-            "recover its private latents (simulations and benchmarks only)", client_id
-        )
-        return torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
 
 
 @dataclass
@@ -78,7 +56,7 @@ def personalize(
     come from to keep z(T) private.
     """
     report = ClientReport()
-    sampler = synthesis_settings(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
     timestep = sampler.first_timestep(cfg.start_timestep)
 
     started = time.perf_counter()

@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializeAsAny,
     ValidationError,
     field_validator,
     model_validator,
@@ -33,8 +34,6 @@ BadImagePolicy = Literal["fail", "skip"]
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
-CLASS_SLOT = "{class}"  # fedlmg-prompt's class name
-# Every method the registry (fedbip_flwr.methods) can create, by run-config name.
 SD_V1_4 = "CompVis/stable-diffusion-v1-4"
 
 
@@ -46,10 +45,14 @@ def _kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _problems(err: ValidationError) -> str:
-    return "; ".join(
-        f"'{'.'.join(str(p) for p in e['loc']) or 'config'}': {e['msg']}" for e in err.errors()
-    )
+def _problems(err: ValidationError, table: str = "") -> str:
+    """Each problem as 'key': reason; a check of the whole config says only its reason."""
+    problems = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        reason = e["msg"].removeprefix("Value error, ")
+        problems.append(f"'{table}{key}': {reason}" if key else reason)
+    return "; ".join(problems)
 
 
 def _split_list(text: str) -> list[str]:
@@ -72,6 +75,73 @@ class FlatConfig(BaseModel):
         except ValidationError as err:
             raise ConfigError(f"Invalid {cls.WHAT}: {_problems(err)}.") from None
 
+    def to_flat(self) -> dict[str, Any]:
+        """The kebab-case dict form, as :meth:`from_flat` accepts it."""
+        return self.model_dump(by_alias=True)
+
+    @classmethod
+    def keys(cls) -> set[str]:
+        """Its run-config keys, kebab-case."""
+        return {field.alias or _kebab(name) for name, field in cls.model_fields.items()}
+
+
+class MethodSettings(FlatConfig):
+    """One method's own run-config keys: the TOML table named after the method
+    (``[tool.flwr.app.config.fedlmg]``), which Flower hands over as dotted keys
+    (``fedlmg.batch-size``). A method without keys of its own has this empty one."""
+
+    WHAT: ClassVar[str] = "method settings"
+
+
+def _method_settings() -> dict[str, type[MethodSettings]]:
+    # The registry is the one list of methods; imported when a config is validated, because
+    # every method module imports this one.
+    from .methods import settings_models
+
+    return settings_models()
+
+
+def _home_of(key: str, tables: Mapping[str, type[MethodSettings]]) -> str | None:
+    """The method whose table holds ``key`` (also spelled ``<method>-<key>``), if any."""
+    for name, model in tables.items():
+        if key in model.keys() or key.removeprefix(f"{name}-") in model.keys():
+            return name
+    return None
+
+
+def _split_tables(data: dict[str, Any], shared: set[str]) -> dict[str, MethodSettings]:
+    """Take every ``<method>.<key>`` out of ``data``, each method's table validated by that
+    method's settings; a key in the wrong place is refused with where it belongs."""
+    models = _method_settings()
+    for key in [k for k, v in data.items() if isinstance(v, Mapping)]:  # TOML read unflattened
+        data.update({f"{key}.{name}": value for name, value in data.pop(key).items()})
+    tables: dict[str, dict[str, Any]] = {name: {} for name in models}
+    for key in [k for k in data if "." in k]:
+        table, _, name = key.partition(".")
+        if table not in models:
+            raise ValueError(f"'{key}': no method is named {table!r}; tables: {', '.join(models)}")
+        if name not in models[table].keys():
+            if name in shared:
+                raise ValueError(f"'{key}': {name!r} is a shared key: set it without '{table}.'")
+            if home := _home_of(name, models):
+                raise ValueError(f"'{key}' belongs to method {home}: set '{home}.{name}'")
+        tables[table][name] = data.pop(key)
+    for key in [k for k in data if k not in shared]:
+        if home := _home_of(key, models):
+            short = key if key in models[home].keys() else key.removeprefix(f"{home}-")
+            raise ValueError(
+                f"'{key}' is method {home}'s setting: set '{home}.{short}' "
+                f"(TOML table [tool.flwr.app.config.{home}])"
+            )
+    return {name: _table(models[name], name, table) for name, table in tables.items()}
+
+
+def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> MethodSettings:
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise ValueError(_problems(err, f"{method}.")) from None
+
 
 class FedBiPConfig(FlatConfig):
     """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
@@ -90,13 +160,32 @@ class FedBiPConfig(FlatConfig):
     @field_validator("method")
     @classmethod
     def _registered(cls, name: str) -> str:
-        # The registry is the one list of methods; imported here, when a config is validated,
-        # because every method module imports this one.
-        from .methods import names
-
-        if name not in names():
-            raise ValueError(f"unknown method {name!r}; the registry knows {', '.join(names())}")
+        known = sorted(_method_settings())
+        if name not in known:
+            raise ValueError(f"unknown method {name!r}; the registry knows {', '.join(known)}")
         return name
+
+    # Every method's own table, validated by its settings model (filled from run-config keys
+    # ``<method>.<key>`` by :meth:`_tables`; never a run-config key itself).
+    method_settings: dict[str, SerializeAsAny[MethodSettings]] = Field(
+        default_factory=dict, exclude=True
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tables(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if "method-settings" in data or "method_settings" in data:
+            raise ValueError("method settings are given as '<method>.<key>' run-config keys")
+        shared = cls.keys() | set(cls.model_fields)
+        data["method_settings"] = _split_tables(data, shared - {"method-settings", "method_settings"})
+        return data
+
+    def settings_of(self, method: str) -> MethodSettings:
+        """The run's settings of ``method`` (its table, defaults filled)."""
+        return self.method_settings[method]
     images_per_class: int = Field(
         0,
         ge=0,
@@ -104,73 +193,6 @@ class FedBiPConfig(FlatConfig):
         "noise (oscar, fedlmg, prompts-only); 0 = as many as FedBiP makes from the same "
         "client (its images of that class x latents-per-image x multiplier), so every "
         "method trains on as much.",
-    )
-    local_epochs: int = Field(
-        30, ge=1, description="Epochs of a client's own classifier (fedlmg, local)."
-    )
-    fedavg_rounds: int = Field(10, ge=1, description="fedavg: rounds of Flower's FedAvg.")
-    fedavg_local_epochs: int = Field(2, ge=1, description="fedavg: local epochs per round.")
-    fedlmg_variant: Literal["paper", "code"] = Field(
-        "paper",
-        description="fedlmg: paper = eq. 10 (eps shifted by sqrt(1 - abar_t) * step * grad, "
-        "descending the loss), w_BN 0.2, "
-        "distillation KL(student || teacher) as eqs. 12-13 write it; code = the authors' code "
-        "(x_t -= step * grad, then a fresh noise estimate at the edited x_t; w_BN 0.1; soft "
-        "cross-entropy to the teacher).",
-    )
-    fedlmg_prompt: str = Field(
-        "an image of {class}",
-        description="fedlmg: the class-only prompt the server samples with; {class} is the "
-        "class name (paper: \"an image of {class}\").",
-    )
-    fedlmg_guidance_scale: float = Field(
-        3.0, ge=1.0, description="fedlmg: classifier-free guidance scale (paper: 3)."
-    )
-    fedlmg_guidance_step: float = Field(
-        1.0,
-        ge=0.0,
-        description="fedlmg: multiplies the gradient of CE + w_BN * L_BN w.r.t. x_t at every "
-        "step (paper and code: 1, at Stable Diffusion's scale); 0 = no local-model guidance.",
-    )
-    fedlmg_noise_edits: int = Field(
-        10,
-        ge=0,
-        description="fedlmg: gradient steps on the BN loss that edit the initial noise before "
-        "sampling (Algorithm 1's M; the paper gives no number, the code makes 10).",
-    )
-    fedlmg_edit_step: float = Field(
-        0.1,
-        ge=0.0,
-        description="fedlmg: each noise edit is x_T -= edit-step * grad L_BN (Algorithm 1's "
-        "eta; the code's step, 1 x grad of 0.1 L_BN, is 0.1).",
-    )
-    fedlmg_batch_size: int = Field(
-        8,
-        ge=1,
-        description="fedlmg: images per guided batch; each step back-propagates through the "
-        "UNet, the VAE decoder and the client's classifier, so memory grows with it.",
-    )
-    fedlmg_global: Literal["ft", "md", "sd"] = Field(
-        "md",
-        description="fedlmg: how the global model learns from the synthetic set: ft = "
-        "cross-entropy only (eq. 11), md = plus distillation from the mean of all clients' "
-        "models (eq. 12, the paper's best on DomainNet), sd = plus distillation from the "
-        "model of the client that generated the image (eq. 13).",
-    )
-    fedlmg_kd_weight: float = Field(
-        1.0,
-        ge=0.0,
-        description="fedlmg: w_MD / w_SD, the distillation term's weight (the paper gives no "
-        "number; the code uses 1).",
-    )
-    captioner: str = Field(
-        "models/miniature-captioner",
-        description="oscar: the clients' frozen captioner, a local folder or hub id: a BLIP "
-        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
-        "miniature captioner's folder (its stand-in on the miniature LDM).",
-    )
-    captions_per_image: int = Field(
-        1, ge=1, description="oscar: captions sampled per private image (OSCAR's code: 1)."
     )
 
     # --- base latent diffusion model -------------------------------------------------------
@@ -415,8 +437,6 @@ class FedBiPConfig(FlatConfig):
         for slot in (CONCEPT_SLOT_S, CONCEPT_SLOT_V):
             if self.prompt_template.count(slot) != 1:
                 raise ValueError(f"prompt-template must contain {slot} exactly once")
-        if self.fedlmg_prompt.count(CLASS_SLOT) != 1:
-            raise ValueError(f"fedlmg-prompt must contain {CLASS_SLOT} exactly once")
         spec = SPECS[self.dataset]
         if spec.layout == OWN_FOLDER:
             return self._check_own_folders()
@@ -459,8 +479,14 @@ class FedBiPConfig(FlatConfig):
         return _split_list(self.classes)
 
     def to_flat(self) -> dict[str, Any]:
-        """The kebab-case dict form, as written to metrics.json and accepted by from_flat."""
-        return self.model_dump(by_alias=True)
+        """The kebab-case dict form, as written to metrics.json and accepted by from_flat:
+        shared keys, then every method's table as dotted keys."""
+        tables = {
+            f"{method}.{key}": value
+            for method, settings in sorted(self.method_settings.items())
+            for key, value in settings.to_flat().items()
+        }
+        return {**super().to_flat(), **tables}
 
 
 class NodeConfig(FlatConfig):
@@ -498,10 +524,13 @@ class NodeConfig(FlatConfig):
         "", description="Where the classifier sent back is kept; \"\" = the run's output-dir."
     )
 
-    # the run-config keys an institution may set for itself (fields of both models)
-    RUN_KEYS: ClassVar[tuple[str, ...]] = ("data_root", "model", "captioner", "device", "half_precision")
+    # the run-config keys an institution may set for itself: its paths and its hardware
+    RUN_KEYS: ClassVar[dict[str, str]] = {
+        "data_root": "data-root", "model": "model", "captioner": "oscar.captioner",
+        "device": "device", "half_precision": "half-precision",
+    }  # fmt: skip
 
     def run_overrides(self) -> dict[str, Any]:
         """The run-config keys this institution sets for itself (they win over the server's)."""
-        values = {name: getattr(self, name) for name in self.RUN_KEYS}
-        return {_kebab(name): v for name, v in values.items() if v not in ("", None)}
+        values = {key: getattr(self, name) for name, key in self.RUN_KEYS.items()}
+        return {key: v for key, v in values.items() if v not in ("", None)}

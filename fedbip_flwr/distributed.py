@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from . import dataset
 from .config import ConfigError, FedBiPConfig
 from .ldm import load_for_run, select_device
-from .methods import Method, ServerJob, Upload, create_one_shot
+from .methods import Method, ServerJob, Upload, one_shot_for
 from .server import RunFolder, ShardPending, WorkUnit, load_persisted, only_reuse
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunS
     """The run's uploads re-read and validated by its method, as a restarted ServerApp does,
     with the LDM (loaded on first use) on ``device``."""
     try:
-        method = create_one_shot(cfg.method)
+        method = one_shot_for(cfg)
     except ValueError as err:  # a multi-round run has no uploads to synthesize from
         raise ConfigError(f"{folder.root}: {err}") from None
     loader = functools.cache(functools.partial(

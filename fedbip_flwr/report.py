@@ -1,15 +1,15 @@
 """``report.md``: what a person reads after a run, on GitHub or in a terminal, PNGs beside it.
 
-Built from ``metrics.json`` and the PNGs in the run folder only, so ``fedbip report RUN_DIR``
-rebuilds it at any time, for a failed run too, and a run from before a key existed still gets a
-report (every optional key is shown when present and left out when absent). Curves are drawn
-with matplotlib's Agg canvas through :class:`~matplotlib.figure.Figure`, never ``pyplot``, so
-plotting touches no global backend state of the process that calls it (the ServerApp).
+Built from ``metrics.json`` (read and validated as :class:`~fedbip_flwr.results.RunResults`)
+and the PNGs in the run folder only, so ``fedbip report RUN_DIR`` rebuilds it at any time, for
+a failed run too (every part of the record is shown when present and left out when absent).
+Curves are drawn with matplotlib's Agg canvas through :class:`~matplotlib.figure.Figure`, never
+``pyplot``, so plotting touches no global backend state of the process that calls it (the
+ServerApp).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from io import BytesIO
@@ -20,114 +20,101 @@ from urllib.parse import quote
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from . import results
+from .results import ClientOutcome, RunResults, Scored
 from .storage import atomic_write
 
 REPORT_FILE = "report.md"
 CLASSIFIER_PNG = "classifier-curves.png"
-# The server's phases in the order they run (metrics.json stores keys sorted); others follow.
-PHASE_ORDER = ("load-model", "round", "synthesis", "classifier", "evaluation")
+# What each client sent beside its upload (Flower MetricRecord keys, as on the wire)
+SENT_IMAGES, SENT_SECONDS = "num-examples", "seconds-total"
+SENT_SKIPPED, SENT_CONCEPT_LOSSES = "unreadable-files-skipped", "concept-losses"
 
 
 def write_report(run_dir: Path) -> Path:
     """Write ``run_dir/report.md`` (and its curve PNGs) from ``run_dir/metrics.json``.
 
-    Raises ``OSError`` when metrics.json cannot be read and ``ValueError`` when it is not a
-    JSON object: a report without the run's numbers would mislead.
+    Raises ``OSError`` when metrics.json cannot be read and ``ValueError`` naming it when it
+    does not hold a run's results: a report without the run's numbers would mislead.
     """
     run_dir = Path(run_dir)
-    metrics = _read_metrics(run_dir / "metrics.json")
-    lines = [f"# FedBiP run `{run_dir.resolve().name}`", "", *_status(metrics)]
+    record = results.read(run_dir)
+    lines = [f"# FedBiP run `{run_dir.resolve().name}`", "", *_status(record)]
     for section in (
-        _accuracy_per_domain(metrics),
-        _accuracy_per_institution(metrics),
-        _clients(metrics),
-        _phases(metrics),
-        _grids(run_dir, metrics),
-        _concept_curves(run_dir, metrics),
-        _classifier_curves(run_dir, metrics),
+        _accuracy_per_domain(record),
+        _accuracy_per_institution(record),
+        _clients(record),
+        _phases(record),
+        _grids(run_dir, record),
+        _concept_curves(run_dir, record),
+        _classifier_curves(run_dir, record),
     ):
         if section:
             lines += ["", *section]
     return atomic_write(run_dir / REPORT_FILE, ("\n".join(lines) + "\n").encode())
 
 
-def _read_metrics(path: Path) -> dict[str, Any]:
-    metrics = json.loads(path.read_text())
-    if not isinstance(metrics, dict):
-        raise ValueError(f"{path} holds a JSON {type(metrics).__name__}, not an object")
-    return metrics
+# --- sections: each returns its Markdown lines, or [] when the record has nothing for it ---
 
 
-# --- sections: each returns its Markdown lines, or [] when metrics.json has nothing for it ---
-
-
-def _status(metrics: dict[str, Any]) -> list[str]:
-    status = str(metrics.get("status", "unknown"))
-    line = f"**Status: {status}.**"
-    if metrics.get("reason"):
-        line += f" {_text(metrics['reason'])}"
-    accuracy = metrics.get("accuracy") or {}
-    if "mean" in accuracy:
-        per_domain = accuracy.get("per_domain", {})
-        line += f" Mean accuracy {_percent(accuracy['mean'])} over {len(per_domain)} domain(s)"
-        if "num_synthetic_images" in accuracy:
-            line += f", classifier trained on {accuracy['num_synthetic_images']} synthetic images"
+def _status(record: RunResults) -> list[str]:
+    line = f"**Status: {record.status}.**"
+    if record.reason:
+        line += f" {_text(record.reason)}"
+    accuracy = record.accuracy
+    if accuracy is not None and accuracy.mean is not None:
+        domains = len(accuracy.per_domain or {})
+        line += f" Mean accuracy {_percent(accuracy.mean)} over {domains} domain(s)"
+        if accuracy.num_synthetic_images is not None:
+            line += f", classifier trained on {accuracy.num_synthetic_images} synthetic images"
         line += "."
-    return [line, "", "Raw numbers and the full run configuration: [metrics.json](metrics.json)."]
+    raw = f"[{results.FILE_NAME}]({results.FILE_NAME})"
+    return [line, "", f"Raw numbers and the full run configuration: {raw}."]
 
 
-def _accuracy_per_domain(metrics: dict[str, Any]) -> list[str]:
-    accuracy = metrics.get("accuracy") or {}
-    per_domain = accuracy.get("per_domain") or {}
-    if not per_domain:
+def _accuracy_per_domain(record: RunResults) -> list[str]:
+    accuracy = record.accuracy
+    if accuracy is None or not accuracy.per_domain:
         return []
-    rows = [[domain, _percent(value)] for domain, value in sorted(per_domain.items())]
-    rows.append(["**mean**", f"**{_percent(accuracy.get('mean'))}**"])
+    rows = [[domain, _percent(value)] for domain, value in sorted(accuracy.per_domain.items())]
+    rows.append(["**mean**", f"**{_percent(accuracy.mean)}**"])
     intro = "The classifier, trained on synthetic images only, on each domain's real test images."
     return ["## Accuracy per domain", "", intro, "", *_table(["domain", "accuracy"], rows, "lr")]
 
 
-def _accuracy_per_institution(metrics: dict[str, Any]) -> list[str]:
-    evaluation = metrics.get("evaluation") or {}
-    per_client = evaluation.get("per_client") or {}
-    if not per_client:
+def _accuracy_per_institution(record: RunResults) -> list[str]:
+    evaluation = record.evaluation
+    if evaluation is None or not evaluation.per_client:
         return []
     rows = [
-        [
-            client,
-            _percent(result.get("accuracy")),
-            str(result.get("num_examples", "")),
-            str(result.get("status", "")),
-            _text(result.get("reason", "")),
-        ]
-        for client, result in sorted(per_client.items())
+        [client, _percent(score.accuracy), str(score.num_examples), score.status, ""]
+        if isinstance(score, Scored)
+        else [client, _percent(None), "", score.status, _text(score.reason)]
+        for client, score in sorted(evaluation.per_client.items())
     ]
     header = ["client", "accuracy", "test images", "status", "reason"]
-    intro = "Scored by each institution on its own held-out images"
-    if evaluation.get("where"):
-        intro += f' (run config `evaluation = "{evaluation["where"]}"`)'
-    lines = ["## Accuracy per institution", "", intro + ".", "", *_table(header, rows, "lrrll")]
-    if "weighted_mean" in evaluation:
-        mean = _percent(evaluation["weighted_mean"])
-        lines += ["", f"Mean weighted by test images: **{mean}**."]
-    return lines
+    intro = ("Scored by each institution on its own held-out images "
+             f'(run config `evaluation = "{evaluation.where}"`).')  # fmt: skip
+    lines = ["## Accuracy per institution", "", intro, "", *_table(header, rows, "lrrll")]
+    mean = _percent(evaluation.weighted_mean)
+    return [*lines, "", f"Mean weighted by test images: **{mean}**."]
 
 
-def _clients(metrics: dict[str, Any]) -> list[str]:
-    clients = metrics.get("clients") or []
+def _clients(record: RunResults) -> list[str]:
+    clients = record.clients or []
     if not clients:
         return []
-    sent = [client.get("metrics") or {} for client in clients]
-    skipped = [m.get("unreadable-files-skipped", 0) for m in sent]
+    sent = [client.metrics or {} for client in clients]
+    skipped = [m.get(SENT_SKIPPED, 0) for m in sent]
     rows = [
         [
             _client_name(client),
-            str(client.get("domain") or ""),
-            str(client.get("status", "")),
-            str(m.get("num-examples", "")),
-            _size(client.get("payload_bytes")),
-            _duration(m.get("seconds-total")),
-            _text(client.get("reason", "")),
+            client.domain,
+            client.status,
+            str(m.get(SENT_IMAGES, "")),
+            _size(client.payload_bytes),
+            _duration(m.get(SENT_SECONDS)),
+            _text(client.reason),
         ]
         for client, m in zip(clients, sent)
     ]
@@ -141,22 +128,20 @@ def _clients(metrics: dict[str, Any]) -> list[str]:
     return ["## Clients", "", *_table(header, rows, align)]
 
 
-def _phases(metrics: dict[str, Any]) -> list[str]:
-    seconds = metrics.get("seconds") or {}
-    if not seconds:
+def _phases(record: RunResults) -> list[str]:
+    phases = record.seconds.phases() if record.seconds is not None else {}
+    if not phases:
         return []
-    order = {phase: i for i, phase in enumerate(PHASE_ORDER)}
-    phases = sorted(seconds, key=lambda phase: order.get(phase, len(order)))
-    rows = [[phase, _duration(seconds[phase])] for phase in phases]
-    rows.append(["**total**", f"**{_duration(sum(seconds.values()))}**"])
+    rows = [[phase, _duration(seconds)] for phase, seconds in phases.items()]
+    rows.append(["**total**", f"**{_duration(sum(phases.values()))}**"])
     return ["## Time per phase (server)", "", *_table(["phase", "time"], rows, "lr")]
 
 
-def _grids(run_dir: Path, metrics: dict[str, Any]) -> list[str]:
+def _grids(run_dir: Path, record: RunResults) -> list[str]:
     grids = sorted(run_dir.glob("grid-*.png"))
     if not grids:
         return []
-    domains = _domains_by_client(metrics)
+    domains = {c.client_id: c.domain for c in record.clients or [] if c.client_id and c.domain}
     lines = [
         "## Real and synthetic images",
         "",
@@ -169,11 +154,11 @@ def _grids(run_dir: Path, metrics: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _concept_curves(run_dir: Path, metrics: dict[str, Any]) -> list[str]:
+def _concept_curves(run_dir: Path, record: RunResults) -> list[str]:
     curves = {
         _client_name(client): losses
-        for client in metrics.get("clients") or []
-        if (losses := (client.get("metrics") or {}).get("concept-losses"))
+        for client in record.clients or []
+        if isinstance(losses := (client.metrics or {}).get(SENT_CONCEPT_LOSSES), list) and losses
     }
     if not curves:
         return []
@@ -189,19 +174,11 @@ def _concept_curves(run_dir: Path, metrics: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _classifier_curves(run_dir: Path, metrics: dict[str, Any]) -> list[str]:
-    classifier = metrics.get("classifier") or {}
-    panels = [
-        (title, label, values)
-        for key, title, label in (
-            ("epoch_loss", "classifier training loss", "loss"),
-            ("epoch_accuracy", "classifier training accuracy", "accuracy"),
-        )
-        if (values := classifier.get(key))
-    ]
-    if not panels:
+def _classifier_curves(run_dir: Path, record: RunResults) -> list[str]:
+    if record.classifier is None or not record.classifier.epoch_loss:
         return []
-    _plot(run_dir / CLASSIFIER_PNG, panels)
+    losses = record.classifier.epoch_loss
+    _plot(run_dir / CLASSIFIER_PNG, [("classifier training loss", "loss", losses)])
     intro = "ResNet-18 on the synthetic training set, per epoch."
     return ["## Classifier training", "", intro, "", _image("classifier curves", CLASSIFIER_PNG)]
 
@@ -249,17 +226,9 @@ def _image(alt: str, file_name: str) -> str:
     return f"![{alt}]({quote(file_name)})"
 
 
-def _client_name(client: dict[str, Any]) -> str:
+def _client_name(client: ClientOutcome) -> str:
     """The client id, or its node id when its upload never named one (a failed client)."""
-    return str(client.get("client_id") or f"node {client.get('node_id', '?')}")
-
-
-def _domains_by_client(metrics: dict[str, Any]) -> dict[str, str]:
-    return {
-        str(c["client_id"]): str(c["domain"])
-        for c in metrics.get("clients") or []
-        if c.get("client_id") and c.get("domain")
-    }
+    return client.client_id or f"node {client.node_id}"
 
 
 def _text(value: Any) -> str:

@@ -17,7 +17,6 @@ import hashlib
 import itertools
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
 from .ldm import LDM
 from .payload import Expectations, Payload, Plausibility, adam_step_bound
+from .seeds import client_seed
 from .storage import read_metadata, write_tensors_streamed
 from .synthesis import SynthesisSettings, draw_etas, iter_pass
 from .viz import image_grid, quantize
@@ -108,7 +108,7 @@ class RunFolder:
 def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
     """What every payload must agree with: the server's config and its base model, including
     the statistics an honest upload has under that model (:class:`Plausibility`)."""
-    sampler = synthesis_settings(cfg).sampler(ldm)
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     return Expectations(
         max_bytes=int(cfg.max_payload_mb * 2**20),
@@ -153,25 +153,6 @@ def concept_init_rms(ldm: LDM, space: str) -> float:
         return float(table.pow(2).mean(-1).sqrt().max())
     norm = next(m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm"))
     return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())
-
-
-def synthesis_settings(cfg: FedBiPConfig) -> SynthesisSettings:
-    return SynthesisSettings(
-        multiplier=cfg.multiplier,
-        num_inference_steps=cfg.num_inference_steps,
-        scheduler=cfg.scheduler,
-        timestep_spacing=cfg.timestep_spacing,
-        guidance_scale=cfg.guidance_scale,
-        eta_std=cfg.eta_std,
-        batch_size=cfg.synthesis_batch_size,
-        vae_batch_size=cfg.vae_batch_size,
-        n_v=cfg.n_v,
-    )
-
-
-def client_seed(seed: int, client_id: str) -> int:
-    """A per-client seed that survives restarts (Python's hash() is salted per process)."""
-    return (seed * 1_000_003 + zlib.crc32(client_id.encode())) % 2**31
 
 
 def payload_digest(payload: Payload) -> str:
@@ -247,7 +228,7 @@ def synthesize_unit(
     on_images: Callable[[int], None] | None = None,
 ) -> Path:
     """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
-    settings = synthesis_settings(cfg)
+    settings = SynthesisSettings.from_config(cfg)
     eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
     return keyed_shard(
         shard_path(unit.client_id, unit.index),
@@ -417,13 +398,6 @@ def evaluate_models(
     }
     mean = sum(per_domain.values()) / len(per_domain) if per_domain else float("nan")
     return {"per_domain": per_domain, "mean": mean, "per_model": scores}
-
-
-def weighted_mean(per_client: Mapping[str, Mapping]) -> float:
-    """Example-weighted mean accuracy over the institutions that scored the classifier."""
-    scored = [r for r in per_client.values() if r.get("status") == "ok" and r["num_examples"]]
-    total = sum(r["num_examples"] for r in scored)
-    return sum(r["accuracy"] * r["num_examples"] for r in scored) / total if total else float("nan")
 
 
 def load_persisted(folder: RunFolder, accept: Callable[[bytes], Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from .concepts import (
     prompt_layout,
     unconditional_embedding,
 )
+from .config import FedBiPConfig
 from .ldm import LDM
 from .payload import Payload, PayloadError, check_class_rows
 from .sampler import Sampler, SchedulerName, TimestepSpacing
@@ -96,6 +97,21 @@ class SynthesisSettings:
     n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
     scheduler: SchedulerName = SchedulerName.PNDM
     timestep_spacing: TimestepSpacing = "leading"
+
+    @classmethod
+    def from_config(cls, cfg: FedBiPConfig) -> SynthesisSettings:
+        """The run's synthesis knobs, which clients and server must share."""
+        return cls(
+            multiplier=cfg.multiplier,
+            num_inference_steps=cfg.num_inference_steps,
+            scheduler=cfg.scheduler,
+            timestep_spacing=cfg.timestep_spacing,
+            guidance_scale=cfg.guidance_scale,
+            eta_std=cfg.eta_std,
+            batch_size=cfg.synthesis_batch_size,
+            vae_batch_size=cfg.vae_batch_size,
+            n_v=cfg.n_v,
+        )
 
     def sampler(self, ldm: LDM) -> Sampler:
         return Sampler.create(self.scheduler, ldm.scheduler, self.num_inference_steps, self.timestep_spacing)
@@ -243,14 +259,31 @@ def iter_from_noise(
     embeddings). The noise comes from ``generator`` batch by batch, so the images do not
     depend on how many were drawn before them in other shards.
     """
+    shape = ldm.latent_shape()
+    first = settings.sampler(ldm).first_timestep()
+    yield from iter_denoised(
+        ldm, cond_per_class, labels, settings, first,
+        lambda batch: torch.randn((len(batch), *shape), generator=generator),
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def iter_denoised(
+    ldm: LDM,
+    cond_per_class: torch.Tensor,
+    labels: torch.Tensor,
+    settings: SynthesisSettings,
+    timestep: int,
+    start: Callable[[torch.Tensor], torch.Tensor],
+) -> Iterator[torch.Tensor]:
+    """Images (batches in [-1, 1], float32, CPU) denoised from ``timestep``, each from the
+    z(T) ``start(batch_labels)`` draws for it (fresh noise, or a client's latent mixture),
+    guided toward its label's conditioning ``cond_per_class[label]`` (C, L, d)."""
     uncond = unconditional_embedding(ldm)
     sampler = settings.sampler(ldm)
-    first = sampler.first_timestep()
-    shape = ldm.latent_shape()
     for batch in labels.split(settings.batch_size):
         cond = cond_per_class[batch.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
-        z_t = torch.randn((len(batch), *shape), generator=generator)
-        z0 = denoise(ldm, z_t, cond, uncond, sampler, first, settings.guidance_scale,
+        z0 = denoise(ldm, start(batch), cond, uncond, sampler, timestep, settings.guidance_scale,
                      ldm.batch_bucket(settings.batch_size))  # fmt: skip
         yield decode_latents(ldm, z0, settings.vae_batch_size)
 

@@ -45,6 +45,7 @@ from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
+from fedbip_flwr.results import read as read_results
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.viz import image_grid
@@ -54,6 +55,7 @@ from .simulation import SimulationError, run_simulation, run_status, stop_local_
 
 log = logging.getLogger(__name__)
 MARKER = "methods"
+CLIENT_SECONDS = "seconds-total"  # a client's whole upload, as it sends it beside the upload
 PICTURE_COLUMNS = 10
 
 
@@ -92,16 +94,24 @@ class Variant:
         return {**self.values, **extra}
 
 
-def local_budget(settings: Settings, n: int) -> dict[str, Any]:
+def local_epochs(settings: Settings, n: int) -> int:
     """Each client's own classifier (Local, FedLMG's guides) gets the global budget in steps."""
-    return {"local-epochs": math.ceil(settings.classifier_steps / batches_per_epoch(n, 64))}
+    return math.ceil(settings.classifier_steps / batches_per_epoch(n, 64))
+
+
+def local_budget(settings: Settings, n: int) -> dict[str, Any]:
+    return {"local.epochs": local_epochs(settings, n)}
+
+
+def fedlmg_budget(settings: Settings, n: int) -> dict[str, Any]:
+    return {"fedlmg.local-epochs": local_epochs(settings, n)}
 
 
 def fedavg_budget(settings: Settings, n: int) -> dict[str, Any]:
     """FedAvg's rounds such that its SGD steps, summed over clients, meet the budget."""
     per_round = len(settings.domains) * settings.fedavg_local_epochs * batches_per_epoch(n, 64)
-    return {"fedavg-rounds": math.ceil(settings.classifier_steps / per_round),
-            "fedavg-local-epochs": settings.fedavg_local_epochs}  # fmt: skip
+    return {"fedavg.rounds": math.ceil(settings.classifier_steps / per_round),
+            "fedavg.local-epochs": settings.fedavg_local_epochs}  # fmt: skip
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -110,9 +120,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedAvg", {"method": "fedavg"}, sized=fedavg_budget),
     Variant("Prompts-only", {"method": "prompts-only"}),
     Variant("OSCAR", {"method": "oscar"}),
-    Variant("FedLMG-FT", {"method": "fedlmg", "fedlmg-global": "ft"}, sized=local_budget),
-    Variant("FedLMG-MD", {"method": "fedlmg", "fedlmg-global": "md"}, "FedLMG-FT", local_budget),
-    Variant("FedLMG-SD", {"method": "fedlmg", "fedlmg-global": "sd"}, "FedLMG-FT", local_budget),
+    Variant("FedLMG-FT", {"method": "fedlmg", "fedlmg.global": "ft"}, sized=fedlmg_budget),
+    Variant("FedLMG-MD", {"method": "fedlmg", "fedlmg.global": "md"}, "FedLMG-FT", fedlmg_budget),
+    Variant("FedLMG-SD", {"method": "fedlmg", "fedlmg.global": "sd"}, "FedLMG-FT", fedlmg_budget),
     Variant("concept-only", {"method": "fedbip", "synthesis-start": "fresh-noise"}),
     Variant("instance-only", {"method": "fedbip", "concept-epochs": 0}),
     Variant("FedBiP-L", {"method": "fedbip", "multiplier": 10}),
@@ -231,22 +241,23 @@ def dataset_classes() -> list[str]:
 # --------------------------------------------------------------------------- measurements
 def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, Any]:
     """What one finished run shows: accuracy, bytes, seconds, fidelity, privacy."""
-    metrics = json.loads(folder.metrics.read_text())
-    cfg = FedBiPConfig.from_flat(metrics["config"])
+    record = read_results(folder.metrics)
+    cfg = FedBiPConfig.from_flat(record.config)
     result: dict[str, Any] = {
-        "per_domain": metrics["accuracy"]["per_domain"],
-        "mean": metrics["accuracy"]["mean"],
-        "server_seconds": {k: v for k, v in metrics["seconds"].items() if k != "round"},
+        "per_domain": record.accuracy.per_domain,
+        "mean": record.accuracy.mean,
+        # the round is the clients' time, counted as theirs
+        "server_seconds": record.seconds.model_dump(exclude_none=True, exclude={"round"}),
         "sgd_steps": cfg.classifier_steps,
     }
-    if folder.clients.exists():
-        outcomes = [c for c in json.loads(folder.clients.read_text()) if c["status"] in ("accepted", "kept")]
-        result["upload_bytes"] = {c["client_id"]: c["payload_bytes"] for c in outcomes}
-        result["client_seconds"] = {c["client_id"]: (c.get("metrics") or {}).get("seconds-total") for c in outcomes}
+    if record.clients is not None:
+        outcomes = [c for c in record.clients if c.status in ("accepted", "kept")]
+        result["upload_bytes"] = {c.client_id: c.payload_bytes for c in outcomes}
+        result["client_seconds"] = {c.client_id: (c.metrics or {}).get(CLIENT_SECONDS) for c in outcomes}
     else:  # FedAvg: the global weights go up from every client each round
         weights = sum(t.numel() * t.element_size() for t in load_classifier(folder, cfg).state_dict().values())
-        result["upload_bytes"] = {"every client": weights * cfg.fedavg_rounds}
-        result["fedavg_rounds"] = cfg.fedavg_rounds
+        result["upload_bytes"] = {"every client": weights * cfg.settings_of("fedavg").rounds}
+        result["fedavg_rounds"] = cfg.settings_of("fedavg").rounds
     clients = client_sets(cfg)
     if folder.training_set.exists():
         shards = json.loads(folder.training_set.read_text())

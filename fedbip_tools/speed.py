@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedbip_flwr import results
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.sampler import SchedulerName
 
@@ -425,9 +426,9 @@ def case_federation(args: argparse.Namespace, name: str) -> dict:
         run_id = int(output.split("Successfully started run ")[1].split()[0])
         status = run_status(home, run_id)
         stop_local_superlink(home)
-        metrics = json.loads((out / "speed" / "metrics.json").read_text())
-    return {"wall_seconds": wall, "status": status, "phases": metrics["seconds"],
-            "peak_rss_mb": peak / 2**20, "mean_accuracy": metrics["accuracy"]["mean"]}  # fmt: skip
+        record = results.read(out / "speed")
+    return {"wall_seconds": wall, "status": status, "phases": record.seconds.model_dump(exclude_none=True),
+            "peak_rss_mb": peak / 2**20, "mean_accuracy": record.accuracy.mean}  # fmt: skip
 
 
 def _belongs(proc, home: str, flwr_pid: int) -> bool:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fedbip_flwr import dataset, shapes
+from fedbip_flwr import dataset, results, shapes
 from fedbip_flwr.classifier import backbone_path, build_classifier, load_backbone, train_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import RunFolder, evaluate_models, synthetic_dataset, train_settings
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="JSON of every curve")
     args = parser.parse_args()
     folder = RunFolder(args.run)
-    flat = json.loads(folder.metrics.read_text())["config"]
+    flat = results.read(folder.metrics).config
     shards = {c: [folder.shards / name for name in names]
               for c, names in json.loads(folder.training_set.read_text()).items()}  # fmt: skip
     base = FedBiPConfig.from_flat(flat)

@@ -38,12 +38,14 @@ CLIENT_DOMAINS = ("sketch", "quickdraw", "painting")
 def child(args: argparse.Namespace) -> None:
     """One case, in this process: payloads, synthesize_all, train_global; JSON on stdout."""
     import torch
+    from flwr.common.config import flatten_dict
 
     from fedbip_flwr import shapes
     from fedbip_flwr.client import personalize
     from fedbip_flwr.config import FedBiPConfig
     from fedbip_flwr.ldm import load_ldm
-    from fedbip_flwr.server import RunFolder, client_seed, synthesize_all, train_global
+    from fedbip_flwr.seeds import client_seed
+    from fedbip_flwr.server import RunFolder, synthesize_all, train_global
 
     try:
         import tomllib
@@ -54,7 +56,7 @@ def child(args: argparse.Namespace) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     torch.set_num_threads(args.threads)
-    flat = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    flat = flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
     flat.update({"concept-epochs": 0, "num-inference-steps": args.steps,
                  "guidance-scale": args.guidance,
                  "classifier-epochs": args.epochs, "multiplier": args.multiplier,

@@ -1,7 +1,7 @@
 """FedLMG's guidance step sizes on the miniature model: a small sweep, judged twice.
 
 Each client (one shapes domain, ``shots`` images per class) makes its FedLMG upload through the
-library (its own ResNet-18, ``local-epochs``); the server's guided sampler
+library (its own ResNet-18, ``fedlmg.local-epochs``); the server's guided sampler
 (:func:`fedbip_flwr.methods.fedlmg.iter_guided`) then makes ``--per-class`` images per class
 under every setting below, from the same noise. Each setting is judged by
 
@@ -35,9 +35,10 @@ from fedbip_flwr import dataset, shapes
 from fedbip_flwr.classifier import build_classifier, evaluate, train_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods import ClientJob, ServerJob, create
-from fedbip_flwr.methods.fedlmg import class_prompts, guidance_settings, iter_guided
-from fedbip_flwr.server import client_seed, train_settings
+from fedbip_flwr.methods import ClientJob, ServerJob, create_for
+from fedbip_flwr.methods.fedlmg import FedLMGSettings, class_prompts, guidance_settings, iter_guided
+from fedbip_flwr.seeds import client_seed
+from fedbip_flwr.server import train_settings
 from fedbip_flwr.storage import read_metadata, read_tensors, write_tensors
 from fedbip_flwr.synthesis import encode_texts
 from fedbip_flwr.viz import dequantize, image_grid, quantize
@@ -64,18 +65,22 @@ SETTINGS: dict[str, dict] = {
 def run_config(args: argparse.Namespace) -> FedBiPConfig:
     return FedBiPConfig.from_flat({
         "method": "fedlmg", "model": str(args.model), "classifier-init": "random",
-        "shots-per-class": args.shots, "local-epochs": args.local_epochs,
-        "num-inference-steps": args.steps, "fedlmg-prompt": args.prompt,
+        "shots-per-class": args.shots, "fedlmg.local-epochs": args.local_epochs,
+        "num-inference-steps": args.steps, "fedlmg.prompt": args.prompt,
         "domains": ",".join(args.domains), "replayable-client-noise": True,
     })  # fmt: skip
 
 
+def own(cfg: FedBiPConfig) -> FedLMGSettings:
+    return cfg.settings_of("fedlmg")
+
+
 def client_uploads(cfg: FedBiPConfig, ldm, cache: Path) -> dict:
     """Each client's FedLMG upload (made once, cached as the bytes a client would send)."""
-    method, server = create("fedlmg"), ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
+    method, server = create_for(cfg), ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
     uploads = {}
     for partition, domain in enumerate(cfg.domain_list):
-        path = cache / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{cfg.local_epochs}.safetensors"
+        path = cache / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
         if not path.exists():
             data = dataset.load_client_data(cfg, partition)
             started = time.perf_counter()
@@ -90,13 +95,13 @@ def client_uploads(cfg: FedBiPConfig, ldm, cache: Path) -> dict:
 def peer_judge(cfg: FedBiPConfig, domain: str, cache: Path, clients: range = range(1, 3)) -> nn.Module:
     """A ResNet-18 trained (the local recipe) on real images of OTHER clients of ``domain``:
     a class judge that knows the domain and shares no image or weight with the guide."""
-    path = cache / f"fedlmg-peer-{domain}-{cfg.shots_per_class}-{cfg.local_epochs}.safetensors"
+    path = cache / f"fedlmg-peer-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
     model = build_classifier(len(shapes.CLASSES), "random")
     if not path.exists():
         sets = [shapes.client_train_set(domain, cfg.shots_per_class, i, seed=cfg.seed) for i in clients]
         images, labels = torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets])
         print(f"training the {domain} peer judge ({len(images)} real images)", flush=True)
-        train_classifier(model, images, labels, train_settings(cfg, cfg.local_epochs), seed=JUDGE_SEED)
+        train_classifier(model, images, labels, train_settings(cfg, own(cfg).local_epochs), seed=JUDGE_SEED)
         write_tensors(path, model.state_dict())
     model.load_state_dict(read_tensors(path))
     return model.eval()
@@ -150,13 +155,13 @@ def main() -> None:
         **{f"guide {u.domain}": evaluate(u.content, *test_set(u.domain), size).accuracy for u in uploads.values()},
     }  # fmt: skip
     print(results["judges on real test images"], flush=True)
-    cond = encode_texts(ldm, class_prompts(cfg, dataset.class_names(cfg)))
+    cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg)))
     labels = torch.arange(6).repeat_interleave(args.per_class)
     settings = {**SETTINGS, **json.loads(args.set)}
     for name, changes in settings.items():
         if args.only is not None and name not in args.only:
             continue
-        chosen = dataclasses.replace(guidance_settings(cfg), **changes)
+        chosen = dataclasses.replace(guidance_settings(cfg, own(cfg)), **changes)
         row = {"settings": dataclasses.asdict(chosen), "clients": {}}
         for client_id, upload in sorted(uploads.items()):
             images, seconds = samples(ldm, upload, cond, labels, chosen, cfg, args.cache)

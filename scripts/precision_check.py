@@ -33,9 +33,9 @@ from fedbip_flwr.classifier import Precision, ShardImages
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.methods import ServerJob
-from fedbip_flwr.server import RunFolder, evaluate_models, train_global
+from fedbip_flwr.results import read as read_results
+from fedbip_flwr.server import RunFolder, evaluate_models, load_persisted, train_global
 from fedbip_tools.judges import Judges, load_judges
-from server_app.app import load_persisted
 
 MODES = ("float32", "auto")
 
@@ -47,7 +47,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
         cfg = FedBiPConfig.from_flat({**flat, "half-precision": half, "multiplier": 1})
         ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
         job = ServerJob(cfg, dataset.class_names(cfg), lambda ldm=ldm: ldm)
-        method = methods.create_one_shot(cfg.method)
+        method = methods.one_shot_for(cfg)
         uploads = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
         out = RunFolder(tmp / f"half-{half}")
         started = time.perf_counter()
@@ -107,7 +107,7 @@ def main() -> None:
                         help="classifier-precision modes to retrain with (one: the seed's effect alone)")
     args = parser.parse_args()
     folder = RunFolder(args.run)
-    flat = json.loads(folder.metrics.read_text())["config"]
+    flat = read_results(folder.metrics).config
     print(f"{args.run}: {torch.get_num_threads()} torch threads")
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_synthesis:

@@ -18,8 +18,7 @@ from fedbip_flwr import shapes
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.server import synthesis_settings
-from fedbip_flwr.synthesis import synthesize_client
+from fedbip_flwr.synthesis import SynthesisSettings, synthesize_client
 from fedbip_flwr.viz import image_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +48,7 @@ def main() -> None:
                 cfg,
                 torch.Generator().manual_seed(1),
             )
-            rows.append(synthesize_client(ldm, payload, synthesis_settings(cfg), seed=1).images)
+            rows.append(synthesize_client(ldm, payload, SynthesisSettings.from_config(cfg), seed=1).images)
             labels.append(template.replace("{", "[").replace("}", "]"))
     out = image_grid(rows, ROOT / "benchmarks" / "instance_only_probe.png", row_labels=labels,
                      label_width=130)

@@ -13,6 +13,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from fedbip_flwr import results
+from fedbip_flwr.results import Accuracy
+
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -26,11 +29,11 @@ def run_digests(run_dir: Path) -> dict:
                if p.is_file() and not p.name.endswith(".tmp")}
         for kind in ("payloads", "shards")
     }  # fmt: skip
-    accuracy = json.loads((run_dir / "metrics.json").read_text()).get("accuracy") or {}
+    accuracy = results.read(run_dir).accuracy or Accuracy()
     return {
         **files,
         "classifier": sha256(run_dir / "classifier.safetensors"),
-        "accuracy": {key: accuracy.get(key) for key in ("mean", "per_domain")},  # no timings
+        "accuracy": accuracy.model_dump(include={"mean", "per_domain"}),  # no timings
     }
 
 

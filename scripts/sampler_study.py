@@ -74,14 +74,14 @@ from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import ClientJob, ServerJob, Upload
 from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.sampler import SchedulerName
+from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import (
     RunFolder,
-    client_seed,
     evaluate_models,
-    synthesis_settings,
     train_global,
 )
 from fedbip_flwr.storage import write_json
+from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_tools.benchmark import client_sets
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.judges import Judges, load_judges
@@ -134,7 +134,7 @@ def learn_payloads(ldm: LDM, cfg: FedBiPConfig, clients: Mapping[str, ClientSet]
 
 def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Payload:
     """``base`` with its z(T) made again at ``cfg``'s sampler's T from the client's own draws."""
-    sampler = synthesis_settings(cfg).sampler(ldm)
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     instances = personalize_instances(
         ldm.vae, ldm.scheduler, data.images, data.labels, timestep,
@@ -188,7 +188,7 @@ def prompts_only_uploads(ldm: LDM, clients: Mapping[str, ClientSet], job: Server
 # ----------------------------------------------------------------------------- server side
 def setting_facts(ldm: LDM, cfg: FedBiPConfig) -> dict[str, Any]:
     """T, alpha_bar_T, the diffusers class and UNet evaluations per image of the setting."""
-    sampler = synthesis_settings(cfg).sampler(ldm)
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     return {
         "timestep": timestep,

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import psutil
 
+from fedbip_flwr import results
+from fedbip_flwr.results import RunResults, Seconds
 from fedbip_tools.simulation import free_port, stop_process_tree, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +149,7 @@ def payload_shapes(run: Path) -> dict:
     return shapes
 
 
-def phase_peaks(samples: list[dict], metrics: dict) -> dict:
+def phase_peaks(samples: list[dict]) -> dict:
     """Peak RSS (MB) and threads per process over the whole run."""
     peaks: dict[str, dict] = {}
     for row in samples:
@@ -172,9 +174,6 @@ def window_peak(samples: list[dict], name: str, start: float, end: float) -> dic
     }
 
 
-SERVER_PHASES = ("round", "synthesis", "classifier", "evaluation")  # as they run
-
-
 def first_block(samples: list[dict], name: str) -> tuple[float, float] | None:
     """First and last time of the first unbroken run of samples in which ``name`` is alive:
     a ClientApp process lives for one message (train, later evaluate)."""
@@ -187,42 +186,47 @@ def first_block(samples: list[dict], name: str) -> tuple[float, float] | None:
     return block
 
 
-def phases(samples: list[dict], metrics: dict, sampler_started: float | None = None) -> dict:
+def phases(samples: list[dict], record: RunResults, sampler_started: float | None = None) -> dict:
     """Peak RSS per phase: windows from the run's own timings, placed on the sampled timeline.
 
     A client's train process is placed by its first unbroken run of samples: its timed phases
     (instance, then concept) end when the process does, and what comes before them is start-up
-    (imports, data, the model). The server's phases start at its ``started-unix`` and follow
-    in the order they run (metrics.json stores them sorted by name); the model loads inside
-    the round, whose window holds both. Windows are accurate to the ~1 s sampling.
+    (imports, data, the model). The server's phases start at its ``started_unix`` and follow
+    in the order they run. Windows are accurate to the ~1 s sampling.
     """
     found: dict[str, dict] = {}
-    for client in metrics.get("clients", []):
-        name = f"clientapp-{client['domain']}"
+    for client in record.clients or []:
+        name = f"clientapp-{client.domain}"
         block = first_block(samples, name)
-        m = client.get("metrics", {})
+        m = client.metrics or {}
         if block is None or "seconds-total" not in m:
             continue
         first, end = block
         concept = end - m["seconds-concept"]
         instance = concept - m["seconds-instance"]
-        found[f"{client['client_id']}: start, data, model load"] = window_peak(samples, name, first, instance)
-        found[f"{client['client_id']}: instance (VAE encode, z(T))"] = window_peak(samples, name, instance, concept)
-        found[f"{client['client_id']}: concept learning"] = window_peak(samples, name, concept, end)
+        found[f"{client.client_id}: start, data, model load"] = window_peak(samples, name, first, instance)
+        found[f"{client.client_id}: instance (VAE encode, z(T))"] = window_peak(samples, name, instance, concept)
+        found[f"{client.client_id}: concept learning"] = window_peak(samples, name, concept, end)
     server = first_block(samples, "serverapp")
-    seconds = metrics.get("seconds", {})
+    windows = server_windows(record.seconds or Seconds())
     if server is not None:
-        if "started-unix" in metrics and sampler_started is not None:
-            t = metrics["started-unix"] - sampler_started  # the ServerApp's own clock zero
-        else:  # older runs: back from the process's end (a few seconds of report writing late)
-            t = server[1] - sum(seconds.values())
-        for phase in [*SERVER_PHASES, *sorted(seconds.keys() - set(SERVER_PHASES) - {"load-model"})]:
-            if phase in seconds:
-                # the model loads inside the round: the round's window holds both
-                span = seconds[phase] + (seconds.get("load-model", 0.0) if phase == "round" else 0.0)
-                found[f"server: {phase}"] = window_peak(samples, "serverapp", t, t + span)
-                t += span
+        if record.started_unix is not None and sampler_started is not None:
+            t = record.started_unix - sampler_started  # the ServerApp's own clock zero
+        else:  # back from the process's end (a few seconds of report writing late)
+            t = server[1] - sum(windows.values())
+        for phase, span in windows.items():
+            found[f"server: {phase}"] = window_peak(samples, "serverapp", t, t + span)
+            t += span
     return found
+
+
+def server_windows(seconds: Seconds) -> dict[str, float]:
+    """Each server phase's span in the order they run; the model loads inside the round, so
+    the round's window holds both."""
+    windows = seconds.model_dump(exclude_none=True, exclude={"load_model"})
+    if seconds.round is not None:
+        windows["round"] += seconds.load_model or 0.0
+    return windows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,12 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         for proc in reversed(procs):
             stop_process_tree(proc.pid)
     run = work / "outputs" / run_name
-    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").exists() else {}
+    record = results.read(run) if (run / results.FILE_NAME).exists() else None
     result.update(
-        metrics=metrics,
+        metrics=record.model_dump(exclude_none=True) if record else {},
         payload_shapes=payload_shapes(run) if run.exists() else {},
-        processes=phase_peaks(sampler.samples, metrics),
-        phases=phases(sampler.samples, metrics, sampler.started),
+        processes=phase_peaks(sampler.samples),
+        phases=phases(sampler.samples, record, sampler.started) if record else {},
         sampler_started_unix=sampler.started,
         max_load1=max((r["load1"] for r in sampler.samples), default=0),
         samples=sampler.samples,

@@ -16,20 +16,32 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
+import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from torch import nn
 
-from fedbip_flwr import dataset, methods
+from fedbip_flwr import dataset, methods, results
 from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.distributed import RunSynthesis, SynthesisTimeout, wait_for_shards
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import MultiRound, ServerJob
+from fedbip_flwr.methods import Method, MultiRound, ServerJob, Upload
 from fedbip_flwr.paths import resolve
 from fedbip_flwr.report import write_report
+from fedbip_flwr.results import (
+    Accuracy,
+    ClassifierCurves,
+    ClientOutcome,
+    Evaluation,
+    RunResults,
+    Seconds,
+)
 from fedbip_flwr.server import (
     RunFolder,
     evaluate_models,
@@ -37,38 +49,92 @@ from fedbip_flwr.server import (
     load_persisted,
     save_grid,
     train_global,
-    weighted_mean,
 )
 from fedbip_flwr.storage import remove_partial_writes, write_json
 from fedbip_flwr.wire import RUN_FOLDER
-from server_app.strategy import NotEnoughClients, OneShotStrategy, outcomes_json
+from server_app.strategy import NotEnoughClients, OneShotStrategy
 
 log = logging.getLogger("fedbip_flwr.server_app")
 app = ServerApp()
 GRID_COLUMNS = 12  # images per row of grid-<client>.png
+GLOBAL = "global"  # the one classifier trained on the training set
+TestSets = dict[str, tuple[torch.Tensor, torch.Tensor]]  # domain -> (images, labels)
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    """One run: its folder and checks, the method's work, then the report."""
     setup_logging()
     cfg = FedBiPConfig.from_flat(context.run_config)
-    folder = RunFolder(resolve(cfg.output_dir) / (cfg.run_name or f"run-{context.run_id}"))
+    folder = _open_run_folder(cfg, context.run_id)
+    dataset.verify(cfg)
+    check_classifier_init(cfg.classifier_init, cfg.model)  # an offline server fails now, not after synthesis
+    device = select_device(cfg.device)
+    method = methods.create_for(cfg)
+    if isinstance(method, MultiRound):
+        record = _run_rounds(method, grid, cfg, folder, device)
+    else:
+        record = _run_one_shot(method, grid, cfg, folder, device)
+    write_report(folder.root)
+    log.info("done: %s; results in %s", record.headline(), folder.root)
+
+
+def _open_run_folder(cfg: FedBiPConfig, run_id: int) -> RunFolder:
+    """The run's folder, rid of an interrupted attempt's unfinished writes, holding the run
+    config that `fedbip synthesize` works from."""
+    folder = RunFolder(resolve(cfg.output_dir) / (cfg.run_name or f"run-{run_id}"))
     folder.root.mkdir(parents=True, exist_ok=True)
     log.info("run folder: %s (method %s)", folder.root, cfg.method)
     for path in remove_partial_writes(folder.root):
         log.warning("removed %s, an unfinished write from an interrupted run", path)
-    write_json(folder.config, cfg.to_flat())  # what `fedbip synthesize` works from
-    dataset.verify(cfg)
-    check_classifier_init(cfg.classifier_init, cfg.model)  # an offline server fails now, not after synthesis
-    device = select_device(cfg.device)
-    method = methods.create(cfg.method)
-    if isinstance(method, MultiRound):
-        _run_rounds(method, grid, cfg, folder, device)
-        return
-    seconds: dict[str, float] = {}
-    job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
+    write_json(folder.config, cfg.to_flat())
+    return folder
 
-    started, started_unix = time.perf_counter(), time.time()
+
+def _run_rounds(
+    method: MultiRound, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device: torch.device
+) -> RunResults:
+    """A multi-round method's rounds on its own Flower strategy, scored like every other method."""
+    tests, _ = _test_sets(cfg, cfg.domain_list)
+    return method.run_server(
+        grid, cfg, folder,
+        lambda model: Accuracy(**_server_scores({GLOBAL: model}, tests, cfg, device)),
+    )  # fmt: skip
+
+
+def _run_one_shot(
+    method: Method, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device: torch.device
+) -> RunResults:
+    """The one round, the training set, the classifier and its scores, each phase timed."""
+    seconds = Seconds()
+    job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
+    started_unix = time.time()  # where `seconds` begin: process samplers place the phases by it
+    strategy, uploads, clients = _round(method, grid, job, folder, seconds)
+    # what metrics.json says if the run stops before it completes
+    stopped = RunResults(status="failed", config=cfg.to_flat(), started_unix=started_unix,
+                         clients=clients)  # fmt: skip
+    _require_enough(uploads, cfg, folder, stopped)
+    training_set = _training_set(method, job, uploads, folder, seconds, stopped)
+    tests = _test_sets_and_grids(cfg, folder, uploads, training_set)
+    models, accuracy, curves = _classifier(method, job, uploads, training_set, folder, tests,
+                                           seconds)  # fmt: skip
+    evaluation = _evaluate_at_institutions(strategy, grid, cfg, folder, models, seconds)
+    completed = RunResults(
+        status="completed", config=cfg.to_flat(), started_unix=started_unix, clients=clients,
+        accuracy=accuracy, classifier=curves, evaluation=evaluation, seconds=seconds,
+    )  # fmt: skip
+    results.write(completed, folder.root)
+    return completed
+
+
+def _round(
+    method: Method, grid: Grid, job: ServerJob, folder: RunFolder, seconds: Seconds
+) -> tuple[OneShotStrategy, dict[str, Upload], list[ClientOutcome]]:
+    """Every upload and the round's outcomes: from disk where an earlier attempt of this run
+    finished the round, else from the one round, which never asks a client whose upload is
+    on disk to upload again."""
+    started = time.perf_counter()
+    cfg = job.cfg
     accept = functools.partial(method.accept, server=job)
     uploads = load_persisted(folder, accept)
     strategy = OneShotStrategy(
@@ -81,98 +147,129 @@ def main(grid: Grid, context: Context) -> None:
         uploaded_by_node=read_uploaders(folder),
     )
     if folder.clients.exists():
-        clients = json.loads(folder.clients.read_text())
+        clients = results.read_clients(folder.clients)
         log.info("resuming: %d payloads on disk, no client is asked to upload again", len(uploads))
     else:
         if uploads:
             log.info("restarting the round: %d upload(s) already on disk", len(uploads))
         strategy.start(grid, num_rounds=1, timeout=cfg.reply_timeout_s)
         uploads.update(strategy.accepted)
-        clients = outcomes_json(strategy.outcomes)
-        write_json(folder.clients, clients)
-    seconds["round"] = time.perf_counter() - started - seconds.get("load-model", 0.0)
+        clients = strategy.outcomes
+        results.write_clients(clients, folder.clients)
+    seconds.round = _since(started) - (seconds.load_model or 0.0)
+    return strategy, uploads, clients
 
-    # started-unix: where the phases in `seconds` begin (round, synthesis, classifier,
-    # evaluation, one after the other), so process samplers can place them in time
-    metrics: dict = {"status": "running", "clients": clients, "config": cfg.to_flat(),
-                     "started-unix": started_unix}  # fmt: skip
+
+def _require_enough(
+    uploads: Mapping[str, Upload], cfg: FedBiPConfig, folder: RunFolder, stopped: RunResults
+) -> None:
+    """The run stops here, recorded, with fewer valid uploads than ``min-clients``."""
     if len(uploads) < cfg.min_clients:
         reason = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
-        _record_failure(folder, metrics, reason)
-        raise NotEnoughClients(reason + f" (see {folder.clients})")
+        _stop(folder, stopped, reason)
+        raise NotEnoughClients(f"{reason} (see {folder.clients})")
     log.info("%d valid payloads: %s", len(uploads), ", ".join(sorted(uploads)))
 
+
+def _stop(folder: RunFolder, stopped: RunResults, reason: str) -> None:
+    """metrics.json and report.md of a run that stops here, with the reason."""
+    results.write(stopped.model_copy(update={"reason": reason}), folder.root)
+    write_report(folder.root)
+
+
+def _training_set(
+    method: Method,
+    job: ServerJob,
+    uploads: Mapping[str, Upload],
+    folder: RunFolder,
+    seconds: Seconds,
+    stopped: RunResults,
+) -> dict[str, list[Path]]:
+    """The classifier's training set as shards per client, made here or, with ``synthesis =
+    "external"``, by `fedbip synthesize` in other processes while this waits (the run stops,
+    recorded, when they take too long)."""
     started = time.perf_counter()
-    if cfg.synthesis == "external":
+    if job.cfg.synthesis == "external":
         try:
-            wait_for_shards(RunSynthesis(folder, method, job, uploads), cfg.synthesis_timeout_s)
+            wait_for_shards(RunSynthesis(folder, method, job, uploads), job.cfg.synthesis_timeout_s)
         except SynthesisTimeout as err:
-            _record_failure(folder, metrics, str(err))
+            _stop(folder, stopped, str(err))
             raise
     training_set = method.train_set(uploads, job, folder.shard_path)
-    seconds["synthesis"] = time.perf_counter() - started
-    write_json(folder.training_set, {c: [p.name for p in paths] for c, paths in training_set.items()})
+    seconds.synthesis = _since(started)
+    write_json(folder.training_set, {c: [p.name for p in ps] for c, ps in training_set.items()})
+    return training_set
 
-    on_server = cfg.evaluation in ("server", "both")
-    tests, grid_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}) if on_server else [])
+
+def _test_sets_and_grids(
+    cfg: FedBiPConfig,
+    folder: RunFolder,
+    uploads: Mapping[str, Upload],
+    training_set: Mapping[str, list[Path]],
+) -> TestSets | None:
+    """The server's test sets of the uploads' domains (None where the run config scores only
+    at the institutions), and a grid per client: real images of its domain, where the server
+    holds them, above the first of its synthetic ones."""
+    tests, real_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}))
     for client_id, upload in sorted(uploads.items()):
         if training_set.get(client_id):
-            real = grid_rows.get(upload.domain)
-            save_grid(folder, client_id, real, first_images(training_set[client_id], GRID_COLUMNS))
+            synthetic = first_images(training_set[client_id], GRID_COLUMNS)
+            save_grid(folder, client_id, real_rows.get(upload.domain), synthetic)
+    return tests
 
+
+def _classifier(
+    method: Method,
+    job: ServerJob,
+    uploads: Mapping[str, Upload],
+    training_set: Mapping[str, list[Path]],
+    folder: RunFolder,
+    tests: TestSets | None,
+    seconds: Seconds,
+) -> tuple[dict[str, nn.Module], Accuracy, ClassifierCurves | None]:
+    """The models to score (the method's own, else one classifier trained on the training
+    set, with its curves), scored on the server's test sets where it holds them."""
     started = time.perf_counter()
     models = method.final_models(uploads, job)
     if models is None:
-        model, facts = train_global(cfg, training_set, job.class_names, folder, device,
+        model, facts = train_global(job.cfg, training_set, job.class_names, folder, job.device,
                                     method.teacher(uploads, job))  # fmt: skip
-        models = {"global": model}
-        metrics["classifier"] = {"epoch_loss": facts["epoch_loss"]}
-        metrics["accuracy"] = {k: facts[k] for k in ("num_synthetic_images", "classifier_seconds")}
+        models, curves = {GLOBAL: model}, ClassifierCurves(epoch_loss=facts["epoch_loss"])
+        accuracy = Accuracy(
+            num_synthetic_images=facts["num_synthetic_images"],
+            classifier_seconds=facts["classifier_seconds"],
+            **_server_scores(models, tests, job.cfg, job.device),
+        )
     else:
-        metrics["accuracy"] = {"models": sorted(models)}
-    if on_server:
-        metrics["accuracy"].update(evaluate_models(models, tests, cfg.classifier_image_size, device))
-    seconds["classifier"] = time.perf_counter() - started
-
-    if cfg.evaluation in ("clients", "both") and folder.classifier.exists() and "global" in models:
-        started = time.perf_counter()
-        per_client = strategy.evaluate_at_institutions(
-            grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
-            timeout=cfg.reply_timeout_s,
-        )  # fmt: skip
-        metrics["evaluation"] = {
-            "where": cfg.evaluation,
-            "per_client": per_client,
-            "weighted_mean": weighted_mean(per_client),
-        }
-        seconds["evaluation"] = time.perf_counter() - started
-    metrics.update(status="completed", seconds=seconds)
-    write_json(folder.metrics, metrics)
-    write_report(folder.root)
-    log.info("done: %s; results in %s", headline(metrics), folder.root)
+        curves = None
+        scores = _server_scores(models, tests, job.cfg, job.device)
+        accuracy = Accuracy(models=sorted(models), **scores)
+    seconds.classifier = _since(started)
+    return models, accuracy, curves
 
 
-def _record_failure(folder: RunFolder, metrics: dict, reason: str) -> None:
-    """metrics.json and report.md of a run that stops here, with the reason."""
-    metrics.update(status="failed", reason=reason)
-    write_json(folder.metrics, metrics)
-    write_report(folder.root)
-
-
-def _run_rounds(method: MultiRound, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device) -> None:
-    """A multi-round method's rounds on its Flower strategy, scored like every other method."""
-    on_server = cfg.evaluation in ("server", "both")
-    tests, _ = _test_sets(cfg, cfg.domain_list if on_server else [])
-    metrics = method.run_server(
-        grid, cfg, folder,
-        lambda model: evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
-        if on_server else {},
+def _evaluate_at_institutions(
+    strategy: OneShotStrategy,
+    grid: Grid,
+    cfg: FedBiPConfig,
+    folder: RunFolder,
+    models: Mapping[str, nn.Module],
+    seconds: Seconds,
+) -> Evaluation | None:
+    """The global classifier scored by the institutions that uploaded, where the run config
+    asks for it; None where it does not or no global classifier was trained."""
+    if not _at_institutions(cfg) or GLOBAL not in models or not folder.classifier.exists():
+        return None
+    started = time.perf_counter()
+    per_client = strategy.evaluate_at_institutions(
+        grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
+        timeout=cfg.reply_timeout_s,
     )  # fmt: skip
-    write_report(folder.root)
-    log.info("done: %s; results in %s", headline(metrics), folder.root)
+    seconds.evaluation = _since(started)
+    return Evaluation.of(cfg.evaluation, per_client)
 
 
-def _model_loader(cfg: FedBiPConfig, seconds: dict[str, float]) -> Callable[[], LDM]:
+def _model_loader(cfg: FedBiPConfig, seconds: Seconds) -> Callable[[], LDM]:
     """The frozen LDM, loaded on first use (Central and Local never need it), timed."""
 
     @functools.cache
@@ -180,21 +277,48 @@ def _model_loader(cfg: FedBiPConfig, seconds: dict[str, float]) -> Callable[[], 
         started = time.perf_counter()
         ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size,
                            channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)
-        seconds["load-model"] = time.perf_counter() - started
+        seconds.load_model = _since(started)
         return ldm
 
     return load
 
 
-def _test_sets(cfg: FedBiPConfig, domains: list[str]) -> tuple[dict, dict]:
-    """Test sets held at the classifier's input size, not the LDM's; and a row of real images
-    per domain for the grids."""
+def _test_sets(
+    cfg: FedBiPConfig, domains: list[str]
+) -> tuple[TestSets | None, dict[str, torch.Tensor]]:
+    """The server's test sets of ``domains`` at the classifier's input size, not the LDM's,
+    and a row of real images per domain for the grids; (None, {}) where the run config
+    scores only at the institutions."""
+    if not _on_server(cfg):
+        return None, {}
     tests, grid_rows = {}, {}
     for domain in domains:
         test = dataset.load_test_sets(cfg, [domain])[domain]
         grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
         tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
     return tests, grid_rows
+
+
+def _server_scores(
+    models: Mapping[str, nn.Module], tests: TestSets | None, cfg: FedBiPConfig, device: torch.device
+) -> dict[str, Any]:
+    """:class:`Accuracy`'s per_domain and mean (and per_model, for several models) on the
+    server's test sets; nothing where it holds none."""
+    if tests is None:
+        return {}
+    return evaluate_models(models, tests, cfg.classifier_image_size, device)
+
+
+def _on_server(cfg: FedBiPConfig) -> bool:
+    return cfg.evaluation in ("server", "both")
+
+
+def _at_institutions(cfg: FedBiPConfig) -> bool:
+    return cfg.evaluation in ("clients", "both")
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
 
 
 def read_uploaders(folder: RunFolder) -> dict[int, str]:
@@ -204,22 +328,3 @@ def read_uploaders(folder: RunFolder) -> dict[int, str]:
         return {}
     recorded = json.loads(folder.uploaders.read_text()).items()
     return {int(node): client for node, client in recorded if folder.payload_path(client).exists()}
-
-
-def headline(metrics: dict) -> str:
-    """One line of results: server-side per domain, institutions' own, or both."""
-    parts = []
-    accuracy = metrics["accuracy"]
-    if "per_domain" in accuracy:
-        domains = ", ".join(f"{d} {a:.3f}" for d, a in accuracy["per_domain"].items())
-        parts.append(f"server-side mean accuracy {accuracy['mean']:.3f} over {domains}")
-    if "evaluation" in metrics:
-        per_client = metrics["evaluation"]["per_client"]
-        scored = ", ".join(
-            f"{c} {r['accuracy']:.3f}" if r["status"] == "ok" else f"{c} failed"
-            for c, r in sorted(per_client.items())
-        )
-        parts.append(
-            f"institutions' weighted mean {metrics['evaluation']['weighted_mean']:.3f} ({scored})"
-        )
-    return "; ".join(parts)

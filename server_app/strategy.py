@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
 
 from flwr.app import (
     ArrayRecord,
@@ -31,9 +30,11 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from pydantic import ValidationError
 
 from fedbip_flwr.methods import Upload
 from fedbip_flwr.payload import PayloadError
+from fedbip_flwr.results import ClientOutcome, Scored, Unscored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write, write_json
 from fedbip_flwr.wire import (
@@ -49,23 +50,19 @@ from fedbip_flwr.wire import (
 
 log = logging.getLogger("fedbip_flwr.strategy")
 KEPT = "its upload from before the restart is on disk; not asked again"
+NO_REPLY = "no reply before the timeout"
+# Scored's fields -> the keys an institution's evaluate reply holds them under (Flower
+# MetricRecord keys, kebab-case on the wire)
+SCORE_KEYS = {
+    "accuracy": "accuracy",
+    "num_examples": "num-examples",
+    "per_class_correct": "per-class-correct",
+    "per_class_total": "per-class-total",
+}
 
 
 class NotEnoughClients(RuntimeError):
     """Fewer valid payloads (or connected clients) than the configured minimum."""
-
-
-@dataclass
-class ClientOutcome:
-    """What happened to one client's upload; written to metrics.json."""
-
-    node_id: int
-    status: str  # accepted | kept (uploaded before a restart) | rejected | failed | missing
-    reason: str = ""
-    client_id: str = ""
-    domain: str = ""
-    payload_bytes: int = 0
-    metrics: dict | None = None
 
 
 def wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, poll_s: float = 1.0) -> list[int]:
@@ -114,7 +111,7 @@ class OneShotStrategy(Strategy):
         self._taken = set(already_accepted)
         self.uploaded_by_node: dict[int, str] = dict(uploaded_by_node or {})
         self.outcomes = [
-            ClientOutcome(node, "kept", KEPT, client_id=client)
+            ClientOutcome(node_id=node, status="kept", reason=KEPT, client_id=client)
             for node, client in sorted(self.uploaded_by_node.items())
         ]
         self._ttl = 3600.0
@@ -213,8 +210,8 @@ class OneShotStrategy(Strategy):
         """Every node that was sent ``train`` and has not replied is recorded as missing."""
         for node in self.sent_to:
             if node not in self._replied:
-                self.outcomes.append(ClientOutcome(node, "missing", "no reply before the timeout"))
-                log.warning("client on node %d: no reply before the timeout", node)
+                self.outcomes.append(ClientOutcome(node_id=node, status="missing", reason=NO_REPLY))
+                log.warning("client on node %d: %s", node, NO_REPLY)
 
     def _send(self, grid: Grid, pending: set[str], config: ConfigRecord) -> None:
         messages = list(self.configure_train(1, ArrayRecord(), config, grid))
@@ -230,8 +227,9 @@ class OneShotStrategy(Strategy):
         node = reply.metadata.src_node_id
         if reply.has_error():
             log.warning("client on node %d failed: %s", node, reply.error.reason)
-            return ClientOutcome(node, "failed", f"client error {reply.error.code}: {reply.error.reason}")
-        outcome = ClientOutcome(node, "rejected")
+            reason = f"client error {reply.error.code}: {reply.error.reason}"
+            return ClientOutcome(node_id=node, status="failed", reason=reason)
+        outcome = ClientOutcome(node_id=node, status="rejected")
         try:
             outcome.metrics = reply_metrics(reply)
             if not carries_payload(reply) and message_config(reply).get(CLIENT_ID) in self._taken:
@@ -282,14 +280,14 @@ class OneShotStrategy(Strategy):
 
     def evaluate_at_institutions(
         self, grid: Grid, classifier: bytes, config: dict, timeout: float
-    ) -> dict[str, dict]:
-        """Send the classifier to every node that uploaded; their metrics, by client id."""
+    ) -> dict[str, Scored | Unscored]:
+        """Send the classifier to every node that uploaded; their scores, by client id."""
         messages = list(self.configure_evaluate(1, blob_record(classifier), ConfigRecord(config), grid))
         by_node = dict(self.uploaded_by_node)
         asked = {m.metadata.dst_node_id for m in messages}
-        results = {
-            client: {"status": "failed", "reason": "no reply before the timeout" if node in asked
-                     else "not connected under the node id it uploaded from"}
+        results: dict[str, Scored | Unscored] = {
+            client: Unscored(reason=NO_REPLY if node in asked
+                             else "not connected under the node id it uploaded from")
             for node, client in by_node.items()
         }  # fmt: skip
         if not messages:
@@ -298,22 +296,22 @@ class OneShotStrategy(Strategy):
         log.info("sending the classifier to %d institution(s) to score", len(messages))
         for reply in grid.send_and_receive(messages, timeout=timeout):
             client = by_node.get(reply.metadata.src_node_id, "")
-            if reply.has_error():
-                results[client] = {"status": "failed", "reason": reply.error.reason}
-                log.warning("%s could not score the classifier: %s", client, reply.error.reason)
-            else:
-                results[client] = {"status": "ok", **_evaluation_metrics(reply_metrics(reply))}
+            results[client] = score = _scores(reply)
+            if isinstance(score, Unscored):
+                log.warning("%s could not score the classifier: %s", client, score.reason)
         return results
 
 
-def _evaluation_metrics(metrics: dict) -> dict:
-    return {
-        "accuracy": float(metrics.get("accuracy", float("nan"))),
-        "num_examples": int(metrics.get("num-examples", 0)),
-        "per_class_correct": list(metrics.get("per-class-correct", [])),
-        "per_class_total": list(metrics.get("per-class-total", [])),
-    }
-
-
-def outcomes_json(outcomes: Iterable[ClientOutcome]) -> list[dict]:
-    return [asdict(o) for o in outcomes]
+def _scores(reply: Message) -> Scored | Unscored:
+    """An institution's evaluate reply as the run record keeps it; a reply whose metrics are
+    missing or malformed is recorded as failed, with why: nothing a client sends crashes the
+    server."""
+    if reply.has_error():
+        return Unscored(reason=reply.error.reason)
+    metrics = reply_metrics(reply)
+    try:
+        sent = {field: metrics[key] for field, key in SCORE_KEYS.items() if key in metrics}
+        return Scored.model_validate(sent)
+    except ValidationError as err:
+        problems = "; ".join(f"{SCORE_KEYS[str(e['loc'][0])]}: {e['msg']}" for e in err.errors())
+        return Unscored(reason=f"its scores are malformed ({problems})")

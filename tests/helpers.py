@@ -143,11 +143,11 @@ WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
 
 
 METHOD_CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
-       "local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
+       "local.epochs": 1, "fedlmg.local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
 
 
-ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg")  # peers join as their modules land
+ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg")
 
 
 def method_config(method: str, **values) -> FedBiPConfig:
@@ -277,35 +277,39 @@ def reported_client(client_id: str, domain: str, **metrics: Any) -> dict[str, An
 
 
 def completed_metrics() -> dict[str, Any]:
-    """Every key a run writes today plus the optional curves and per-institution scores."""
+    """Every key a completed run writes, an institution that failed to score included."""
     clients = [
         reported_client(cid, dom, **{"concept-losses": [0.5, 0.4, 0.3]}) for cid, dom in ACCEPTED.items()
     ]
     clients.append(
         {"node_id": 7, "status": "failed", "reason": "ClientApp raised | out of\nmemory",
-         "client_id": "", "domain": "", "payload_bytes": 0, "metrics": None}
+         "client_id": "", "domain": "", "payload_bytes": 0}
     )
     return {
         "status": "completed",
         "clients": clients,
+        "started_unix": 1_700_000_000.0,
         "accuracy": {
             "per_domain": {"sketch": 0.693, "quickdraw": 0.6, "painting": 0.8},
             "mean": 0.6977,
             "num_synthetic_images": 576,
             "classifier_seconds": 143.0,
         },
-        "seconds": {"load-model": 2.5, "round": 66.0, "synthesis": 175.0, "classifier": 143.0},
-        "classifier": {"epoch_loss": [1.8, 1.1, 0.7], "epoch_accuracy": [0.3, 0.6, 0.8]},
+        "seconds": {"load_model": 2.5, "round": 66.0, "synthesis": 175.0, "classifier": 143.0},
+        "classifier": {"epoch_loss": [1.8, 1.1, 0.7]},
         "evaluation": {
             "where": "both",
             "per_client": {
-                "sketch-0": {"accuracy": 0.7, "num_examples": 300, "status": "ok", "reason": ""},
-                "quickdraw 1": {"accuracy": 0.5, "num_examples": 100, "status": "ok", "reason": ""},
+                "sketch-0": {"status": "ok", "accuracy": 0.7, "num_examples": 300,
+                             "per_class_correct": [100, 110], "per_class_total": [150, 150]},
+                "quickdraw 1": {"status": "ok", "accuracy": 0.5, "num_examples": 100,
+                                "per_class_correct": [30, 20], "per_class_total": [50, 50]},
+                "painting-0": {"status": "failed", "reason": "no reply before the timeout"},
             },
             "weighted_mean": 0.65,
         },
         "config": {"seed": 0},
-    }
+    }  # fmt: skip
 
 
 def run_folder(root: Path, metrics: dict[str, Any], grids: list[str]) -> Path:

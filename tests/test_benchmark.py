@@ -24,11 +24,12 @@ pytestmark = pytest.mark.long(minutes=1.6)
 def test_every_budget_rule_meets_the_global_classifier_budget():
     settings = Settings(classifier_steps=300)
     n = 96  # one client's images: 16 shots x 6 classes
-    local = benchmark.local_budget(settings, n)["local-epochs"]
+    local = benchmark.local_budget(settings, n)["local.epochs"]
+    assert benchmark.fedlmg_budget(settings, n) == {"fedlmg.local-epochs": local}
     assert local * batches_per_epoch(n, 64) >= 300 > (local - 1) * batches_per_epoch(n, 64)
     fedavg = benchmark.fedavg_budget(settings, n)
-    per_round = 3 * fedavg["fedavg-local-epochs"] * batches_per_epoch(n, 64)
-    assert fedavg["fedavg-rounds"] * per_round >= 300 > (fedavg["fedavg-rounds"] - 1) * per_round
+    per_round = 3 * fedavg["fedavg.local-epochs"] * batches_per_epoch(n, 64)
+    assert fedavg["fedavg.rounds"] * per_round >= 300 > (fedavg["fedavg.rounds"] - 1) * per_round
 
 
 def test_variants_that_reuse_uploads_run_after_their_source():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
+from flwr.common.config import flatten_dict
 
 from fedbip_flwr import dataset
 from fedbip_flwr.classifier import (
@@ -89,7 +90,7 @@ def test_backbone_corpus_shares_no_image_with_any_client_or_test_image():
     assert labels.bincount().tolist() == [310] * 6
 
     with open(ROOT / "pyproject.toml", "rb") as handle:
-        flat = tomllib.load(handle)["tool"]["flwr"]["app"]["config"]
+        flat = flatten_dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
     cfg = FedBiPConfig.from_flat(flat)
     assert (cfg.dataset, cfg.domain_list, cfg.shots_per_class) == ("shapes", ["sketch", "quickdraw", "painting"], 16)
     clients = [dataset.load_client_data(cfg, p) for p in range(3)]

@@ -306,7 +306,8 @@ def test_report_refuses_metrics_of_another_shape_in_one_line(
 ) -> None:
     folder = run_folder(tmp_path / "run", metrics, grids=[])
     assert main(["report", str(folder)]) == 1
-    assert "not shaped like a run's" in _one_line_error(capsys, f"fedbip report: no report for '{folder}'")
+    error = _one_line_error(capsys, f"fedbip report: no report for '{folder}'")
+    assert f"{folder / 'metrics.json'} does not hold a run's results: " in error
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,18 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from flwr.common.config import flatten_dict, parse_config_args
 
 from fedbip_flwr.config import SD_V1_4, ConfigError, FedBiPConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # The app's run config as pyproject.toml lists it: what flwr merges every --run-config over.
-PYPROJECT_CONFIG = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+PYPROJECT_CONFIG = flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+
+
+def conf(path: Path) -> dict:
+    """A conf/ file as `flwr run --run-config` reads it (tables become dotted keys)."""
+    return parse_config_args([str(path)])
 
 
 def test_pyproject_run_config_validates():
@@ -39,7 +45,7 @@ PAPER_SETTINGS = {  # file -> (dataset, partitioning, beta or None, SuperNodes);
 
 @pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.name)
 def test_every_conf_file_validates(path):
-    FedBiPConfig.from_flat({**tomllib.loads(path.read_text())})
+    FedBiPConfig.from_flat(conf(path))
 
 
 def test_every_paper_setting_has_a_documented_conf_file():
@@ -48,7 +54,7 @@ def test_every_paper_setting_has_a_documented_conf_file():
     assert on_disk == set(PAPER_SETTINGS)
     for name, (dataset, partitioning, beta, supernodes) in PAPER_SETTINGS.items():
         text = (ROOT / "conf" / name).read_text()
-        cfg = FedBiPConfig.from_flat(tomllib.loads(text))
+        cfg = FedBiPConfig.from_flat(conf(ROOT / "conf" / name))
         assert (cfg.dataset, cfg.partitioning, cfg.min_clients) == (dataset, partitioning, supernodes)
         if beta is not None:
             assert cfg.dirichlet_beta == beta
@@ -68,8 +74,9 @@ def test_stable_diffusion_confs_run_the_peers_with_their_papers_settings():
     sd_confs = [p for p in CONF_FILES if tomllib.loads(p.read_text()).get("model") == SD_V1_4]
     assert len(sd_confs) >= len(PAPER_SETTINGS)
     for path in sd_confs:
-        cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, **tomllib.loads(path.read_text())})
-        peers = (cfg.captioner, cfg.fedlmg_prompt, cfg.fedlmg_guidance_step, cfg.fedlmg_edit_step)
+        cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, **conf(path)})
+        oscar, fedlmg = cfg.settings_of("oscar"), cfg.settings_of("fedlmg")
+        peers = (oscar.captioner, fedlmg.prompt, fedlmg.guidance_step, fedlmg.edit_step)
         assert peers == ("Salesforce/blip-image-captioning-base", "an image of {class}", 1.0, 0.1), path.name
 
 
@@ -123,3 +130,45 @@ def test_an_institutions_node_config_wins_over_the_run_config():
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 1}, state=RecordDict(),
                       run_config=run)
     assert configs(context)[0].data_root == "/shared/default"
+
+
+def test_every_method_has_its_own_table_in_pyproject_and_nowhere_else():
+    """pyproject.toml lists each method's keys in its table (Flower accepts --run-config keys
+    it lists), exactly the keys that method's settings model declares."""
+    from fedbip_flwr.methods import settings_models
+
+    tables = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    for name, model in settings_models().items():
+        assert set(tables.get(name, {})) == model.keys(), name
+    shared = {key for key, value in tables.items() if not isinstance(value, dict)}
+    assert shared == FedBiPConfig.keys() - {"method-settings"}
+
+
+def test_a_method_table_reaches_that_method_and_round_trips():
+    cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, "method": "fedlmg", "fedlmg.batch-size": 4,
+                                  "fedlmg.global": "sd"})  # fmt: skip
+    assert (cfg.settings_of("fedlmg").batch_size, cfg.settings_of("fedlmg").global_) == (4, "sd")
+    assert FedBiPConfig.from_flat(cfg.to_flat()) == cfg
+    from fedbip_flwr.methods import create_for
+
+    assert create_for(cfg).settings == cfg.settings_of("fedlmg")
+
+
+@pytest.mark.parametrize(
+    ("flat", "needle"),
+    [
+        ({"fedlmg-batch-size": 4}, "'fedlmg-batch-size' is method fedlmg's setting: set 'fedlmg.batch-size'"),
+        ({"captioner": "x"}, "'captioner' is method oscar's setting: set 'oscar.captioner'"),
+        ({"fedbip.captioner": "x"}, "'fedbip.captioner' belongs to method oscar: set 'oscar.captioner'"),
+        ({"oscar.concept-lr": 0.1}, "'concept-lr' is a shared key: set it without 'oscar.'"),
+        ({"nope.x": 1}, "no method is named 'nope'"),
+        ({"local.epochs": 0}, "'local.epochs': Input should be greater than or equal to 1"),
+        ({"fedlmg.prompt": "a cat"}, "'fedlmg.prompt': must contain {class} exactly once"),
+        ({"local.nope": 1}, "'local.nope': Extra inputs are not permitted"),
+    ],
+)
+def test_a_key_in_the_wrong_place_is_refused_with_where_it_belongs(flat, needle):
+    with pytest.raises(ConfigError) as err:
+        FedBiPConfig.from_flat(flat)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value) and ". " not in str(err.value), "one sentence"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from fedbip_flwr import results
+from fedbip_flwr.results import Scored
 from tests.helpers import (
     FLWR,
     ROOT,
@@ -70,20 +72,20 @@ def test_demo_runs_the_federation_to_completion(demo):
     assert f"{NUM_SUPERNODES} SuperNodes online" in demo["output"]
     assert demo["leftovers"] == [], "deploy/demo.sh left processes running"
     run = demo["work"] / "outputs" / "deployment"
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["status"] == "completed"
-    assert metrics["config"]["dataset"] == "imagefolder"
-    assert metrics["config"]["evaluation"] == "clients"
-    assert metrics["config"]["model"] == demo["model"]  # the run config reached the ServerApp
-    accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
+    record = results.read(run)
+    assert record.status == "completed"
+    assert record.config["dataset"] == "imagefolder"
+    assert record.config["evaluation"] == "clients"
+    assert record.config["model"] == demo["model"]  # the run config reached the ServerApp
+    accepted = sorted(c.client_id for c in record.clients if c.status == "accepted")
     assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
-    assert "per_domain" not in metrics["accuracy"], "the server scored on data it cannot hold"
-    per_client = metrics["evaluation"]["per_client"]
+    assert record.accuracy.per_domain is None, "the server scored on data it cannot hold"
+    per_client = record.evaluation.per_client
     assert sorted(per_client) == accepted
-    for client, result in per_client.items():
-        assert result["status"] == "ok", (client, result)
-        assert result["num_examples"] == 6 * 4  # the institution's own test/ folder
-    assert 0.0 <= metrics["evaluation"]["weighted_mean"] <= 1.0
+    for client, score in per_client.items():
+        assert isinstance(score, Scored), (client, score)
+        assert score.num_examples == 6 * 4  # the institution's own test/ folder
+    assert 0.0 <= record.evaluation.weighted_mean <= 1.0
     for i in range(NUM_SUPERNODES):
         client = ("sketch-0", "quickdraw-0", "painting-0")[i]
         kept = (demo["work"] / "institutions" / f"institution-{i}" / "deployment" / "institutions"

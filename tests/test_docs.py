@@ -30,8 +30,8 @@ PLACEHOLDERS = {"key"}
 def documented_keys(text: str) -> set[str]:
     """Config keys a text sets: kebab-case `name=` anywhere (command lines, node configs in
     comments) and `name = value` in inline code (TOML lines in prose)."""
-    kebab = re.finditer(r"(?<![\w$-])([a-z][a-z0-9]*(?:-[a-z0-9]+)+)=", text)
-    toml = re.finditer(r"`([a-z][a-z0-9_-]*) ?= ?[^`]+`", text)
+    kebab = re.finditer(r"(?<![\w$.-])([a-z][a-z0-9]*(?:[.-][a-z0-9]+)+)=", text)
+    toml = re.finditer(r"`([a-z][a-z0-9_.-]*) ?= ?[^`]+`", text)
     return {m.group(1) for m in (*kebab, *toml)}
 
 
@@ -40,7 +40,7 @@ def test_every_config_key_the_docs_set_is_one_the_config_accepts():
     (node configs reject unknown keys; `data-dir` for `data-root` once stood in deploy/)."""
     from fedbip_flwr.config import FedBiPConfig, NodeConfig
 
-    known = {name.replace("_", "-") for model in (FedBiPConfig, NodeConfig) for name in model.model_fields}
+    known = set(FedBiPConfig().to_flat()) | NodeConfig.keys()
     known |= FEDERATION_KEYS | PLACEHOLDERS
     texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").glob("*.sh"),
              ROOT / "docker" / "compose.yaml"]  # fmt: skip

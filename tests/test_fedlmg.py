@@ -23,7 +23,7 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.concepts import unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.methods import ClientJob, ServerJob, create
+from fedbip_flwr.methods import ClientJob, ServerJob, create, create_for
 from fedbip_flwr.methods.fedlmg import (
     PREFIX,
     GuidanceSettings,
@@ -40,9 +40,9 @@ from fedbip_flwr.synthesis import decode_latents, encode_texts
 from fedbip_flwr.viz import quantize
 from tests.helpers import tampered
 
-CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 3, "local-epochs": 1,
+CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 3, "fedlmg.local-epochs": 1,
        "shots-per-class": 2, "replayable-client-noise": True, "classifier-init": "random",
-       "method": "fedlmg", "images-per-class": 1, "fedlmg-noise-edits": 1}  # fmt: skip
+       "method": "fedlmg", "images-per-class": 1, "fedlmg.noise-edits": 1}  # fmt: skip
 
 
 def config(**values) -> FedBiPConfig:
@@ -56,7 +56,7 @@ def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
 def upload_of(cfg: FedBiPConfig, ldm, partition: int = 0):
     data = dataset.load_client_data(cfg, partition)
     job = ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
-    blob, _ = create("fedlmg").upload(job)
+    blob, _ = create_for(cfg).upload(job)
     return blob, data
 
 
@@ -299,14 +299,14 @@ def test_the_global_mode_picks_the_teacher_and_the_variant_its_divergence(tiny_l
         uploads[upload.client_id] = upload
 
     def teacher(**values) -> Distillation | None:
-        return create("fedlmg").teacher(uploads, server_job(config(**values), tiny_ldm))
+        return create_for(config(**values)).teacher(uploads, server_job(config(**values), tiny_ldm))
 
-    assert teacher(**{"fedlmg-global": "ft"}) is None
+    assert teacher(**{"fedlmg.global": "ft"}) is None
     assert teacher().divergence == "kl-student-teacher", "default: MD, as the paper writes it"
-    assert teacher(**{"fedlmg-variant": "code"}).divergence == "soft-ce"
+    assert teacher(**{"fedlmg.variant": "code"}).divergence == "soft-ce"
     x, sources = torch.randn(2, 3, 32, 32), ["sketch-0", "quickdraw-0"]
     with torch.no_grad():
         own = torch.stack([uploads[s].content(x[i : i + 1])[0] for i, s in enumerate(sources)])
         mean = torch.stack([uploads[s].content(x).softmax(-1) for s in sources]).mean(0)
-        torch.testing.assert_close(teacher(**{"fedlmg-global": "sd"}).teacher(x, sources), own)
-        torch.testing.assert_close(teacher(**{"fedlmg-global": "md"}).teacher(x, sources).softmax(-1), mean)
+        torch.testing.assert_close(teacher(**{"fedlmg.global": "sd"}).teacher(x, sources), own)
+        torch.testing.assert_close(teacher(**{"fedlmg.global": "md"}).teacher(x, sources).softmax(-1), mean)

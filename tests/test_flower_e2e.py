@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fedbip_flwr import shapes
-from fedbip_flwr.client import client_generator, personalize
+from fedbip_flwr import results, shapes
+from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_ldm
+from fedbip_flwr.results import Scored
+from fedbip_flwr.seeds import client_generator
 from fedbip_tools.simulation import (
     SimulationError,
     port_is_free,
@@ -60,21 +62,21 @@ def test_run_completes_and_writes_outputs(e2e_run):
     assert e2e_run["status"] == "finished:completed", e2e_run["log"][-4000:]
     assert e2e_run["stopped"], "the local SuperLink was not found to stop"
     folder = e2e_run["folder"]
-    metrics = json.loads((folder / "metrics.json").read_text())
-    assert metrics["status"] == "completed"
-    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "quickdraw", "painting"}
-    for acc in metrics["accuracy"]["per_domain"].values():
+    record = results.read(folder)  # validates every key and type of the record
+    assert record.status == "completed"
+    assert set(record.accuracy.per_domain) == {"sketch", "quickdraw", "painting"}
+    for acc in record.accuracy.per_domain.values():
         assert 0.0 <= acc <= 1.0
-    mean = sum(metrics["accuracy"]["per_domain"].values()) / 3
-    assert metrics["accuracy"]["mean"] == pytest.approx(mean)
+    assert record.accuracy.mean == pytest.approx(sum(record.accuracy.per_domain.values()) / 3)
     # clients x classes x shots x 2: the default federation's 2 z(T) per image, one pass each
-    assert metrics["accuracy"]["num_synthetic_images"] == 3 * 6 * 3 * 2
-    assert {"load-model", "round", "synthesis", "classifier"} <= set(metrics["seconds"])
+    assert record.accuracy.num_synthetic_images == 3 * 6 * 3 * 2
+    assert list(record.seconds.phases()) == ["load_model", "round", "synthesis", "classifier", "evaluation"]
     # the phases' clock zero, for samplers (scripts/sd_proof.py): before the run folder's end
-    assert 0 < metrics["started-unix"] <= (folder / "metrics.json").stat().st_mtime
-    accepted = [c for c in metrics["clients"] if c["status"] == "accepted"]
-    assert len(accepted) == 3 and all(c["payload_bytes"] > 0 for c in accepted)
-    assert metrics["config"]["concept-epochs"] == 2
+    assert 0 < record.started_unix <= (folder / results.FILE_NAME).stat().st_mtime
+    accepted = [c for c in record.clients if c.status == "accepted"]
+    assert len(accepted) == 3 and all(c.payload_bytes > 0 for c in accepted)
+    assert record.config["concept-epochs"] == 2
+    assert results.read_clients(folder / "clients.json") == record.clients
     assert (folder / "classifier.safetensors").stat().st_size > 1_000_000
     assert sorted(p.name for p in folder.glob("grid-*.png")) == [
         "grid-painting-0.png", "grid-quickdraw-0.png", "grid-sketch-0.png"
@@ -95,27 +97,27 @@ def test_institutions_score_the_classifier_they_get_back(e2e_run):
     """evaluation = both (the default): each client scores the classifier on its own domain's
     held-out images, which are the server's test set here, and keeps the classifier file."""
     folder = e2e_run["folder"]
-    metrics = json.loads((folder / "metrics.json").read_text())
-    per_client = metrics["evaluation"]["per_client"]
+    record = results.read(folder)
+    per_client = record.evaluation.per_client
     assert sorted(per_client) == ["painting-0", "quickdraw-0", "sketch-0"]
     test_size = 6 * 4  # classes x test-per-class
-    for client, result in per_client.items():
-        assert result["status"] == "ok", result
-        assert result["num_examples"] == sum(result["per_class_total"]) == test_size
-        assert result["accuracy"] == pytest.approx(sum(result["per_class_correct"]) / test_size)
-        server_side = metrics["accuracy"]["per_domain"][client.split("-")[0]]
-        assert result["accuracy"] == pytest.approx(server_side, abs=1 / test_size + 1e-9)
+    for client, score in per_client.items():
+        assert isinstance(score, Scored), score
+        assert score.num_examples == sum(score.per_class_total) == test_size
+        assert score.accuracy == pytest.approx(sum(score.per_class_correct) / test_size)
+        server_side = record.accuracy.per_domain[client.split("-")[0]]
+        assert score.accuracy == pytest.approx(server_side, abs=1 / test_size + 1e-9)
         kept = folder / "institutions" / client / "classifier.safetensors"
         assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()
-    assert metrics["evaluation"]["weighted_mean"] == pytest.approx(
-        sum(r["accuracy"] for r in per_client.values()) / 3
+    assert record.evaluation.weighted_mean == pytest.approx(
+        sum(s.accuracy for s in per_client.values()) / 3
     )
-    assert len(metrics["classifier"]["epoch_loss"]) == 2
+    assert len(record.classifier.epoch_loss) == 2
 
 
 def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_dir):
     """Plain safetensors reads them, and a local recomputation gives the same tensors."""
-    cfg = FedBiPConfig.from_flat(json.loads((e2e_run["folder"] / "metrics.json").read_text())["config"])
+    cfg = FedBiPConfig.from_flat(results.read(e2e_run["folder"]).config)
     assert cfg.latents_per_image == 2, "the default federation's"
     ldm = load_ldm(tiny_model_dir)
     for domain in ("sketch", "quickdraw", "painting"):

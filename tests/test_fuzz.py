@@ -35,9 +35,12 @@ from flwr.app.metadata import Metadata
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+from flwr.supercore.task_identity import TaskIdentity
 
+from fedbip_flwr import results
 from fedbip_flwr.methods.fedbip import as_upload
 from fedbip_flwr.payload import MAX_HEADER_BYTES, Payload, decode_payload, encode_payload
+from fedbip_flwr.results import ClientOutcome, Scored, Unscored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.wire import (
     BLOB_ARRAY,
@@ -46,7 +49,7 @@ from fedbip_flwr.wire import (
     PAYLOAD_RECORD,
     payload_content,
 )
-from server_app.strategy import ClientOutcome, OneShotStrategy
+from server_app.strategy import OneShotStrategy
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,
@@ -321,6 +324,40 @@ def test_random_uploads_never_crash_the_server(tmp_path):
     assert len(accepted) <= 5, accepted
 
 
+class ScoringGrid:
+    """A grid whose institutions answer ``evaluate`` with the given metrics, by node."""
+
+    def __init__(self, replies: dict[int, dict]) -> None:
+        self.replies = replies
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.replies)
+
+    def send_and_receive(self, messages: list[Message], timeout: float) -> list[Message]:
+        return [
+            over_the_wire(node, RecordDict({METRICS_RECORD: MetricRecord(self.replies[node])}))
+            for node in (m.metadata.dst_node_id for m in messages)
+        ]
+
+
+def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, monkeypatch):
+    for field in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp's runtime sets
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    good = {"accuracy": 0.5, "num-examples": 4, "per-class-correct": [1, 1], "per-class-total": [2, 2]}
+    replies = {
+        1: good,
+        2: {**good, "accuracy": [0.5, 0.5]},
+        3: {key: value for key, value in good.items() if key != "num-examples"},
+    }
+    strategy = OneShotStrategy(None, CAP, RunFolder(tmp_path), min_clients=1, wait_for_clients_s=1,
+                               uploaded_by_node={1: "a", 2: "b", 3: "c"})  # fmt: skip
+    scores = strategy.evaluate_at_institutions(ScoringGrid(replies), b"weights", {}, timeout=1)
+    assert scores["a"] == Scored(accuracy=0.5, num_examples=4, per_class_correct=[1, 1],
+                                 per_class_total=[2, 2])  # fmt: skip
+    assert isinstance(scores["b"], Unscored) and "accuracy: " in scores["b"].reason
+    assert isinstance(scores["c"], Unscored) and "num-examples: Field required" in scores["c"].reason
+
+
 # --- what a user sees, through the real `flwr run` ----------------------------------------------
 
 FOREIGN_CLIENT = '''
@@ -364,17 +401,17 @@ def test_foreign_upload_is_refused_and_the_run_completes_with_two(tmp_path, tiny
     assert status == "finished:completed", log[-4000:]
     assert received(out) == ["0", "1", "2"]
     folder = RunFolder(out / "e2e")
-    metrics = json.loads(folder.metrics.read_text())
-    assert metrics["clients"] == json.loads(folder.clients.read_text())
-    by_status: dict[str, list[dict]] = {}
-    for client in metrics["clients"]:
-        by_status.setdefault(client["status"], []).append(client)
+    record = results.read(folder.metrics)
+    assert record.clients == results.read_clients(folder.clients)
+    by_status: dict[str, list[ClientOutcome]] = {}
+    for client in record.clients:
+        by_status.setdefault(client.status, []).append(client)
     assert sorted(by_status) == ["accepted", "rejected"] and len(by_status["accepted"]) == 2
-    reason = by_status["rejected"][0]["reason"]
+    reason = by_status["rejected"][0].reason
     assert reason.startswith("payload rejected: base model fingerprint 'another-ldm' does not match")
     assert reason.endswith("(client and server must load the same LDM)")
     assert "2 valid payloads: painting-0, sketch-0" in log
-    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "painting"}
+    assert set(record.accuracy.per_domain) == {"sketch", "painting"}
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
         "painting-0.safetensors", "sketch-0.safetensors"
     ]

@@ -192,12 +192,13 @@ def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(own_f
 
 def test_report_counts_the_files_each_institution_left_out(tmp_path: Path) -> None:
     clients = [
-        {"client_id": "a", "domain": "sketch", "status": "accepted", "payload_bytes": 10,
+        {"node_id": 1, "client_id": "a", "domain": "sketch", "status": "accepted", "payload_bytes": 10,
          "metrics": {"num-examples": 18, "unreadable-files-skipped": 2}},
-        {"client_id": "b", "domain": "painting", "status": "accepted", "payload_bytes": 10,
+        {"node_id": 2, "client_id": "b", "domain": "painting", "status": "accepted", "payload_bytes": 10,
          "metrics": {"num-examples": 20, "unreadable-files-skipped": 0}},
     ]  # fmt: skip
-    (tmp_path / "metrics.json").write_text(json.dumps({"clients": clients}))
+    metrics = {"status": "failed", "reason": "stopped after the round", "config": {}, "clients": clients}
+    (tmp_path / "metrics.json").write_text(json.dumps(metrics))
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
             for line in write_report(tmp_path).read_text().splitlines() if line.startswith("|")]
     assert rows[0][:5] == ["client", "domain", "status", "images", "unreadable files left out"]

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from fedbip_flwr import dataset, shapes
-from fedbip_flwr.client import client_generator, kept_classifier_path, personalize
+from fedbip_flwr.client import kept_classifier_path, personalize
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.payload import encode_payload
+from fedbip_flwr.seeds import client_generator
 
 RUN_CLASSES = ("star", "circle", "square", "triangle", "cross", "heart")  # not folder order
 

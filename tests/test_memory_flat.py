@@ -32,17 +32,16 @@ from fedbip_flwr.classifier import (
 from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
+from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import (
     RunFolder,
-    client_seed,
     first_images,
-    synthesis_settings,
     synthesize_all,
     synthetic_dataset,
     train_settings,
 )
 from fedbip_flwr.storage import read_tensors, write_tensors
-from fedbip_flwr.synthesis import draw_etas, synthesize_pass
+from fedbip_flwr.synthesis import SynthesisSettings, draw_etas, synthesize_pass
 from fedbip_flwr.viz import quantize
 
 CLASSES = ["circle", "square", "star"]
@@ -73,7 +72,7 @@ def test_streamed_shard_is_the_whole_pass_saved_at_once(synthesized):
     """Batch-by-batch writing (batches of 4, 9 images) gives safetensors' own bytes."""
     ldm, payloads, folder, shards = synthesized
     payload = payloads["sketch-0"]
-    settings = synthesis_settings(CFG)
+    settings = SynthesisSettings.from_config(CFG)
     eta = draw_etas(payload, settings, client_seed(CFG.seed, "sketch-0"))[1]
     whole = quantize(synthesize_pass(ldm, payload, settings, eta))
     stored = shards["sketch-0"][1].read_bytes()

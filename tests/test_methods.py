@@ -10,6 +10,7 @@ from typing import Literal
 
 import pytest
 import torch
+from pydantic import Field
 
 from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
@@ -57,15 +58,21 @@ class ToyMeta(UploadMeta):
     method: Literal["toy"] = "toy"
 
 
+class ToySettings(methods.MethodSettings):
+    scale: int = Field(1, ge=1)
+
+
 class Toy(methods.Method):
-    """The smallest method: uploads its class counts; the server trains on nothing of it."""
+    """The smallest method: uploads its class counts times its own ``toy.scale``; the server
+    trains on nothing of it."""
 
     name = "toy"
+    Settings = ToySettings
     meta_model = ToyMeta
     tensor_names = ("class_counts",)
 
     def upload(self, job):
-        counts = class_counts(job.data.labels, len(job.data.classes))
+        counts = class_counts(job.data.labels, len(job.data.classes)) * self.settings.scale
         return encode_upload(ToyMeta(**common_meta(job)), {"class_counts": counts}), {}
 
     def train_set(self, uploads, server, shard_path):
@@ -74,13 +81,17 @@ class Toy(methods.Method):
 
 def test_a_new_method_is_one_module_and_its_registration(monkeypatch, tiny_ldm):
     """What adding a method takes: a class with @register (here into a copy of the registry),
-    then the run config, create() and the shared upload checks know it by name."""
+    then the run config (its own table too), create() and the shared upload checks know it by
+    name."""
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     base.register(Toy)
-    cfg = method_config("toy")
-    blob, _ = create(cfg.method).upload(client_job(cfg, tiny_ldm))
+    cfg = method_config("toy", **{"toy.scale": 3})
+    blob, _ = methods.create_for(cfg).upload(client_job(cfg, tiny_ldm))
     upload = create("toy").accept(blob, server_job(cfg, tiny_ldm))
-    assert upload.meta.method == "toy" and int(upload.tensors["class_counts"].sum()) == 12
+    assert upload.meta.method == "toy" and int(upload.tensors["class_counts"].sum()) == 3 * 12
+    assert create("toy", {"scale": 2}).settings.scale == 2
+    with pytest.raises(ConfigError, match="'toy.scale': Input should be greater than or equal to 1"):
+        method_config("toy", **{"toy.scale": 0})
     with pytest.raises(ValueError, match="registered already"):
         base.register(type("Other", (Toy,), {}))
 
@@ -224,9 +235,9 @@ def test_a_fedbip_payload_names_its_method(tiny_ldm):
 
 # --- every method through the real `flwr run` ------------------------------------------------
 
-E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local-epochs": 1,
-       "fedavg-rounds": 2, "fedavg-local-epochs": 1, "domains": '"sketch,quickdraw"',
-       "fedlmg-noise-edits": 1, "fedlmg-batch-size": 12}  # fmt: skip
+E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local.epochs": 1,
+       "fedlmg.local-epochs": 1, "fedavg.rounds": 2, "fedavg.local-epochs": 1,
+       "domains": '"sketch,quickdraw"', "fedlmg.noise-edits": 1, "fedlmg.batch-size": 12}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

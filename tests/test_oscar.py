@@ -22,7 +22,7 @@ from fedbip_flwr.captioner import BlipCaptioner, MiniatureCaptioner, load_captio
 from fedbip_flwr.config import NodeConfig
 from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.ldm import ModelLoadError
-from fedbip_flwr.methods import ClientJob, create
+from fedbip_flwr.methods import ClientJob, create_for
 from fedbip_flwr.methods.oscar import class_conditioning
 from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
@@ -116,8 +116,8 @@ def test_a_captioner_that_cannot_be_loaded_says_which(tmp_path):
 def test_the_upload_is_per_class_conditioning_of_the_text_encoders_shape(tiny_ldm):
     cfg = method_config("oscar")
     job = client_job(cfg, tiny_ldm)
-    blob, metrics = create("oscar").upload(job)
-    upload = create("oscar").accept(blob, server_job(cfg, tiny_ldm))
+    blob, metrics = create_for(cfg).upload(job)
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     length, width = tiny_ldm.tokenizer.model_max_length, tiny_ldm.text_encoder.config.hidden_size
     conditioning = upload.tensors["conditioning"]
     assert conditioning.shape == (6, length, width) and conditioning.dtype == torch.float32
@@ -132,11 +132,11 @@ def test_the_upload_is_per_class_conditioning_of_the_text_encoders_shape(tiny_ld
 def test_each_class_row_is_the_mean_of_its_encoded_captions(tiny_ldm):
     """Eq. 7, with the captions the client sampled (same generator seed, k = 2 per image) and
     each caption encoded on its own."""
-    cfg = method_config("oscar", **{"captions-per-image": 2})
+    cfg = method_config("oscar", **{"oscar.captions-per-image": 2})
     job = client_job(cfg, tiny_ldm)
-    blob, _ = create("oscar").upload(job)
-    conditioning = create("oscar").accept(blob, server_job(cfg, tiny_ldm)).tensors["conditioning"]
-    captioner, generator = load_captioner(cfg.captioner), torch.Generator().manual_seed(0)
+    blob, _ = create_for(cfg).upload(job)
+    conditioning = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm)).tensors["conditioning"]
+    captioner, generator = load_captioner(cfg.settings_of("oscar").captioner), torch.Generator().manual_seed(0)
     captions = [captioner.caption(job.data.images, generator) for _ in range(2)]
     tok = tiny_ldm.tokenizer
     for label in range(6):
@@ -174,13 +174,13 @@ def without_class(job: ClientJob, label: int) -> ClientJob:
 def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny_ldm, tmp_path):
     cfg = method_config("oscar", **{"images-per-class": images_per_class})
     job = without_class(client_job(cfg, tiny_ldm), 2)
-    blob, _ = create("oscar").upload(job)
+    blob, _ = create_for(cfg).upload(job)
     server = server_job(cfg, tiny_ldm)
-    upload = create("oscar").accept(blob, server)
+    upload = create_for(cfg).accept(blob, server)
     counts = upload.tensors["class_counts"]
     assert counts.tolist() == [2, 2, 0, 2, 2, 2]
     assert not upload.tensors["conditioning"][2].any() and upload.tensors["conditioning"][3].any()
-    shard = create("oscar").train_set({upload.client_id: upload}, server,
+    shard = create_for(cfg).train_set({upload.client_id: upload}, server,
                                       RunFolder(tmp_path).shard_path)[upload.client_id][0]  # fmt: skip
     stored = read_tensors(shard)
     per_class = torch.full((6,), images_per_class) if images_per_class else counts * cfg.multiplier
@@ -190,9 +190,9 @@ def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny
 
 
 def test_an_upload_with_a_blip_captioner_goes_through_the_same_method(tiny_ldm, tiny_blip_dir):
-    cfg = method_config("oscar", captioner=str(tiny_blip_dir))
-    blob, _ = create("oscar").upload(client_job(cfg, tiny_ldm))
-    upload = create("oscar").accept(blob, server_job(cfg, tiny_ldm))
+    cfg = method_config("oscar", **{"oscar.captioner": str(tiny_blip_dir)})
+    blob, _ = create_for(cfg).upload(client_job(cfg, tiny_ldm))
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     assert upload.meta.captioner == tiny_blip_dir.name
     assert upload.tensors["conditioning"].abs().amax(dim=(1, 2)).gt(0).all()
 
@@ -236,12 +236,12 @@ OSCAR_LIES = {
 @pytest.mark.parametrize("lie", sorted(OSCAR_LIES))
 def test_oscar_specific_lies_are_refused_with_a_reason(lie, tiny_ldm):
     cfg = method_config("oscar")
-    blob, _ = create("oscar").upload(client_job(cfg, tiny_ldm))
+    blob, _ = create_for(cfg).upload(client_job(cfg, tiny_ldm))
     change, reason = OSCAR_LIES[lie]
     with pytest.raises(PayloadError, match=reason):
-        create("oscar").accept(tampered(blob, "oscar", cfg, change), server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(tampered(blob, "oscar", cfg, change), server_job(cfg, tiny_ldm))
 
 
 def test_an_institution_may_name_its_own_copy_of_the_captioner():
     node = NodeConfig.from_flat({"captioner": "/models/blip"})
-    assert node.run_overrides() == {"captioner": "/models/blip"}
+    assert node.run_overrides() == {"oscar.captioner": "/models/blip"}

@@ -8,12 +8,13 @@ temporary copy of the project; the product has no poisoning option.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
+from fedbip_flwr import results
+from fedbip_flwr.results import Scored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_metadata
 from tests.helpers import SMALL, as_run_config, make_wrapper_app, run_to_end
@@ -70,16 +71,16 @@ def poisoned_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path)
 def test_the_poisoned_upload_is_refused_for_its_latents(poisoned_run: dict) -> None:
     assert poisoned_run["status"] == "finished:completed", poisoned_run["log"][-4000:]
     folder = poisoned_run["folder"]
-    metrics = json.loads(folder.metrics.read_text())
-    rejected = [c for c in metrics["clients"] if c["status"] == "rejected"]
-    assert len(rejected) == 1, metrics["clients"]
-    reason = rejected[0]["reason"]
+    record = results.read(folder.metrics)
+    rejected = [c for c in record.clients if c.status == "rejected"]
+    assert len(rejected) == 1, record.clients
+    reason = rejected[0].reason
     honest_T = read_metadata(folder.payload_path("sketch-0"))["fedbip.timestep"]  # the run's T
     # 36 latents: 6 classes x 3 shots x 2 z(T) per image
     assert re.match(r"payload rejected: latents\[0\] has std \d+\.\d+ \(as do 35 more of the 36 "
                     rf"latents\), outside \[0\.\d+, 1\.\d+\] that z\(T\) at timestep {honest_T} can have "
                     r"\(an honest z\(T\) is ", reason), reason
-    assert json.loads(folder.clients.read_text()) == metrics["clients"]
+    assert results.read_clients(folder.clients) == record.clients
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
         "painting-0.safetensors", "sketch-0.safetensors"
     ]
@@ -87,15 +88,15 @@ def test_the_poisoned_upload_is_refused_for_its_latents(poisoned_run: dict) -> N
 
 def test_the_federation_completes_with_the_two_honest_clients(poisoned_run: dict) -> None:
     folder = poisoned_run["folder"]
-    metrics = json.loads(folder.metrics.read_text())
-    assert metrics["status"] == "completed"
-    accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
+    record = results.read(folder.metrics)
+    assert record.status == "completed"
+    accepted = sorted(c.client_id for c in record.clients if c.status == "accepted")
     assert accepted == ["painting-0", "sketch-0"]
-    assert set(metrics["accuracy"]["per_domain"]) == {"sketch", "painting"}
-    assert all(0.0 <= acc <= 1.0 for acc in metrics["accuracy"]["per_domain"].values())
+    assert set(record.accuracy.per_domain) == {"sketch", "painting"}
+    assert all(0.0 <= acc <= 1.0 for acc in record.accuracy.per_domain.values())
     # two clients x 6 classes x 3 shots x 2 z(T) per image, one pass each
-    assert metrics["accuracy"]["num_synthetic_images"] == 2 * 6 * 3 * 2
+    assert record.accuracy.num_synthetic_images == 2 * 6 * 3 * 2
     assert folder.classifier.stat().st_size > 1_000_000
-    per_client = metrics["evaluation"]["per_client"]
+    per_client = record.evaluation.per_client
     for client in ("sketch-0", "painting-0"):
-        assert per_client[client]["status"] == "ok", per_client
+        assert isinstance(per_client[client], Scored), per_client

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import client_generator, personalize
+from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.instance import encode_images, pick_partners, sample_gammas
 from fedbip_flwr.payload import Payload
-from fedbip_flwr.server import client_seed
+from fedbip_flwr.seeds import client_generator, client_seed
 
 CLIENT = "sketch-0"
 

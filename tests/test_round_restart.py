@@ -21,7 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fedbip_flwr import shapes
+from fedbip_flwr import results, shapes
+from fedbip_flwr.results import Scored
 from tests.helpers import (
     FLWR,
     ROOT,
@@ -178,10 +179,10 @@ def test_the_kill_landed_during_the_round(restarted):
 
 def test_restart_keeps_the_upload_and_does_not_ask_its_institution_again(restarted):
     folder = restarted["folder"]
-    metrics = json.loads((folder / "metrics.json").read_text())
-    assert metrics["status"] == "completed", restarted["rerun_log"][-6000:]
+    record = results.read(folder)
+    assert record.status == "completed", restarted["rerun_log"][-6000:]
     assert digest(folder / "payloads" / "sketch-a.safetensors") == restarted["at_kill"]["digest"]
-    status = {c["client_id"] or c["node_id"]: c["status"] for c in metrics["clients"]}
+    status = {c.client_id or c.node_id: c.status for c in record.clients}
     assert status["sketch-a"] == "kept" and status["quickdraw-b"] == "accepted"
     logs = restarted["institution_logs"]
     assert logs["sketch-a"].count("personalizing") == 1, "sketch-a was asked to upload again"
@@ -189,19 +190,18 @@ def test_restart_keeps_the_upload_and_does_not_ask_its_institution_again(restart
 
 
 def test_a_late_institution_with_a_bad_node_config_is_recorded_in_one_sentence(restarted):
-    metrics = json.loads((restarted["folder"] / "metrics.json").read_text())
-    failed = [c for c in metrics["clients"] if c["status"] == "failed"]
-    assert len(failed) == 1, metrics["clients"]
-    assert "is not a folder" in failed[0]["reason"] and "clipart-c" in failed[0]["reason"]
-    assert "\n" not in failed[0]["reason"].split("DataError")[-1].strip()
+    record = results.read(restarted["folder"])
+    failed = [c for c in record.clients if c.status == "failed"]
+    assert len(failed) == 1, record.clients
+    assert "is not a folder" in failed[0].reason and "clipart-c" in failed[0].reason
+    assert "\n" not in failed[0].reason.split("DataError")[-1].strip()
 
 
 def test_both_uploaders_score_and_keep_the_classifier(restarted):
     folder, work = restarted["folder"], restarted["work"]
-    metrics = json.loads((folder / "metrics.json").read_text())
-    per_client = metrics["evaluation"]["per_client"]
+    per_client = results.read(folder).evaluation.per_client
     assert sorted(per_client) == ["quickdraw-b", "sketch-a"]
-    assert all(r["status"] == "ok" and r["num_examples"] == 12 for r in per_client.values())
+    assert all(isinstance(s, Scored) and s.num_examples == 12 for s in per_client.values())
     for client in per_client:
         kept = work / "kept" / client / "restart" / "institutions" / client / "classifier.safetensors"
         assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()

@@ -16,6 +16,7 @@ import pytest
 import torch
 from accelerate import init_empty_weights
 
+from fedbip_flwr.results import RunResults
 from fedbip_tools.sd_architecture import PUBLISHED_PARAMETERS, build_modules, parameter_counts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +58,9 @@ def test_committed_configs_have_sd_v1_4_shapes(meta_sd):
 
 
 def test_the_proof_places_each_phase_where_it_ran(monkeypatch):
-    """Server phases from the ServerApp's own clock in the order they ran (metrics.json sorts
-    them by name); a client's phases end with its train process, not its later evaluate one."""
+    """Server phases from the ServerApp's own clock in the order they ran, whatever order the
+    record lists them in; a client's phases end with its train process, not its later evaluate
+    one."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import sd_proof
 
@@ -66,11 +68,13 @@ def test_the_proof_places_each_phase_where_it_ran(monkeypatch):
     samples = [{"t": float(t), "load1": 1.0,
                 "procs": {"serverapp": (t * mb, 4), **({"clientapp-sketch": (t * mb, 4)} if 3 <= t <= 9 or t in (15, 16) else {})}}
                for t in range(21)]  # fmt: skip
-    metrics = {"started-unix": 1002.0,  # the sampler started at 1000: the ServerApp's zero is t = 2
-               "seconds": {"classifier": 2.0, "evaluation": 3.0, "load-model": 1.0, "round": 5.0, "synthesis": 4.0},
-               "clients": [{"client_id": "sketch-0", "domain": "sketch", "metrics": {
-                   "seconds-total": 4.0, "seconds-instance": 1.0, "seconds-concept": 2.0}}]}  # fmt: skip
-    found = sd_proof.phases(samples, metrics, sampler_started=1000.0)
+    record = RunResults.model_validate({
+        "status": "completed", "config": {},
+        "started_unix": 1002.0,  # the sampler started at 1000: the ServerApp's zero is t = 2
+        "seconds": {"classifier": 2.0, "evaluation": 3.0, "load_model": 1.0, "round": 5.0, "synthesis": 4.0},
+        "clients": [{"node_id": 1, "status": "accepted", "client_id": "sketch-0", "domain": "sketch", "metrics": {
+            "seconds-total": 4.0, "seconds-instance": 1.0, "seconds-concept": 2.0}}]})  # fmt: skip
+    found = sd_proof.phases(samples, record, sampler_started=1000.0)
     # round (the model loads inside it) 2-8, synthesis 8-12, classifier 12-14, evaluation 14-17
     assert {k: v["peak_rss_mb"] for k, v in found.items() if k.startswith("server")} == {
         "server: round": 8, "server: synthesis": 12, "server: classifier": 14, "server: evaluation": 17}

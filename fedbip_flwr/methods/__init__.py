@@ -16,29 +16,33 @@ from typing import Any
 import torch
 
 from .. import dataset
-from ..client import client_generator
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
-from ..payload import PayloadError, decode_payload, parse_meta, read_header, upload_method
+from ..payload import PayloadError, upload_method
+from ..seeds import client_generator
 from . import central, fedavg, fedbip, fedlmg, local, oscar, prompts_only
 from .base import (
     ClientJob,
     Method,
+    MethodSettings,
     MultiRound,
     ServerJob,
     Teacher,
     Upload,
     create,
+    create_for,
     create_one_shot,
-    decode_upload,
     names,
+    one_shot_for,
     register,
+    settings_models,
 )
 
 __all__ = [
-    "ClientJob", "Method", "MultiRound", "ServerJob", "Teacher", "Upload", "audit_upload",
-    "central", "create", "create_one_shot", "fedavg", "fedbip", "fedlmg", "institution_upload", "local", "names", "oscar",
-    "prompts_only", "register",
+    "ClientJob", "Method", "MethodSettings", "MultiRound", "ServerJob", "Teacher", "Upload",
+    "audit_upload", "central", "create", "create_for", "create_one_shot", "fedavg", "fedbip",
+    "fedlmg", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
+    "register", "settings_models",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -50,20 +54,11 @@ def audit_upload(blob: bytes, max_bytes: int) -> Upload:
     metadata schema (FedBiP's full payload contract). What ``fedbip inspect`` shows; the
     server's :meth:`Method.accept` adds the checks against its own model and classes."""
     name = upload_method(blob, max_bytes)
-    if name == fedbip.FedBiP.name:
-        return fedbip.as_upload(decode_payload(blob, max_bytes=max_bytes))
     try:
         method = create_one_shot(name)
     except ValueError as err:
         raise PayloadError(str(err)) from None
-    _, metadata = read_header(bytes(blob))
-    classes = parse_meta(metadata, method.meta_model).class_names
-    server = ServerJob(FedBiPConfig(method=name), list(classes), _no_model)
-    return decode_upload(blob, method.meta_model, method.expected_tensors(server), max_bytes)
-
-
-def _no_model() -> LDM:
-    raise PayloadError("auditing an upload on its own loads no model")
+    return method.audit(blob, max_bytes)
 
 
 def institution_upload(
@@ -80,7 +75,7 @@ def institution_upload(
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
-    blob, metrics = create_one_shot(cfg.method).upload(job)
+    blob, metrics = one_shot_for(cfg).upload(job)
     return blob, {
         "num-examples": len(data),
         "unreadable-files-skipped": data.skipped_files,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -39,18 +39,23 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from ..classifier import Distillation, Teacher
-from ..config import FedBiPConfig, NodeConfig
+from ..config import FedBiPConfig, MethodSettings, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
+from ..mixture import LatentMixture, draw
 from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
 from ..payload import encode_tensors as _encode_tensors
+from ..payload import read_header as _read_header
 from ..payload import read_tensors as _read_tensors
-from ..server import RunFolder, WorkUnit, client_seed, keyed_shard, synthesis_settings
-from ..synthesis import iter_from_noise
+from ..results import Accuracy, RunResults
+from ..seeds import client_seed
+from ..server import RunFolder, WorkUnit, keyed_shard
+from ..synthesis import SynthesisSettings, iter_denoised, iter_from_noise
 
 __all__ = [
     "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
-    "WorkUnit", "create", "create_one_shot", "decode_upload", "encode_upload", "names", "register",
+    "MethodSettings", "WorkUnit", "create", "create_for", "create_one_shot", "decode_upload",
+    "encode_upload", "names", "one_shot_for", "register", "settings_models",
 ]  # fmt: skip
 
 
@@ -96,10 +101,19 @@ class Upload:
         return self.meta.domain
 
 
-class Method(ABC):
-    """One one-shot FL method: what a client uploads once and what the server makes of it."""
+class Registered:
+    """What every registered method has: its name and its own run-config settings."""
 
     name: ClassVar[str]
+    Settings: ClassVar[type[MethodSettings]] = MethodSettings  # its table's keys
+
+    def __init__(self, settings: MethodSettings | None = None) -> None:
+        self.settings = self.Settings() if settings is None else settings
+
+
+class Method(Registered, ABC):
+    """One one-shot FL method: what a client uploads once and what the server makes of it."""
+
     meta_model: ClassVar[type[UploadMeta]]  # its upload's metadata, ``method`` fixed to name
     tensor_names: ClassVar[tuple[str, ...]]  # exactly the tensors its upload holds
 
@@ -118,6 +132,15 @@ class Method(ABC):
                 f"{server.class_names} (labels index the class list, so order matters)"
             )
         return self.check(upload, server)
+
+    def audit(self, blob: bytes, max_bytes: int) -> Upload:
+        """The upload checked on its own, without a server's model or run config: its exact
+        tensor names (for the class list its header names), layout, finite floats and
+        metadata schema. What ``fedbip inspect`` shows."""
+        _, metadata = _read_header(bytes(blob))
+        classes = parse_meta(metadata, self.meta_model).class_names
+        server = ServerJob(FedBiPConfig(method=self.name), list(classes), _no_model)
+        return decode_upload(blob, self.meta_model, self.expected_tensors(server), max_bytes)
 
     def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
         """Exactly the tensor names an upload must hold under this server's run config."""
@@ -172,10 +195,8 @@ class Method(ABC):
         return None
 
 
-class MultiRound(ABC):
+class MultiRound(Registered, ABC):
     """A method trained over several rounds on one of Flower's strategies, not from one upload."""
-
-    name: ClassVar[str]
 
     @abstractmethod
     def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
@@ -187,10 +208,15 @@ class MultiRound(ABC):
 
     @abstractmethod
     def run_server(
-        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], dict]
-    ) -> dict:
+        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], Accuracy]
+    ) -> RunResults:
         """Every round, the final model saved in ``folder`` and scored by ``evaluate`` (the
-        server's test sets; {} where it holds none); returns metrics.json's content."""
+        server's test sets; empty where it holds none); returns the run's results, also
+        written to metrics.json."""
+
+
+def _no_model() -> LDM:
+    raise PayloadError("auditing an upload on its own loads no model")
 
 
 AnyMethod = Method | MultiRound
@@ -206,25 +232,46 @@ def register(cls: T) -> T:
     return cls
 
 
-def create(name: str) -> AnyMethod:
-    """The method registered under ``name`` (the run config's ``method``)."""
+def create(name: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> AnyMethod:
+    """The method registered under ``name`` (the run config's ``method``) with its own
+    settings: a validated model, its table's kebab-case keys, or None for its defaults."""
     try:
-        return _REGISTRY[name]()
+        cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    if isinstance(settings, Mapping):
+        settings = cls.Settings.from_flat(settings)
+    if settings is not None and not isinstance(settings, cls.Settings):
+        raise ValueError(f"method {name!r} takes {cls.Settings.__name__}, got {type(settings).__name__}")
+    return cls(settings)
 
 
-def create_one_shot(name: str) -> Method:
+def create_for(cfg: FedBiPConfig) -> AnyMethod:
+    """The run's method with the run's settings of it."""
+    return create(cfg.method, cfg.settings_of(cfg.method))
+
+
+def create_one_shot(name: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> Method:
     """The one-shot method registered under ``name``; ValueError for a multi-round one, which
     makes no single upload."""
-    method = create(name)
+    method = create(name, settings)
     if not isinstance(method, Method):
         raise ValueError(f"method {name!r} trains over several rounds and makes no one upload")
     return method
 
 
+def one_shot_for(cfg: FedBiPConfig) -> Method:
+    """The run's one-shot method with the run's settings of it."""
+    return create_one_shot(cfg.method, cfg.settings_of(cfg.method))
+
+
 def names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def settings_models() -> dict[str, type[MethodSettings]]:
+    """Every method's settings model by name: what the run config's tables are checked by."""
+    return {name: _REGISTRY[name].Settings for name in names()}
 
 
 def encode_upload(meta: UploadMeta, tensors: Mapping[str, torch.Tensor]) -> bytes:
@@ -309,15 +356,45 @@ def fresh_noise_set(
     """A training shard sampled from fresh noise toward per-class conditioning
     (:func:`fedbip_flwr.synthesis.iter_from_noise`); the noise is seeded by the server's seed
     and ``stream`` (a client id, or a client's pass), so every shard has noise of its own."""
-    cfg = server.cfg
-    settings = synthesis_settings(cfg)
-    seed = client_seed(cfg.seed, stream)
-    key = hashlib.sha256(
-        repr((seed, *settings.sampling_knobs())).encode()
-        + cond_per_class.float().cpu().contiguous().numpy().tobytes() + labels.cpu().numpy().tobytes()
-    ).hexdigest()
-    ldm = server.ldm()
+    settings = SynthesisSettings.from_config(server.cfg)
+    seed = client_seed(server.cfg.seed, stream)
+    key = unit_key((seed, *settings.sampling_knobs()), cond_per_class, labels)
     batches = functools.partial(
-        iter_from_noise, ldm, cond_per_class, labels, settings, torch.Generator().manual_seed(seed)
+        iter_from_noise, server.ldm(), cond_per_class, labels, settings, torch.Generator().manual_seed(seed)
     )
     return keyed_shard(path, key, labels, batches)
+
+
+def mixture_set(
+    server: ServerJob,
+    stream: str,
+    cond_per_class: torch.Tensor,
+    labels: torch.Tensor,
+    mixture: LatentMixture,
+    timestep: int,
+    path: Path,
+) -> Path:
+    """A training shard denoised from z(T) drawn from a client's latent mixture (one per
+    label, from its class's mixture) toward per-class conditioning; the draws are seeded by the
+    server's seed and ``stream``, as :func:`fresh_noise_set`'s noise is."""
+    settings = SynthesisSettings.from_config(server.cfg)
+    seed = client_seed(server.cfg.seed, stream)
+    key = unit_key((seed, timestep, *settings.sampling_knobs()), cond_per_class, labels,
+                   *mixture.to_tensors().values())  # fmt: skip
+
+    def batches() -> Iterator[torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        start = functools.partial(draw, mixture, generator=generator)
+        return iter_denoised(server.ldm(), cond_per_class, labels, settings, timestep, start)
+
+    return keyed_shard(path, key, labels, batches)
+
+
+def unit_key(knobs: tuple, *inputs: torch.Tensor) -> str:
+    """sha256 of everything a shard's pixels depend on: its knobs and every byte of its input
+    tensors (floating ones as float32), so a changed input can never reuse an old shard."""
+    digest = hashlib.sha256(repr(knobs).encode())
+    for tensor in inputs:
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update((tensor.float() if tensor.is_floating_point() else tensor).numpy().tobytes())
+    return digest.hexdigest()

@@ -12,28 +12,43 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy import Result
+from pydantic import Field
 from torch import nn
 
-from .. import dataset
+from .. import dataset, results
 from ..classifier import build_classifier, save_classifier, train_classifier
-from ..client import client_generator, score_classifier
-from ..config import FedBiPConfig, NodeConfig
+from ..client import score_classifier
+from ..config import FedBiPConfig, MethodSettings, NodeConfig
+from ..results import Accuracy, Evaluation, RunResults, Seconds
+from ..seeds import client_generator
 from ..server import RunFolder, train_settings
-from ..storage import write_json
 from .base import MultiRound, register
 
 log = logging.getLogger(__name__)
 ARRAYS, METRICS = "arrays", "metrics"  # Flower's FedAvg's record keys
 
 
+class FedAvgSettings(MethodSettings):
+    """FedAvg's own run-config keys (table ``fedavg``)."""
+
+    WHAT: ClassVar[str] = "fedavg settings"
+
+    rounds: int = Field(10, ge=1, description="Rounds of Flower's FedAvg.")
+    local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
+
+
 @register
 class FedAvg(MultiRound):
     name = "fedavg"
+    Settings = FedAvgSettings
+    settings: FedAvgSettings
 
     def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
         """One client's round: the global weights, trained locally on its own images."""
@@ -42,7 +57,7 @@ class FedAvg(MultiRound):
         model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
         generator = client_generator(cfg, node, data.client_id)
         seed = int(torch.randint(2**31 - 1, (1,), generator=generator))
-        train_classifier(model, data.images, data.labels, train_settings(cfg, cfg.fedavg_local_epochs), seed=seed, device=device)
+        train_classifier(model, data.images, data.labels, train_settings(cfg, self.settings.local_epochs), seed=seed, device=device)
         return RecordDict({
             ARRAYS: ArrayRecord(model.cpu().state_dict()),
             METRICS: MetricRecord({"num-examples": len(data)}),
@@ -60,11 +75,15 @@ class FedAvg(MultiRound):
         )})  # fmt: skip
 
     def run_server(
-        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], dict]
-    ) -> dict:
+        self,
+        grid: Grid,
+        cfg: FedBiPConfig,
+        folder: RunFolder,
+        evaluate: Callable[[nn.Module], Accuracy],
+    ) -> RunResults:
         """Flower's FedAvg over every connected client; the global model saved and scored.
 
-        ``evaluate(model) -> dict`` scores on the server's test sets ({} where it holds none);
+        ``evaluate(model)`` scores on the server's test sets (empty where it holds none);
         institutions score every round's model on their own images when ``evaluation`` asks.
         """
         started = time.perf_counter()
@@ -78,21 +97,28 @@ class FedAvg(MultiRound):
             min_available_nodes=cfg.min_clients,
             min_evaluate_nodes=cfg.min_clients if on_clients else 0,
         )
-        result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=cfg.fedavg_rounds,
+        result = strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=self.settings.rounds,
                                 timeout=cfg.reply_timeout_s)  # fmt: skip
         if len(result.arrays) == 0:
             raise RuntimeError("FedAvg produced no global model: every client failed (see the log)")
         model.load_state_dict(result.arrays.to_torch_state_dict())
         save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.class_list)})
-        metrics: dict = {"status": "completed", "config": cfg.to_flat(), "accuracy": evaluate(model)}
-        if on_clients and result.evaluate_metrics_clientapp:
-            last = max(result.evaluate_metrics_clientapp)
-            metrics["evaluation"] = {
-                "where": cfg.evaluation,
-                "per_client": {},  # Flower's FedAvg aggregates the institutions' scores
-                "weighted_mean": float(result.evaluate_metrics_clientapp[last]["accuracy"]),
-                "round": last,
-            }
-        metrics["seconds"] = {"rounds": time.perf_counter() - started}
-        write_json(folder.metrics, metrics)
-        return metrics
+        record = RunResults(
+            status="completed",
+            config=cfg.to_flat(),
+            accuracy=evaluate(model),
+            evaluation=_last_evaluation(cfg, result) if on_clients else None,
+            seconds=Seconds(rounds=time.perf_counter() - started),
+        )
+        results.write(record, folder.root)
+        return record
+
+
+def _last_evaluation(cfg: FedBiPConfig, result: Result) -> Evaluation | None:
+    """The institutions' mean accuracy of the last round they scored, if any; Flower's FedAvg
+    aggregates their scores, so none is kept per institution."""
+    if not result.evaluate_metrics_clientapp:
+        return None
+    last = max(result.evaluate_metrics_clientapp)
+    mean = float(result.evaluate_metrics_clientapp[last]["accuracy"])  # as client_evaluate sends it
+    return Evaluation(where=cfg.evaluation, per_client={}, weighted_mean=mean, round=last)

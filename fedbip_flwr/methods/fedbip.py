@@ -14,16 +14,15 @@ from typing import Any
 
 from ..client import personalize
 from ..payload import TENSOR_NAMES, Payload, PayloadMeta, decode_payload, encode_payload
+from ..seeds import client_seed
 from ..server import (
     WorkUnit,
-    client_seed,
     expectations,
-    synthesis_settings,
     synthesis_units,
     synthesize_all,
     synthesize_unit,
 )
-from ..synthesis import draw_etas, pass_conditioning
+from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
 from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
 
 
@@ -47,6 +46,10 @@ class FedBiP(Method):
             "concept-drift-s": report.concept_drift["s"],
             "concept-drift-v": report.concept_drift["v"],
         }
+
+    def audit(self, blob: bytes, max_bytes: int) -> Upload:
+        """The full payload contract that needs no model: schema, shapes, dtypes, labels."""
+        return as_upload(decode_payload(blob, max_bytes=max_bytes))
 
     def accept(self, blob: bytes, server: ServerJob) -> Upload:
         """The full payload contract (docs/payload.md), against the server's model and config."""
@@ -95,7 +98,7 @@ def concept_only_unit(
     payload: Payload, server: ServerJob, unit: WorkUnit, shard_path: Callable[[str, int], Path]
 ) -> Path:
     """One concept-only shard: pass ``unit.index``'s eta, noise of that pass's own."""
-    settings = synthesis_settings(server.cfg)
+    settings = SynthesisSettings.from_config(server.cfg)
     eta = draw_etas(payload, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
     return fresh_noise_set(
         server, f"{unit.client_id}/pass{unit.index}",

@@ -6,10 +6,10 @@ Client: :func:`~fedbip_flwr.methods.local.train_local_classifier` (ResNet-18, th
 recipe over ``local-epochs``): its weights and BatchNorm statistics, plus how many images it
 holds per class (how many the server makes: ``images-per-class`` or FedBiP's count).
 
-Server, per client and class y, from fresh noise, prompt ``fedlmg-prompt`` with
+Server, per client and class y, from fresh noise, prompt ``fedlmg.prompt`` with
 classifier-free guidance, on a DDIM schedule:
 
-1. the initial noise is edited ``fedlmg-noise-edits`` times, x_T -= eta grad L_BN
+1. the initial noise is edited ``fedlmg.noise-edits`` times, x_T -= eta grad L_BN
    (Algorithm 1, lines 6-11);
 2. at every step, x0_hat = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t) (eq. 8) is decoded by
    the VAE, resized to the classifier's input and scored by the client's model in eval mode:
@@ -37,20 +37,22 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler
+from pydantic import Field, field_validator
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..classifier import Distillation, Divergence, Teacher, _prepare
 from ..concepts import unconditional_embedding
-from ..config import CLASS_SLOT, FedBiPConfig
+from ..config import FedBiPConfig, MethodSettings
 from ..ldm import LDM
 from ..payload import PayloadError, UploadMeta
-from ..server import client_seed, keyed_shard
+from ..seeds import client_seed
+from ..server import keyed_shard
 from ..synthesis import decode_latents, encode_texts
 from .base import (
     ClientJob,
@@ -72,7 +74,7 @@ Shift = Literal["noise", "latents"]
 
 @dataclass(frozen=True)
 class Variant:
-    """Where the paper and its authors' code differ (``fedlmg-variant``)."""
+    """Where the paper and its authors' code differ (``fedlmg.variant``)."""
 
     bn_weight: float  # w_BN
     shift: Shift  # noise: eqs. 2 / 10 shift eps by sqrt(1 - abar_t) * grad; latents: x_t -= grad
@@ -83,6 +85,78 @@ VARIANTS = {
     "paper": Variant(bn_weight=0.2, shift="noise", divergence="kl-student-teacher"),
     "code": Variant(bn_weight=0.1, shift="latents", divergence="soft-ce"),
 }
+
+
+CLASS_SLOT = "{class}"  # where the prompt takes the class name
+
+
+class FedLMGSettings(MethodSettings):
+    """FedLMG's own run-config keys (table ``fedlmg``)."""
+
+    WHAT: ClassVar[str] = "fedlmg settings"
+
+    local_epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
+    variant: Literal["paper", "code"] = Field(
+        "paper",
+        description="paper = eq. 10 (eps shifted by sqrt(1 - abar_t) * step * grad, "
+        "descending the loss), w_BN 0.2, "
+        "distillation KL(student || teacher) as eqs. 12-13 write it; code = the authors' code "
+        "(x_t -= step * grad, then a fresh noise estimate at the edited x_t; w_BN 0.1; soft "
+        "cross-entropy to the teacher).",
+    )
+    prompt: str = Field(
+        "an image of {class}",
+        description="the class-only prompt the server samples with; {class} is the "
+        "class name (paper: \"an image of {class}\").",
+    )
+    guidance_scale: float = Field(
+        3.0, ge=1.0, description="classifier-free guidance scale (paper: 3)."
+    )
+    guidance_step: float = Field(
+        1.0,
+        ge=0.0,
+        description="multiplies the gradient of CE + w_BN * L_BN w.r.t. x_t at every "
+        "step (paper and code: 1, at Stable Diffusion's scale); 0 = no local-model guidance.",
+    )
+    noise_edits: int = Field(
+        10,
+        ge=0,
+        description="gradient steps on the BN loss that edit the initial noise before "
+        "sampling (Algorithm 1's M; the paper gives no number, the code makes 10).",
+    )
+    edit_step: float = Field(
+        0.1,
+        ge=0.0,
+        description="each noise edit is x_T -= edit-step * grad L_BN (Algorithm 1's "
+        "eta; the code's step, 1 x grad of 0.1 L_BN, is 0.1).",
+    )
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="images per guided batch; each step back-propagates through the "
+        "UNet, the VAE decoder and the client's classifier, so memory grows with it.",
+    )
+    global_: Literal["ft", "md", "sd"] = Field(
+        "md",
+        alias="global",
+        description="how the global model learns from the synthetic set: ft = "
+        "cross-entropy only (eq. 11), md = plus distillation from the mean of all clients' "
+        "models (eq. 12, the paper's best on DomainNet), sd = plus distillation from the "
+        "model of the client that generated the image (eq. 13).",
+    )
+    kd_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="w_MD / w_SD, the distillation term's weight (the paper gives no "
+        "number; the code uses 1).",
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_class_slot(cls, prompt: str) -> str:
+        if prompt.count(CLASS_SLOT) != 1:
+            raise ValueError(f"must contain {CLASS_SLOT} exactly once")
+        return prompt
 
 
 class FedLMGMeta(UploadMeta):
@@ -102,17 +176,17 @@ class GuidanceSettings:
     classifier_size: int = 64
 
 
-def guidance_settings(cfg: FedBiPConfig) -> GuidanceSettings:
-    variant = VARIANTS[cfg.fedlmg_variant]
+def guidance_settings(cfg: FedBiPConfig, own: FedLMGSettings) -> GuidanceSettings:
+    variant = VARIANTS[own.variant]
     return GuidanceSettings(
         num_inference_steps=cfg.num_inference_steps,
-        guidance_scale=cfg.fedlmg_guidance_scale,
-        step=cfg.fedlmg_guidance_step,
+        guidance_scale=own.guidance_scale,
+        step=own.guidance_step,
         bn_weight=variant.bn_weight,
         shift=variant.shift,
-        noise_edits=cfg.fedlmg_noise_edits,
-        edit_step=cfg.fedlmg_edit_step,
-        batch_size=cfg.fedlmg_batch_size,
+        noise_edits=own.noise_edits,
+        edit_step=own.edit_step,
+        batch_size=own.batch_size,
         classifier_size=cfg.classifier_image_size,
     )
 
@@ -315,8 +389,8 @@ def source_teacher(models: Mapping[str, nn.Module]) -> Teacher:
 # --- the method --------------------------------------------------------------------------------
 
 
-def class_prompts(cfg: FedBiPConfig, class_names: list[str]) -> list[str]:
-    return [cfg.fedlmg_prompt.replace(CLASS_SLOT, name) for name in class_names]
+def class_prompts(own: FedLMGSettings, class_names: list[str]) -> list[str]:
+    return [own.prompt.replace(CLASS_SLOT, name) for name in class_names]
 
 
 def shard_key(
@@ -335,12 +409,14 @@ def shard_key(
 @register
 class FedLMG(Method):
     name = "fedlmg"
+    Settings = FedLMGSettings
+    settings: FedLMGSettings
     meta_model = FedLMGMeta
     tensor_names = ("class_counts",)  # and the classifier's own names under PREFIX
 
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
         started = time.perf_counter()
-        model = train_local_classifier(job)
+        model = train_local_classifier(job, self.settings.local_epochs)
         tensors = {PREFIX + name: t for name, t in classifier_tensors(model).items()}
         tensors["class_counts"] = class_counts(job.data.labels, len(job.data.classes))
         blob = encode_upload(FedLMGMeta(**common_meta(job)), tensors)
@@ -362,8 +438,8 @@ class FedLMG(Method):
         self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
     ) -> dict[str, list[Path]]:
         cfg, ldm = server.cfg, server.ldm()
-        settings = guidance_settings(cfg)
-        prompts = class_prompts(cfg, server.class_names)
+        settings = guidance_settings(cfg, self.settings)
+        prompts = class_prompts(self.settings, server.class_names)
         cond = encode_texts(ldm, prompts)
         labels = {cid: fresh_noise_labels(u.tensors["class_counts"], cfg) for cid, u in uploads.items()}
         out = {}
@@ -382,9 +458,9 @@ class FedLMG(Method):
 
     def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Distillation | None:
         """FT: none; MD: the mean of every client's model; SD: each image's own client's."""
-        cfg = server.cfg
-        if cfg.fedlmg_global == "ft":
+        own = self.settings
+        if own.global_ == "ft":
             return None
         models = {client_id: upload.content for client_id, upload in sorted(uploads.items())}
-        targets = mean_teacher(models) if cfg.fedlmg_global == "md" else source_teacher(models)
-        return Distillation(targets, VARIANTS[cfg.fedlmg_variant].divergence, cfg.fedlmg_kd_weight)
+        targets = mean_teacher(models) if own.global_ == "md" else source_teacher(models)
+        return Distillation(targets, VARIANTS[own.variant].divergence, own.kd_weight)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from ..classifier import build_classifier, train_classifier
+from ..config import MethodSettings
 from ..payload import PayloadError, UploadMeta
 from ..server import train_settings
 from .base import ClientJob, Method, ServerJob, Upload, common_meta, encode_upload, register
@@ -24,12 +26,12 @@ class LocalMeta(UploadMeta):
     method: Literal["local"] = "local"
 
 
-def train_local_classifier(job: ClientJob) -> nn.Module:
+def train_local_classifier(job: ClientJob, epochs: int) -> nn.Module:
     """ResNet-18 trained on the client's private images (seeded from the client's own noise)."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
     torch.manual_seed(seed)
     model = build_classifier(len(job.data.classes), job.cfg.classifier_init, job.cfg.model)
-    return train_classifier(model, job.data.images, job.data.labels, train_settings(job.cfg, job.cfg.local_epochs),
+    return train_classifier(model, job.data.images, job.data.labels, train_settings(job.cfg, epochs),
                             seed=seed, device=job.device).cpu()  # fmt: skip
 
 
@@ -57,14 +59,24 @@ def check_classifier(upload: Upload, prefix: str = "") -> nn.Module:
     return model.eval()
 
 
+class LocalSettings(MethodSettings):
+    """Local's own run-config keys (table ``local``)."""
+
+    WHAT: ClassVar[str] = "local settings"
+
+    epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
+
+
 @register
 class Local(Method):
     name = "local"
+    Settings = LocalSettings
+    settings: LocalSettings
     meta_model = LocalMeta
     tensor_names = ()  # the classifier's own names, for the run's classes
 
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
-        model = train_local_classifier(job)
+        model = train_local_classifier(job, self.settings.epochs)
         return encode_upload(LocalMeta(**common_meta(job)), classifier_tensors(model)), {}
 
     def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """OSCAR (One-Shot FL with Classifier-Free Diffusion Models, ICME'25), a peer of FedBiP.
 
 Client (eqs. 6-7): a frozen captioner (:mod:`fedbip_flwr.captioner`; the paper's BLIP, or the
-miniature stand-in) captions every private image ``captions-per-image`` times, sampling from
+miniature stand-in) captions every private image ``oscar.captions-per-image`` times, sampling from
 the client's own generator; the LDM's text encoder turns each caption into its full hidden
 states (L x d), and these are averaged per class. The upload is that per-class conditioning
 ``conditioning`` (C, L, d) float32 plus ``class_counts`` (C,) int64; a class the client lacks
@@ -24,13 +24,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from ..captioner import Captioner, load_captioner
+from ..config import MethodSettings
 from ..ldm import LDM
 from ..payload import PayloadError, UploadMeta
 from ..synthesis import encode_texts
@@ -61,25 +62,43 @@ class OscarMeta(UploadMeta):
     base_model: str = Field(min_length=1)  # the LDM whose text encoder made the conditioning
 
 
+class OSCARSettings(MethodSettings):
+    """OSCAR's own run-config keys (table ``oscar``)."""
+
+    WHAT: ClassVar[str] = "oscar settings"
+
+    captioner: str = Field(
+        "models/miniature-captioner",
+        description="The clients' frozen captioner, a local folder or hub id: a BLIP "
+        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
+        "miniature captioner's folder (its stand-in on the miniature LDM).",
+    )
+    captions_per_image: int = Field(
+        1, ge=1, description="Captions sampled per private image (OSCAR's code: 1)."
+    )
+
+
 @register
 class OSCAR(Method):
     name = "oscar"
+    Settings = OSCARSettings
+    settings: OSCARSettings
     meta_model = OscarMeta
     tensor_names = ("class_counts", "conditioning")
 
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
-        cfg, data = job.cfg, job.data
-        captioner = load_captioner(cfg.captioner, job.device)
+        own, data = self.settings, job.data
+        captioner = load_captioner(own.captioner, job.device)
         started = time.perf_counter()
-        captions = caption_images(captioner, data.images, cfg.captions_per_image, job.generator)
+        captions = caption_images(captioner, data.images, own.captions_per_image, job.generator)
         captioned = time.perf_counter()
         ldm = job.ldm()
         encoding = time.perf_counter()
-        labels = data.labels.repeat(cfg.captions_per_image)  # captions are pass-major
+        labels = data.labels.repeat(own.captions_per_image)  # captions are pass-major
         conditioning = class_conditioning(ldm, captions, labels, len(data.classes))
         meta = OscarMeta(
             **common_meta(job), captioner=captioner.name, captioner_fingerprint=captioner.fingerprint,
-            captions_per_image=cfg.captions_per_image, base_model=ldm.fingerprint,
+            captions_per_image=own.captions_per_image, base_model=ldm.fingerprint,
         )  # fmt: skip
         tensors = {"class_counts": class_counts(data.labels, len(data.classes)), "conditioning": conditioning}
         return encode_upload(meta, tensors), {
