@@ -1,0 +1,271 @@
+"""FedLD (Local Distribution-Conditioned Image Synthesis for One-Shot FL; an ICLR 2026
+submission), an instance-free peer: clients train nothing and upload no per-image latent.
+
+Client: VAE latents of its images, forward-noised to the first timestep T ``fedld.noisings``
+times with fresh noise from its own generator; per class, a diagonal Gaussian mixture of
+``fedld.components`` components fitted to those z(T) (:mod:`fedbip_flwr.mixture`, scikit-learn's
+EM), and its per-class counts. The paper leaves K, T and the covariance type open: here K is
+``fedld.components``, T is FedBiP's (the sampler's first timestep, or ``start-timestep``), the
+covariance diagonal (a full one has D^2 entries per component: 65,536 on the miniature, 2.7e8
+on SD v1-4's latents), and no mixing of pairs (that is FedBiP's and Espresso's instance step).
+
+Server: per client, as many images as FedBiP makes from it, each from a z(T) drawn from its
+class's mixture, denoised from T with the plain prompt (Prompts-only's "a {domain} of a
+{class}"); the draws are seeded by the server's seed and the client id.
+
+The upload's mixture is checked like z(T) itself: draws from it must have the moments that z(T)
+at T can have (:func:`fedbip_flwr.payload.check_latent_moments`), so a mixture scaled or shifted
+to poison the synthesis is refused. Mixture-based methods (FedBiP's mixture mode) share
+:class:`MixtureMeta` and :func:`check_mixture_upload`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..concepts import plain_prompt
+from ..config import FedBiPConfig, MethodSettings
+from ..dp import dp_gaussian_estimate
+from ..instance import encode_images, forward_noise
+from ..ldm import LDM
+from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, draw, fit_mixture, from_tensors
+from ..payload import LATENT_RMS, PayloadError, UploadMeta, check_latent_moments
+from ..seeds import client_seed
+from ..server import expectations
+from ..synthesis import SynthesisSettings, encode_texts
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Upload,
+    check_class_counts,
+    class_counts,
+    common_meta,
+    encode_upload,
+    fresh_noise_labels,
+    mixture_set,
+    register,
+)
+
+log = logging.getLogger(__name__)
+PLAUSIBILITY_DRAWS = 64  # draws per held class whose moments must be those of z(T)
+
+
+class MixtureSettings(MethodSettings):
+    """How a client summarizes its z(T) per class."""
+
+    components: int = Field(4, ge=1, description="Gaussians per class (Espresso: 4; 2-4 plateau).")
+    rows_per_component: int = Field(
+        4, ge=1, description="At most one component per this many z(T) of a class, so no "
+        "component is fitted to a handful of rows (its mean would nearly be one private z(T))."
+    )  # fmt: skip
+
+
+class FedLDSettings(MixtureSettings):
+    """FedLD's own run-config keys (table ``fedld``)."""
+
+    WHAT: ClassVar[str] = "fedld settings"
+
+    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
+    dp_epsilon: float = Field(
+        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private image "
+        "(docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped z(T) "
+        "(one per image), its variance the forward process's; counts noisy too. 0: off. At most "
+        "100: beyond that no guarantee means anything, and the accountant's grid grows without bound."
+    )  # fmt: skip
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
+    dp_clip: float = Field(
+        1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
+        "(an honest z(T) at T near 1000 has norm about sqrt(D))."
+    )  # fmt: skip
+
+
+class DPRelease(BaseModel):
+    """What a DP upload's header says it guarantees (:mod:`fedbip_flwr.dp`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epsilon: float = Field(gt=0)
+    delta: float = Field(gt=0, lt=1)
+    noise_multiplier: float = Field(gt=0)
+    clip: float = Field(gt=0)
+    releases: int = Field(ge=1)
+    covers: list[str]  # which tensors the guarantee covers
+    unit: str  # whose presence it hides
+    replayable_noise: bool  # true: a server that replays the client's noise voids it
+
+
+class MixtureMeta(UploadMeta):
+    """What a server needs to denoise draws from a client's mixture as the client meant."""
+
+    timestep: int = Field(ge=0)
+    scheduler: str = Field(min_length=1)
+    num_inference_steps: int = Field(ge=1)
+    base_model: str = Field(min_length=1)
+    latent_shape: list[int] = Field(min_length=3, max_length=3)
+    components: int = Field(ge=1)
+
+
+class FedLDMeta(MixtureMeta):
+    method: Literal["fedld"] = "fedld"
+    dp: DPRelease | None = None
+
+
+def mixture_meta(job: ClientJob, ldm: LDM, timestep: int, components: int) -> dict[str, Any]:
+    """The :class:`MixtureMeta` fields, as the client's run config and model give them."""
+    return {
+        **common_meta(job),
+        "timestep": timestep,
+        "scheduler": SynthesisSettings.from_config(job.cfg).sampler(ldm).name,
+        "num_inference_steps": job.cfg.num_inference_steps,
+        "base_model": ldm.fingerprint,
+        "latent_shape": list(ldm.latent_shape(job.cfg.image_size)),
+        "components": components,
+    }
+
+
+def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
+    return SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
+
+
+def check_mixture_upload(upload: Upload, server: ServerJob, components: int) -> LatentMixture:
+    """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
+    run config, and for plausibility: draws from every held class must look like z(T) at T."""
+    meta, ldm = upload.meta, server.ldm()
+    expect = expectations(server.cfg, ldm, server.class_names)
+    fields = [
+        ("base model fingerprint", meta.base_model, expect.base_model, "client and server must load the same LDM"),
+        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
+         "clients must encode images at the server's image size with the same VAE"),
+        ("scheduler", meta.scheduler, expect.scheduler, "clients and server must share run config scheduler"),
+        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
+         "clients and server must share run config num-inference-steps"),
+        ("timestep", meta.timestep, expect.timestep, "the mixture must be fitted to z(T) at the first "
+         "timestep the server denoises from (run config num-inference-steps, timestep-spacing, start-timestep)"),
+        ("components", meta.components, components, "clients and server must share the method's components"),
+    ]  # fmt: skip
+    for label, got, want, why in fields:
+        if got != want:
+            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
+    counts = check_class_counts(upload)
+    try:
+        mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
+    except ValueError as err:
+        raise PayloadError(str(err).rstrip(".")) from None
+    held = torch.arange(len(counts))[counts > 0].repeat_interleave(PLAUSIBILITY_DRAWS)
+    try:
+        check = torch.Generator().manual_seed(client_seed(server.cfg.seed, f"{meta.client_id}/check"))
+        check_latent_moments(draw(mixture, held, check), meta.timestep, expect.plausibility)
+    except PayloadError as err:
+        raise PayloadError(f"draws from the mixture: {err.reason}") from None
+    return mixture
+
+
+@register
+class FedLD(Method):
+    name = "fedld"
+    Settings = FedLDSettings
+    settings: FedLDSettings
+    meta_model = FedLDMeta
+    tensor_names = ("class_counts", *MIXTURE_TENSOR_NAMES)
+
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        own, data, ldm = self.settings, job.data, job.ldm()
+        timestep = first_timestep(job.cfg, ldm)
+        z0 = encode_images(ldm.vae, data.images, job.cfg.vae_batch_size)
+        noisings = 1 if own.dp_epsilon else own.noisings  # DP: one z(T) per image, so C bounds it
+        z_t = torch.cat([
+            forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=job.generator))
+            for _ in range(noisings)
+        ])  # fmt: skip
+        labels, classes = data.labels.repeat(noisings), len(data.classes)
+        meta = mixture_meta(job, ldm, timestep, own.components)
+        if own.dp_epsilon:
+            alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
+            mixture, counts, release = private_mixture(
+                z_t, labels, classes, own, alpha_bar, job.generator, job.cfg.replayable_client_noise
+            )
+            meta["num_examples"] = max(1, int(counts.sum()))
+            tensors = {"class_counts": counts, **mixture.to_tensors()}
+            return encode_upload(FedLDMeta(**meta, dp=release), tensors), {"dp-epsilon": release.epsilon}
+        mixture = fit_mixture(z_t, labels, classes, own.components, job.generator,
+                              rows_per_component=own.rows_per_component)  # fmt: skip
+        tensors = {"class_counts": class_counts(data.labels, classes), **mixture.to_tensors()}
+        return encode_upload(FedLDMeta(**meta), tensors), mixture_metrics(mixture, len(z_t))
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        mixture = check_mixture_upload(upload, server, self.settings.components)
+        return dataclasses.replace(upload, content=mixture)
+
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        out = {}
+        for client_id, upload in sorted(uploads.items()):
+            prompts = [plain_prompt(server.cfg.prompt_template, upload.domain, c) for c in server.class_names]
+            cond = encode_texts(server.ldm(), prompts)
+            labels = fresh_noise_labels(upload.tensors["class_counts"], server.cfg)
+            out[client_id] = [mixture_set(server, client_id, cond, labels, upload.content,
+                                          upload.meta.timestep, shard_path(client_id, 0))]  # fmt: skip
+        return out
+
+
+def private_mixture(
+    z_t: torch.Tensor,
+    labels: torch.Tensor,
+    classes: int,
+    own: FedLDSettings,
+    alpha_bar: float,
+    generator: torch.Generator,
+    replayable: bool,
+) -> tuple[LatentMixture, torch.Tensor, DPRelease]:
+    """Per class one Gaussian from an (epsilon, delta)-DP release (:func:`fedbip_flwr.dp.dp_gaussian_estimate`
+    without second moments): the noisy mean of the class's z(T) clipped to ``dp-clip`` sqrt(D),
+    and the noisy count, for every class (a class the client lacks too: which classes it holds
+    is protected as well). The variance is not released: z(T) = sqrt(abar_T) z(0) +
+    sqrt(1 - abar_T) eps of unit-variance latents has variance 1 per coordinate. Then, as
+    post-processing (which keeps the guarantee), each mean is shrunk to the RMS the mean of
+    z(T) can have, sqrt(abar_T) times the latents' largest plausible RMS."""
+    dim = z_t[0].numel()
+    clip = own.dp_clip * math.sqrt(dim)
+    estimates = [
+        dp_gaussian_estimate(z_t[labels == c], clip, own.dp_epsilon, own.dp_delta, generator, squares=False)
+        for c in range(classes)
+    ]  # fmt: skip
+    means = torch.stack([e.mean() for e in estimates])
+    largest = math.sqrt(alpha_bar) * LATENT_RMS * math.sqrt(dim)
+    means = means * (largest / means.norm(dim=1, keepdim=True)).clamp(max=1.0)
+    weights = torch.zeros(classes, own.components)
+    weights[:, 0] = 1.0
+    mixture = LatentMixture(
+        weights=weights,
+        means=means.unsqueeze(1).repeat(1, own.components, 1).contiguous(),
+        variances=torch.ones(classes, own.components, dim),
+        latent_shape=tuple(z_t.shape[1:]),
+    )
+    counts = torch.tensor([max(0, round(e.count)) for e in estimates], dtype=torch.int64)
+    guarantee = estimates[0].guarantee
+    if replayable:
+        log.warning("replayable-client-noise is on: a server that replays it removes the DP noise")
+    release = DPRelease(
+        epsilon=guarantee.epsilon, delta=guarantee.delta, noise_multiplier=guarantee.noise_multiplier,
+        clip=clip, releases=guarantee.releases, covers=["class_counts", *MIXTURE_TENSOR_NAMES],
+        unit=f"one private image ({guarantee.adjacency})", replayable_noise=replayable,
+    )  # fmt: skip
+    return mixture, counts, release
+
+
+def mixture_metrics(mixture: LatentMixture, rows: int) -> dict[str, Any]:
+    """What the client reports beside its mixture: how many z(T) it summarized and the
+    smallest share of a class any fitted component holds (one row's share means a component
+    is that one z(T))."""
+    fitted = mixture.weights[mixture.weights > 0]
+    return {"mixture-rows": rows, "mixture-smallest-weight": float(fitted.min())}

@@ -1,0 +1,128 @@
+"""Instance-free uploads (FedLD, FedBiP's mixture mode): no per-image latent leaves the
+client, the server draws z(T) from each class's mixture, and a mixture that z(T) at T could
+not come from is refused. Generic upload refusals and the real `flwr run` for both methods are
+in test_methods.py (both are in ONE_SHOT)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedbip_flwr.methods import audit_upload, create_for
+from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_TENSOR_NAMES, MIXTURE_VARIANCES
+from fedbip_flwr.payload import PayloadError
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import read_tensors
+from tests.helpers import client_job, method_config, server_job, tampered
+
+METHODS = ("fedld", "fedbip-mixture")
+
+
+def upload_of(method: str, ldm, **values):
+    cfg = method_config(method, **values)
+    blob, metrics = create_for(cfg).upload(client_job(cfg, ldm))
+    return cfg, blob, metrics
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(method, tiny_ldm, tmp_path):
+    cfg, blob, metrics = upload_of(method, tiny_ldm, **{"latents-per-image": 2})
+    audited = audit_upload(blob, 2**30)
+    n = audited.meta.num_examples
+    assert set(MIXTURE_TENSOR_NAMES) <= set(audited.tensors)
+    assert all(n not in t.shape for name, t in audited.tensors.items() if name != "class_counts"), \
+        "a tensor with a row per private image"
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
+    assert metrics["mixture-rows"] == 2 * n
+    folder = RunFolder(tmp_path)
+    shards = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path)
+    labels = torch.cat([read_tensors(p)["labels"] for p in shards[upload.client_id]])
+    counts = upload.tensors["class_counts"]
+    # as many images per class as FedBiP makes from this client: count x z(T) per image x passes
+    assert torch.bincount(labels, minlength=len(counts)).tolist() == (counts * 2 * cfg.multiplier).tolist()
+    again = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path)
+    assert again == shards, "a restarted server reuses the keyed shards"
+
+
+def test_draws_come_from_the_mixture_not_from_fresh_noise(tiny_ldm, tmp_path):
+    """Two uploads that differ only in one class's mixture means make different images of that
+    class and the same images of every other class."""
+    cfg, blob, _ = upload_of("fedld", tiny_ldm)
+
+    def shifted(tensors, _meta):
+        tensors[MIXTURE_MEANS] = tensors[MIXTURE_MEANS].clone()
+        tensors[MIXTURE_MEANS][0] += 0.05
+
+    images = {}
+    for name, data in (("honest", blob), ("shifted", tampered(blob, "fedld", cfg, shifted))):
+        upload = create_for(cfg).accept(data, server_job(cfg, tiny_ldm))
+        (path,) = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
+                                            RunFolder(tmp_path / name).shard_path)[upload.client_id]  # fmt: skip
+        images[name] = read_tensors(path)
+    labels = images["honest"]["labels"]
+    same = (images["honest"]["images"] == images["shifted"]["images"]).flatten(1).all(1)
+    assert not same[labels == 0].any() and same[labels != 0].all()
+
+
+SCALED = {
+    "means shifted far off": lambda t, m: t.update({MIXTURE_MEANS: t[MIXTURE_MEANS] + 50.0}),
+    "variances blown up": lambda t, m: t.update({MIXTURE_VARIANCES: t[MIXTURE_VARIANCES] * 400.0}),
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("lie", sorted(SCALED))
+def test_a_mixture_z_t_at_t_cannot_come_from_is_refused(method, lie, tiny_ldm):
+    cfg, blob, _ = upload_of(method, tiny_ldm)
+    with pytest.raises(PayloadError, match="that z\\(T\\) at timestep"):
+        create_for(cfg).accept(tampered(blob, method, cfg, SCALED[lie]), server_job(cfg, tiny_ldm))
+
+
+def test_the_server_refuses_another_component_count_and_outsized_concepts(tiny_ldm):
+    cfg, blob, _ = upload_of("fedbip-mixture", tiny_ldm)
+    other = method_config("fedbip-mixture", **{"fedbip-mixture.components": 2})
+    with pytest.raises(PayloadError, match="components 4 does not match the server's 2"):
+        create_for(other).accept(blob, server_job(other, tiny_ldm))
+
+    def scaled(tensors, _meta):
+        tensors["class_concepts"] = tensors["class_concepts"] * 1000
+
+    with pytest.raises(PayloadError, match="class_concepts|V_"):
+        create_for(cfg).accept(tampered(blob, "fedbip-mixture", cfg, scaled), server_job(cfg, tiny_ldm))
+
+
+def test_a_dp_upload_says_what_it_guarantees_and_releases_noisy_class_means(tiny_ldm):
+    from fedbip_flwr.dp import noise_multiplier_for
+
+    cfg, blob, _ = upload_of("fedld", tiny_ldm, **{"fedld.dp-epsilon": 4.0})
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
+    release = audit_upload(blob, 2**30).meta.dp
+    assert (release.epsilon, release.delta, release.releases) == (4.0, 1e-5, 2)
+    assert release.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 2))
+    assert set(release.covers) == {"class_counts", *MIXTURE_TENSOR_NAMES} and release.replayable_noise
+    mixture = upload.content
+    assert torch.equal(mixture.variances, torch.ones_like(mixture.variances))
+    assert mixture.weights[:, 0].eq(1).all() and mixture.weights[:, 1:].eq(0).all()
+
+
+
+def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibrated_scale():
+    """Many rows per class, so the noise on a mean (sigma C / n) is small against the
+    tolerance; alpha_bar large, so no mean is shrunk; two classes only, the third absent."""
+    from fedbip_flwr.methods.fedld import FedLDSettings, private_mixture
+
+    generator = torch.Generator().manual_seed(0)
+    n, dim = 4000, 16
+    z_t = torch.randn(2 * n, 1, 4, 4, generator=generator) * 0.5 + torch.arange(2 * n).ge(n).view(-1, 1, 1, 1)
+    labels = torch.arange(2 * n).ge(n).long()
+    own = FedLDSettings(dp_epsilon=4.0, dp_clip=1.25)
+    mixture, counts, release = private_mixture(z_t, labels, 3, own, 0.5, generator, replayable=False)
+    clip = 1.25 * dim**0.5
+    assert release.clip == clip and not release.replayable_noise
+    tolerance = 6 * release.noise_multiplier * clip / n  # 6 standard deviations of the mean's noise
+    for c in range(2):
+        rows = z_t[labels == c].flatten(1)
+        clipped = rows * (clip / rows.norm(dim=1, keepdim=True)).clamp(max=1.0)
+        assert (mixture.means[c, 0] - clipped.mean(0)).abs().max() < tolerance + 6 * release.noise_multiplier / n
+        assert abs(int(counts[c]) - n) <= 6 * release.noise_multiplier + 1
+    assert int(counts[2]) <= 6 * release.noise_multiplier + 1, "an absent class: its count is noise"
