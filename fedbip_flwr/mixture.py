@@ -3,8 +3,8 @@
 A client forward-noises mixed same-class latents to timestep T (several times, fresh noise
 each time) and fits, per class, a diagonal-covariance Gaussian mixture to those rows; the
 server draws z(T) from the mixtures and denoises them. Diagonal covariances keep the fit
-well-posed where a class has a few dozen rows in D = c*h*w dimensions (256 for the miniature
-LDM's 4x8x8 latents, 16384 for Stable Diffusion's 4x64x64): a full covariance would need more
+well-posed where a class has a few dozen rows in D = c*h*w dimensions (1024 for the miniature
+LDM's 4x16x16 latents, 16384 for Stable Diffusion's 4x64x64): a full covariance would need more
 rows than dimensions. The upload is three float32 tensors (:meth:`LatentMixture.to_tensors`),
 every class padded to the same number of components so their shapes are fixed.
 """

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import results
+from .payload import PayloadError
 from .results import ClientOutcome, RunResults, Scored
 from .storage import atomic_write
 
@@ -44,6 +45,7 @@ def write_report(run_dir: Path) -> Path:
         _accuracy_per_domain(record),
         _accuracy_per_institution(record),
         _clients(record),
+        _what_left(run_dir),
         _phases(record),
         _grids(run_dir, record),
         _concept_curves(run_dir, record),
@@ -126,6 +128,35 @@ def _clients(record: RunResults) -> list[str]:
         for row, count in zip(rows, skipped):
             row.insert(4, str(count))
     return ["## Clients", "", *_table(header, rows, align)]
+
+
+def _what_left(run_dir: Path) -> list[str]:
+    """Per institution, every tensor its upload held, the upload's size and the formal
+    guarantee it carries (its header's), read from the uploads the server kept."""
+    from .methods import audit_upload  # the registry imports most of the package
+    from .server import RunFolder
+
+    rows = []
+    for path in sorted(RunFolder(run_dir).payloads.glob("*.safetensors")):
+        blob = path.read_bytes()
+        try:
+            upload = audit_upload(blob, len(blob))
+        except PayloadError as err:
+            rows.append([path.stem, "", f"unreadable: {_text(err.reason)}", _size(len(blob)), ""])
+            continue
+        tensors = ", ".join(f"`{name}` {list(t.shape)}" for name, t in upload.tensors.items())
+        dp = getattr(upload.meta, "dp", None)
+        guarantee = (
+            f"({dp.epsilon:g}, {dp.delta:g})-DP per {dp.unit}, for {', '.join(dp.covers)}"
+            + ("; void: the run lets the server replay client noise" if dp.replayable_noise else "")
+            if dp else "none"
+        )  # fmt: skip
+        rows.append([path.stem, upload.meta.method, tensors, _size(len(blob)), guarantee])
+    if not rows:
+        return []
+    intro = "Everything that left each institution: the tensors of its one upload, as the server kept them."
+    return ["## What left each institution", "", intro, "",
+            *_table(["client", "method", "tensors", "size", "formal guarantee"], rows, "lllrl")]  # fmt: skip
 
 
 def _phases(record: RunResults) -> list[str]:

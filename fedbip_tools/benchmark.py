@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedbip_flwr import dataset, methods
+from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
@@ -51,6 +51,7 @@ from fedbip_flwr.storage import write_json
 from fedbip_flwr.viz import image_grid
 
 from .judges import Judges, load_judges
+from .privacy import Features, backbone_features, dcr_membership
 from .simulation import SimulationError, run_simulation, run_status, stop_local_superlink
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,12 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-S", {"method": "fedbip", "multiplier": 2}, "FedBiP-L"),
     Variant("FedBiP-M", {"method": "fedbip", "multiplier": 5}, "FedBiP-L"),
     Variant("FedBiP-S (2 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 2}),
+    Variant("FedBiP-mixture (2 z(T) per image)",
+            {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2}),
+    Variant("FedLD", {"method": "fedld"}),
+    Variant("FedLD-DP epsilon 16", {"method": "fedld", "fedld.dp-epsilon": 16.0}),
+    Variant("FedLD-DP epsilon 4", {"method": "fedld", "fedld.dp-epsilon": 4.0}),
+    Variant("FedLD-DP epsilon 1", {"method": "fedld", "fedld.dp-epsilon": 1.0}),
     Variant("FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
     Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),
@@ -168,6 +175,9 @@ class Bench:
 
     def cache(self, seed: int) -> Path:
         return self.results / "methods" / f"seed-{seed}.json"
+
+
+NON_MEMBER_CLIENT = 1  # the shapes world's second client of a domain: images no client here holds
 
 
 def base_values(bench: Bench, seed: int) -> dict[str, Any]:
@@ -262,13 +272,15 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
     if folder.training_set.exists():
         shards = json.loads(folder.training_set.read_text())
         result["num_images"] = sum(len(ShardImages(folder_paths(folder, p), 0)) for p in shards.values())
-        result["fidelity"], result["nearest_real"] = {}, {}
+        result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
+        features = backbone_features(cfg.model)
         for client_id, names in sorted(shards.items()):
             data = ShardImages(folder_paths(folder, names), judges.size)
             images, labels = data[torch.arange(len(data))]
             domain = clients[client_id].domain
             result["fidelity"][domain] = judges.fidelity(images, labels, domain)
             result["nearest_real"][domain] = nearest_real_distance(images, clients[client_id].images)
+            result["dcr"][domain] = distance_membership(images, clients[client_id], cfg, features)
     if folder.classifier.exists():
         model = load_classifier(folder, cfg)
         result["mia_gap"] = mia_gaps(model, cfg, clients, settings.mia_per_domain)
@@ -287,6 +299,26 @@ def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
     """The benchmark's clients, one per domain, exactly as the simulation's nodes load them."""
     sets = [dataset.load_client_data(cfg, p) for p in range(len(cfg.domain_list))]
     return {s.client_id: s for s in sets}
+
+
+def distance_membership(
+    synthetic: torch.Tensor, members: dataset.ClientSet, cfg: FedBiPConfig, features: Features
+) -> dict[str, float]:
+    """Does a client's synthetic set give away which images it holds? Its private images
+    (members) against as many unseen images of the same domain and classes (another client
+    index of the shapes world: non-members), each one's distance to its nearest synthetic image
+    (:func:`fedbip_tools.privacy.dcr_membership`), in pixels and in the public backbone's
+    features: membership AUC (0.5: nothing given away) and the share of members nearer than
+    every non-member."""
+    synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic.float()
+    size = members.images.shape[-1]
+    if synthetic.shape[-1] != size:
+        synthetic = F.interpolate(synthetic, size=(size, size), mode="bilinear", antialias=True)
+    non_members = shapes.client_train_set(members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+    pixels = dcr_membership(members.images, non_members.images, synthetic)
+    feature = dcr_membership(members.images, non_members.images, synthetic, features)
+    return {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer,
+            "feature_auc": feature.auc, "feature_share": feature.share_closer}  # fmt: skip
 
 
 def nearest_real_distance(synthetic: torch.Tensor, real: torch.Tensor) -> float:
@@ -456,7 +488,8 @@ def fidelity_table(summary: Mapping[str, Any]) -> str:
 
 
 def privacy_table(summary: Mapping[str, Any]) -> str:
-    lines = ["| method | MIA loss gap | MIA entropy gap | nearest real (RMS) |", "|---|---|---|---|"]
+    lines = ["| method | MIA loss gap | MIA entropy gap | nearest real (RMS) | DCR AUC, pixels | "
+             "DCR AUC, features | members nearer than every non-member (pixels) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, e in summary.items():
         if "mia_gap" not in e:
             continue
@@ -464,8 +497,11 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
         std = e["mia_gap_std"]
         near = e.get("nearest_real")
         near = f"{statistics.fmean(near.values()):.3f}" if near else "–"
+        dcr = e.get("dcr")
+        cells = [f"{statistics.fmean(d[k] for d in dcr.values()):.3f}" if dcr else "–"
+                 for k in ("pixel_auc", "feature_auc", "pixel_share")]  # fmt: skip
         lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
-                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {near} |")  # fmt: skip
+                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {near} | {' | '.join(cells)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

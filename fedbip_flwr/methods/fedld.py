@@ -6,7 +6,7 @@ times with fresh noise from its own generator; per class, a diagonal Gaussian mi
 ``fedld.components`` components fitted to those z(T) (:mod:`fedbip_flwr.mixture`, scikit-learn's
 EM), and its per-class counts. The paper leaves K, T and the covariance type open: here K is
 ``fedld.components``, T is FedBiP's (the sampler's first timestep, or ``start-timestep``), the
-covariance diagonal (a full one has D^2 entries per component: 65,536 on the miniature, 2.7e8
+covariance diagonal (a full one has D^2 entries per component: 1,048,576 on the miniature, 2.7e8
 on SD v1-4's latents), and no mixing of pairs (that is FedBiP's and Espresso's instance step).
 
 Server: per client, as many images as FedBiP makes from it, each from a z(T) drawn from its
