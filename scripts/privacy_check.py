@@ -1,0 +1,65 @@
+"""What a finished run's synthetic sets give away about each client's private images, on the
+shapes world: distance-to-closest-record membership (pixels and the public backbone's
+features, members against as many unseen images of the same domain and classes) and, for
+FedBiP (whose synthetic image k is denoised from z(T) row k, and row k * N + i comes from
+private image i), the server's reconstruction of each private image scored by PSNR and SSIM
+against it and against an image of the same class no client holds.
+
+    python scripts/privacy_check.py outputs/<run> [--out benchmarks/privacy_check.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from fedbip_flwr import dataset, results, shapes
+from fedbip_flwr.classifier import ShardImages
+from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import write_json
+from fedbip_tools.benchmark import NON_MEMBER_CLIENT, distance_membership
+from fedbip_tools.privacy import backbone_features, reconstruction_score
+
+
+def check(run_dir: Path) -> dict:
+    folder = RunFolder(run_dir)
+    cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
+    shards = json.loads(folder.training_set.read_text())
+    clients = {c.client_id: c for c in (dataset.load_client_data(cfg, p) for p in range(len(cfg.domain_list)))}
+    features = backbone_features(cfg.model)
+    out: dict = {"run": run_dir.name, "method": cfg.method, "clients": {}}
+    for client_id, names in sorted(shards.items()):
+        data = ShardImages([folder.shards / n for n in names], cfg.image_size)
+        synthetic, _ = data[torch.arange(len(data))]
+        synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic
+        client = clients[client_id]
+        entry = {"dcr": distance_membership(synthetic, client, cfg, features)}
+        if cfg.method == "fedbip":
+            n = len(client.images)
+            own = synthetic[:n]  # row i: the first z(T) of private image i, first pass
+            unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT,
+                                                cfg.seed, cfg.image_size)  # fmt: skip
+            assert torch.equal(unrelated.labels, client.labels), "row i of both: the same class"
+            score = reconstruction_score(own, client.images, unrelated.images)
+            entry["reconstruction"] = {k: float(v) for k, v in vars(score).items()}
+        out["clients"][client_id] = entry
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    record = check(args.run_dir)
+    print(json.dumps(record, indent=1))
+    if args.out:
+        write_json(args.out, record)
+
+
+if __name__ == "__main__":
+    main()
