@@ -126,3 +126,17 @@ def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibra
         assert (mixture.means[c, 0] - clipped.mean(0)).abs().max() < tolerance + 6 * release.noise_multiplier / n
         assert abs(int(counts[c]) - n) <= 6 * release.noise_multiplier + 1
     assert int(counts[2]) <= 6 * release.noise_multiplier + 1, "an absent class: its count is noise"
+
+
+def test_fedbip_inspect_and_report_show_the_guarantee(tiny_ldm, tmp_path, capsys):
+    from fedbip_flwr.report import _what_left
+    from fedbip_tools.cli import main
+
+    _, blob, _ = upload_of("fedld", tiny_ldm, **{"fedld.dp-epsilon": 4.0})
+    path = RunFolder(tmp_path).payloads / "sketch-0.safetensors"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(blob)
+    assert main(["inspect", str(path)]) == 0
+    assert '"epsilon": 4.0' in capsys.readouterr().out
+    (row,) = [line for line in _what_left(tmp_path) if line.startswith("| sketch-0")]
+    assert "(4, 1e-05)-DP per one private image" in row and "`mixture_means` [6, 4, 1024]" in row
