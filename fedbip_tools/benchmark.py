@@ -42,7 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from fedbip_flwr import dataset, methods, shapes
-from fedbip_flwr.classifier import ShardImages, batches_per_epoch, evaluate, load_classifier_bytes
+from fedbip_flwr.classifier import (
+    ShardImages,
+    backbone_path,
+    batches_per_epoch,
+    evaluate,
+    load_classifier_bytes,
+)
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.results import read as read_results
@@ -273,7 +279,8 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         shards = json.loads(folder.training_set.read_text())
         result["num_images"] = sum(len(ShardImages(folder_paths(folder, p), 0)) for p in shards.values())
         result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
-        features = backbone_features(cfg.model)
+        # a base model without a shipped backbone (the tests' tiny one) is measured in pixels only
+        features = backbone_features(cfg.model) if backbone_path(cfg.model).is_file() else None
         for client_id, names in sorted(shards.items()):
             data = ShardImages(folder_paths(folder, names), judges.size)
             images, labels = data[torch.arange(len(data))]
@@ -302,7 +309,7 @@ def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
 
 
 def distance_membership(
-    synthetic: torch.Tensor, members: dataset.ClientSet, cfg: FedBiPConfig, features: Features
+    synthetic: torch.Tensor, members: dataset.ClientSet, cfg: FedBiPConfig, features: Features | None
 ) -> dict[str, float]:
     """Does a client's synthetic set give away which images it holds? Its private images
     (members) against as many unseen images of the same domain and classes (another client
@@ -316,9 +323,11 @@ def distance_membership(
         synthetic = F.interpolate(synthetic, size=(size, size), mode="bilinear", antialias=True)
     non_members = shapes.client_train_set(members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
     pixels = dcr_membership(members.images, non_members.images, synthetic)
-    feature = dcr_membership(members.images, non_members.images, synthetic, features)
-    return {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer,
-            "feature_auc": feature.auc, "feature_share": feature.share_closer}  # fmt: skip
+    out = {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer}
+    if features is not None:
+        feature = dcr_membership(members.images, non_members.images, synthetic, features)
+        out.update(feature_auc=feature.auc, feature_share=feature.share_closer)
+    return out
 
 
 def nearest_real_distance(synthetic: torch.Tensor, real: torch.Tensor) -> float:
@@ -498,8 +507,8 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
         near = e.get("nearest_real")
         near = f"{statistics.fmean(near.values()):.3f}" if near else "–"
         dcr = e.get("dcr")
-        cells = [f"{statistics.fmean(d[k] for d in dcr.values()):.3f}" if dcr else "–"
-                 for k in ("pixel_auc", "feature_auc", "pixel_share")]  # fmt: skip
+        cells = [f"{statistics.fmean(d[k] for d in dcr.values()):.3f}" if dcr and all(k in d for d in dcr.values())
+                 else "–" for k in ("pixel_auc", "feature_auc", "pixel_share")]  # fmt: skip
         lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
                      f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {near} | {' | '.join(cells)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
