@@ -23,7 +23,7 @@ from torch import nn
 
 # _prepare is the classifier's own input step (train_classifier and evaluate both call it);
 # classifier.py has no public name for it.
-from .classifier import _prepare, backbone_path, load_backbone
+from .classifier import BACKBONE_SCRIPT, _prepare, backbone_path, load_backbone
 
 Linkage = Literal["ward", "complete", "average", "single"]
 # Images (N, 3, H, W) in [-1, 1] -> features (N, F), float32 on the CPU.
@@ -42,7 +42,13 @@ def public_encoder(
     resize theirs. (:func:`~fedbip_flwr.classifier.fit_to_classifier` would add nothing for
     float images: it never enlarges, and shrinks by the same resize.)
     """
-    net = load_backbone(backbone_path(model))
+    path = backbone_path(model)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"sub-clustering needs a public image encoder: the ResNet-18 backbone shipped with the "
+            f"base model at {path} is missing (make it with `python {BACKBONE_SCRIPT} --out {path.parent}`)."
+        )
+    net = load_backbone(path)
     net.fc = nn.Identity()  # the features the head would read, not its pretraining classes
     net.requires_grad_(False).eval().to(device)
 

@@ -271,14 +271,21 @@ def diffusion_loss(
     t: torch.Tensor,
     noise: torch.Tensor,
 ) -> torch.Tensor:
-    """Eq. 4 for one batch: || target - model(z(t), t, tau(S, V_y)) ||^2 (mean, float32).
+    """Eq. 4 for one batch: || target - model(z(t), t, tau(S, V_y)) ||^2 (mean, float32)."""
+    return conditioned_loss(ldm, encode_prompts(ldm, layout, space, s, v, labels), z0, t, noise)
+
+
+def conditioned_loss(
+    ldm: LDM, cond: torch.Tensor, z0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """|| target - model(z(t), t, cond) ||^2 (mean, float32) for cross-attention states
+    ``cond`` (B, L, d): the loss every learned conditioning minimises.
 
     The target is eps for an epsilon-prediction model (SD v1) and the velocity for a
     v-prediction one (SD 2.x); load_ldm refuses any other kind.
     """
     zt = ldm.scheduler.add_noise(z0, noise, t).to(ldm.device, ldm.dtype)
-    cond = encode_prompts(ldm, layout, space, s, v, labels)
-    pred = ldm.unet(zt, t.to(ldm.device), encoder_hidden_states=cond).sample
+    pred = ldm.unet(zt, t.to(ldm.device), encoder_hidden_states=cond.to(ldm.device, ldm.dtype)).sample
     if ldm.scheduler.config.prediction_type == "v_prediction":
         target = velocity(ldm.scheduler, z0, noise, t)
     else:
@@ -334,32 +341,66 @@ def learn_concepts(
     client's images: nothing is re-encoded here.
     """
     s0, v0 = initial_concepts(ldm, layout, space)
-    scale = concept_scale(ldm, space)
-    u_s = torch.zeros_like(s0, device=ldm.device, requires_grad=True)
-    u_v = torch.zeros_like(v0, device=ldm.device, requires_grad=True)
-    s0, v0 = s0.to(ldm.device), v0.to(ldm.device)
-    # d/du = scale * d/dc: eps scaled alike keeps Adam's usual 1e-8 relative to the concepts'
-    # own gradients, so the parametrisation changes the step size and nothing else.
-    optimizer = torch.optim.Adam([u_s, u_v], lr=lr, betas=(0.9, 0.999), eps=1e-8 * scale)
+
+    def batch_loss(shifts: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        s, v = shifts
+        return diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
+
+    (s, v), losses = optimise_embeddings(
+        ldm, [s0, v0], batch_loss, z0.shape, max_timestep, concept_scale(ldm, space),
+        epochs=epochs, batch_size=batch_size, lr=lr, generator=generator, on_epoch=on_epoch,
+    )  # fmt: skip
+    return _result(s, v, s0, v0, losses)
+
+
+# (the embeddings as they stand, batch indices, t, noise) -> the batch's mean loss
+BatchLoss = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def optimise_embeddings(
+    ldm: LDM,
+    starts: list[torch.Tensor],
+    batch_loss: BatchLoss,
+    latent_rows: torch.Size,
+    max_timestep: int,
+    scale: float,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    generator: torch.Generator,
+    on_epoch: Callable[[int, float], None] | None = None,
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Adam (betas 0.9/0.999) on embeddings ``c0 + scale * u``, everything else frozen, over
+    batches of the ``latent_rows[0]`` cached latents with t ~ U{1..T} and fresh noise.
+
+    Adam updates the u, in float32 whatever the LDM's dtype. Returns the final embeddings
+    (CPU, float32) and the mean loss per epoch.
+    """
+    count = latent_rows[0]
+    starts = [c.to(ldm.device) for c in starts]
+    shifts = [torch.zeros_like(c, requires_grad=True) for c in starts]
+    # d/du = scale * d/dc: eps scaled alike keeps Adam's usual 1e-8 relative to the
+    # embeddings' own gradients, so the parametrisation changes the step size and nothing else.
+    optimizer = torch.optim.Adam(shifts, lr=lr, betas=(0.9, 0.999), eps=1e-8 * scale)
     scaler = loss_scaler(ldm)
     losses: list[float] = []
     for epoch in range(epochs):
-        order = torch.randperm(len(labels), generator=generator)
+        order = torch.randperm(count, generator=generator)
         total = 0.0
         for batch in order.split(batch_size):
-            noise = torch.randn((len(batch), *z0.shape[1:]), generator=generator)
+            noise = torch.randn((len(batch), *latent_rows[1:]), generator=generator)
             t = torch.randint(1, max_timestep + 1, (len(batch),), generator=generator)
-            s, v = s0 + scale * u_s, v0 + scale * u_v
-            loss = diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
+            loss = batch_loss([c + scale * u for c, u in zip(starts, shifts, strict=True)], batch, t, noise)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             total += loss.item() * len(batch)
-        losses.append(total / len(labels))
+        losses.append(total / count)
         if on_epoch is not None:
             on_epoch(epoch, losses[-1])
-    return _result(s0 + scale * u_s.detach(), v0 + scale * u_v.detach(), s0, v0, losses)
+    return [(c + scale * u).detach().float().cpu() for c, u in zip(starts, shifts, strict=True)], losses
 
 
 def _result(

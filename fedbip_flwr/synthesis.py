@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,30 @@ from .ldm import LDM
 from .payload import Payload, PayloadError, check_class_rows
 from .sampler import Sampler, SchedulerName, TimestepSpacing
 
+if TYPE_CHECKING:
+    from diffusers import SchedulerMixin
+
+
+@dataclass(frozen=True)
+class ZSampling:
+    """Z-Sampling's zigzag (Espresso's server): at every timestep t above ``threshold``, one
+    DDIM step down with the run's guidance, one DDIM inversion step back up to t with the
+    weaker ``inverse_guidance``, then the sampler's own step from the new z(t). The round trip
+    moves z(t) toward where the guided model puts its class: the condition's semantics enter
+    the early, layout-setting steps twice. Both DDIM steps are diffusers' (DDIMScheduler and
+    DDIMInverseScheduler on the sampler's own noise schedule and spacing)."""
+
+    threshold: int = 800
+    inverse_guidance: float = 0.0
+
+    def applies(self, t: torch.Tensor, down: SchedulerMixin) -> bool:
+        """Zigzag at t: above the threshold, and a DDIM step below it still on the schedule."""
+        return int(t) > self.threshold and int(t) - _ddim_stride(down) >= 0
+
+    def knobs(self) -> tuple:
+        """What a shard's pixels depend on here: part of its key."""
+        return ("z-sampling", self.threshold, self.inverse_guidance)
+
 
 @torch.no_grad()
 def denoise(
@@ -42,8 +67,10 @@ def denoise(
     timestep: int,
     guidance_scale: float,
     pad_to: int | None = None,
+    zigzag: ZSampling | None = None,
 ) -> torch.Tensor:
-    """Denoise z(T), T = ``timestep``, to z(0) with classifier-free guidance.
+    """Denoise z(T), T = ``timestep``, to z(0) with classifier-free guidance (and Z-Sampling's
+    zigzag at the early steps, when given).
 
     ``pad_to``: a smaller batch is filled up to this size with copies of its first row, whose
     results are dropped. A compiled UNet compiles a graph per batch size, so without it a
@@ -56,18 +83,65 @@ def denoise(
         cond = torch.cat([cond, cond[:1].expand(pad_to - n, *cond.shape[1:])])
     scheduler, timesteps = sampler.start(timestep)
     z = z_t.to(ldm.device, ldm.dtype)
-    guided = guidance_scale > 1.0
-    context = (torch.cat([uncond.expand_as(cond), cond]) if guided else cond).to(ldm.device, ldm.dtype)
+    cond, uncond = cond.to(ldm.device, ldm.dtype), uncond.to(ldm.device, ldm.dtype)
+    ddim = zigzag_schedulers(sampler) if zigzag is not None else None
     for t in timesteps:
-        model_in = scheduler.scale_model_input(torch.cat([z, z]) if guided else z, t)
-        with ldm.sampling_precision():
-            eps = ldm.unet(model_in, t.to(ldm.device), encoder_hidden_states=context).sample
-        eps = eps.to(z.dtype)
-        if guided:
-            eps_uncond, eps_cond = eps.chunk(2)
-            eps = eps_uncond + guidance_scale * (eps_cond - eps_uncond)
-        z = scheduler.step(eps, t, z).prev_sample
+        if zigzag is not None and zigzag.applies(t, ddim[0]):
+            z = zigzag_step(ldm, z, t, cond, uncond, guidance_scale, zigzag.inverse_guidance, ddim)
+        model_in = scheduler.scale_model_input(z, t)
+        z = scheduler.step(guided_eps(ldm, model_in, t, cond, uncond, guidance_scale), t, z).prev_sample
     return z[:n]
+
+
+def guided_eps(
+    ldm: LDM, z: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The model's prediction under classifier-free guidance ``scale``: uncond + scale (cond -
+    uncond); scale 1 is the conditional prediction alone and 0 the unconditional one, each one
+    UNet pass, any other scale both in one batch."""
+    t = torch.as_tensor(t).to(ldm.device)
+    if scale in (0.0, 1.0):
+        context = cond if scale == 1.0 else uncond.expand_as(cond)
+        with ldm.sampling_precision():
+            return ldm.unet(z, t, encoder_hidden_states=context).sample.to(z.dtype)
+    with ldm.sampling_precision():
+        both = ldm.unet(torch.cat([z, z]), t, encoder_hidden_states=torch.cat([uncond.expand_as(cond), cond]))
+    eps_uncond, eps_cond = both.sample.to(z.dtype).chunk(2)
+    return eps_uncond + scale * (eps_cond - eps_uncond)
+
+
+def zigzag_schedulers(sampler: Sampler) -> tuple[SchedulerMixin, SchedulerMixin]:
+    """DDIM down and DDIM inversion up, over ``sampler``'s noise schedule, spacing and steps."""
+    from diffusers import DDIMInverseScheduler, DDIMScheduler
+
+    config = sampler.scheduler.config
+    down = DDIMScheduler.from_config(config, clip_sample=False)
+    up = DDIMInverseScheduler.from_config(config, clip_sample=False)
+    for scheduler in (down, up):
+        scheduler.set_timesteps(sampler.num_inference_steps)
+    return down, up
+
+
+def zigzag_step(
+    ldm: LDM,
+    z: torch.Tensor,
+    t: torch.Tensor,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    guidance_scale: float,
+    inverse_guidance: float,
+    ddim: tuple[SchedulerMixin, SchedulerMixin],
+) -> torch.Tensor:
+    """z(t) -> DDIM one step down under ``guidance_scale`` -> DDIM inversion back to t under
+    ``inverse_guidance``: the new z(t). With an exact noise prediction it returns z(t)."""
+    down, up = ddim
+    lower = down.step(guided_eps(ldm, z, t, cond, uncond, guidance_scale), t, z).prev_sample
+    eps = guided_eps(ldm, lower, t - _ddim_stride(down), cond, uncond, inverse_guidance)
+    return up.step(eps, t, lower).prev_sample
+
+
+def _ddim_stride(scheduler: SchedulerMixin) -> int:
+    return scheduler.config.num_train_timesteps // scheduler.num_inference_steps
 
 
 @torch.no_grad()
@@ -275,16 +349,20 @@ def iter_denoised(
     settings: SynthesisSettings,
     timestep: int,
     start: Callable[[torch.Tensor], torch.Tensor],
+    conditions: torch.Tensor | None = None,
+    zigzag: ZSampling | None = None,
 ) -> Iterator[torch.Tensor]:
     """Images (batches in [-1, 1], float32, CPU) denoised from ``timestep``, each from the
     z(T) ``start(batch_labels)`` draws for it (fresh noise, or a client's latent mixture),
-    guided toward its label's conditioning ``cond_per_class[label]`` (C, L, d)."""
+    guided toward row ``conditions[i]`` of ``cond_per_class`` (K, L, d); without
+    ``conditions``, toward its label's row."""
     uncond = unconditional_embedding(ldm)
     sampler = settings.sampler(ldm)
-    for batch in labels.split(settings.batch_size):
-        cond = cond_per_class[batch.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
+    rows = labels if conditions is None else conditions
+    for batch, chosen in zip(labels.split(settings.batch_size), rows.split(settings.batch_size), strict=True):
+        cond = cond_per_class[chosen.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
         z0 = denoise(ldm, start(batch), cond, uncond, sampler, timestep, settings.guidance_scale,
-                     ldm.batch_bucket(settings.batch_size))  # fmt: skip
+                     ldm.batch_bucket(settings.batch_size), zigzag)  # fmt: skip
         yield decode_latents(ldm, z0, settings.vae_batch_size)
 
 

@@ -139,6 +139,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-mixture (2 z(T) per image)",
             {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2}),
     Variant("FedLD", {"method": "fedld"}),
+    Variant("Espresso", {"method": "espresso"}),
+    Variant("Espresso without Z-Sampling", {"method": "espresso", "espresso.z-sampling": False}),
     Variant("FedLD-DP epsilon 16", {"method": "fedld", "fedld.dp-epsilon": 16.0}),
     Variant("FedLD-DP epsilon 4", {"method": "fedld", "fedld.dp-epsilon": 4.0}),
     Variant("FedLD-DP epsilon 1", {"method": "fedld", "fedld.dp-epsilon": 1.0}),

@@ -8,15 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 
+from fedbip_flwr.classifier import BACKBONE_DIR, save_backbone
 from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
 from tests.helpers import WORDS
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LDM and, as the miniature ships its public encoder, a random-init ResNet-18
+    backbone (what Espresso's sub-clustering reads features from)."""
     folder = tmp_path_factory.mktemp("tiny-ldm")
     build_ldm(TINY, WORDS, seed=0).save(folder)
+    torch.manual_seed(0)
+    save_backbone(torchvision.models.resnet18(num_classes=len(WORDS)), folder / BACKBONE_DIR)
     return folder
 
 

@@ -143,11 +143,11 @@ WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
 
 
 METHOD_CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
-       "local.epochs": 1, "fedlmg.local-epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
+       "local.epochs": 1, "fedlmg.local-epochs": 1, "espresso.epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
 
 
-ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg", "fedld", "fedbip-mixture")
+ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg", "fedld", "fedbip-mixture", "espresso")
 
 
 def method_config(method: str, **values) -> FedBiPConfig:

@@ -1,7 +1,7 @@
-"""Instance-free uploads (FedLD, FedBiP's mixture mode): no per-image latent leaves the
+"""Instance-free uploads (FedLD, FedBiP's mixture mode, Espresso): no per-image latent leaves the
 client, the server draws z(T) from each class's mixture, and a mixture that z(T) at T could
 not come from is refused. Generic upload refusals and the real `flwr run` for both methods are
-in test_methods.py (both are in ONE_SHOT)."""
+in test_methods.py (all are in ONE_SHOT)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
 from tests.helpers import client_job, method_config, server_job, tampered
 
-METHODS = ("fedld", "fedbip-mixture")
+METHODS = ("fedld", "fedbip-mixture", "espresso")
 
 
 def upload_of(method: str, ldm, **values):
@@ -140,3 +140,46 @@ def test_fedbip_inspect_and_report_show_the_guarantee(tiny_ldm, tmp_path, capsys
     assert '"epsilon": 4.0' in capsys.readouterr().out
     (row,) = [line for line in _what_left(tmp_path) if line.startswith("| sketch-0")]
     assert "(4, 1e-05)-DP per one private image" in row and "`mixture_means` [6, 4, 1024]" in row
+
+
+# --- Espresso: per-sub-cluster conditions and Z-Sampling -------------------------------------------
+
+
+def test_espresso_learns_one_condition_per_sub_cluster_and_leaves_the_rest_at_the_plain_prompt(tiny_ldm):
+    from fedbip_flwr.conditions import initial_conditions
+
+    cfg, blob, metrics = upload_of("espresso", tiny_ldm, **{"espresso.clusters": 3, "shots-per-class": 2})
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
+    conditions, counts = upload.content.conditions, upload.content.counts
+    start = initial_conditions(tiny_ldm, cfg.prompt_template, upload.domain, server_job(cfg, tiny_ldm).class_names, 3)
+    moved = (conditions - start).abs().flatten(2).amax(-1) > 0
+    # a class of n images has min(n, J) sub-clusters, each trained; the others keep c0
+    assert moved.sum(1).tolist() == counts.clamp(max=3).tolist()
+    assert not moved[:, 2].any(), "2 shots per class: the third sub-cluster has no image"
+    assert sum(metrics["sub-cluster-sizes"]) == upload.meta.num_examples
+
+
+def test_espresso_draws_a_condition_of_the_images_class_among_its_learned_ones():
+    from fedbip_flwr.methods.espresso import EspressoUpload, condition_rows
+
+    content = EspressoUpload(torch.zeros(3, 4, 2, 2), None, torch.tensor([1, 9, 0]))
+    labels = torch.arange(3).repeat_interleave(400)
+    rows = condition_rows(content, labels, seed=0)
+    assert torch.equal(rows // 4, labels)
+    chosen = [sorted((rows[labels == c] % 4).unique().tolist()) for c in range(3)]
+    assert chosen == [[0], [0, 1, 2, 3], [0]]
+    assert torch.equal(rows, condition_rows(content, labels, seed=0))
+
+
+def test_espresso_refuses_conditions_beyond_their_learnings_reach_and_another_cluster_count(tiny_ldm):
+    cfg, blob, _ = upload_of("espresso", tiny_ldm)
+
+    def pushed(tensors, _meta):
+        tensors["conditions"] = tensors["conditions"].clone()
+        tensors["conditions"][1, 0, 3, 5] += 10.0
+
+    with pytest.raises(PayloadError, match="sub-cluster 0 moved .* beyond"):
+        create_for(cfg).accept(tampered(blob, "espresso", cfg, pushed), server_job(cfg, tiny_ldm))
+    other = method_config("espresso", **{"espresso.clusters": 2})
+    with pytest.raises(PayloadError, match="clusters 4 does not match the server's 2"):
+        create_for(other).accept(blob, server_job(other, tiny_ldm))

@@ -17,7 +17,7 @@ from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
 from fedbip_flwr.payload import PayloadError, decode_payload, encode_payload
 from fedbip_flwr.sampler import Sampler, SchedulerName
 from fedbip_flwr.server import expectations
-from fedbip_flwr.synthesis import denoise
+from fedbip_flwr.synthesis import ZSampling, denoise, zigzag_schedulers, zigzag_step
 
 SD = PNDMScheduler(**SD_SCHEDULER_CONFIG)
 
@@ -120,6 +120,34 @@ def test_every_sampler_follows_the_trajectory_from_T_to_x0(tiny_ldm, name, spaci
     # samplers that end at t=1 keep sqrt(1 - abar_0) = 0.029 of the noise; a misplaced sigma is O(1)
     error = (out - x0).pow(2).mean().sqrt() / x0.pow(2).mean().sqrt()
     assert error < 0.05, f"{name} from T={T}: relative error {error:.3f}"
+
+
+@pytest.mark.parametrize("spacing", ["leading", "trailing"])
+def test_z_samplings_round_trip_returns_z_t_under_an_exact_model(tiny_ldm, spacing):
+    """With the true noise, one DDIM step down and one DDIM inversion step back up return
+    z(t) itself (Espresso's Z-Sampling): a round trip with a misplaced timestep or alpha does
+    not. So every sampler with the zigzag still lands on x0; a real model's zigzag does change
+    the images."""
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, *tiny_ldm.latent_shape(), generator=generator)
+    eps = torch.randn(x0.shape, generator=generator)
+    oracle = replace(tiny_ldm, unet=OracleUNet(x0, tiny_ldm.scheduler.alphas_cumprod))
+    cond = torch.zeros(2, 4, tiny_ldm.concept_dim)
+    for name in SchedulerName:
+        sampler = Sampler.create(name, tiny_ldm.scheduler, 10, spacing)
+        for t in sampler.grid()[:3]:
+            z_t = forward_noise(tiny_ldm.scheduler, x0, int(t), eps)
+            back = zigzag_step(oracle, z_t, t, cond, cond, 1.0, 0.0, zigzag_schedulers(sampler))
+            assert (back - z_t).abs().max() < 1e-3 * z_t.abs().max(), f"{name} at t={int(t)}"
+        T = sampler.first_timestep()
+        out = denoise(oracle, forward_noise(tiny_ldm.scheduler, x0, T, eps), cond, cond, sampler, T, 1.0,
+                      zigzag=ZSampling(threshold=500))  # fmt: skip
+        assert (out - x0).pow(2).mean().sqrt() / x0.pow(2).mean().sqrt() < 0.05, name
+    sampler, cond = Sampler.create("unipc", tiny_ldm.scheduler, 10, spacing), torch.randn(2, 4, tiny_ldm.concept_dim)
+    z_t = forward_noise(tiny_ldm.scheduler, x0, sampler.first_timestep(), eps)
+    plain = denoise(tiny_ldm, z_t, cond, cond * 0, sampler, sampler.first_timestep(), 4.0)
+    zigzag = denoise(tiny_ldm, z_t, cond, cond * 0, sampler, sampler.first_timestep(), 4.0, zigzag=ZSampling(500))
+    assert not torch.allclose(plain, zigzag)
 
 
 def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm):

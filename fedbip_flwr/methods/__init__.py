@@ -20,7 +20,18 @@ from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
 from ..payload import PayloadError, upload_method
 from ..seeds import client_generator
-from . import central, fedavg, fedbip, fedbip_mixture, fedld, fedlmg, local, oscar, prompts_only
+from . import (
+    central,
+    espresso,
+    fedavg,
+    fedbip,
+    fedbip_mixture,
+    fedld,
+    fedlmg,
+    local,
+    oscar,
+    prompts_only,
+)
 from .base import (
     ClientJob,
     Method,
@@ -40,7 +51,7 @@ from .base import (
 
 __all__ = [
     "ClientJob", "Method", "MethodSettings", "MultiRound", "ServerJob", "Teacher", "Upload",
-    "audit_upload", "central", "create", "create_for", "create_one_shot", "fedavg", "fedbip",
+    "audit_upload", "central", "create", "espresso", "create_for", "create_one_shot", "fedavg", "fedbip",
     "fedbip_mixture", "fedld", "fedlmg", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
     "register", "settings_models",
 ]  # fmt: skip

@@ -50,7 +50,7 @@ from ..payload import read_tensors as _read_tensors
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
 from ..server import RunFolder, WorkUnit, keyed_shard
-from ..synthesis import SynthesisSettings, iter_denoised, iter_from_noise
+from ..synthesis import SynthesisSettings, ZSampling, iter_denoised, iter_from_noise
 
 __all__ = [
     "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
@@ -368,24 +368,28 @@ def fresh_noise_set(
 def mixture_set(
     server: ServerJob,
     stream: str,
-    cond_per_class: torch.Tensor,
+    cond_table: torch.Tensor,
     labels: torch.Tensor,
     mixture: LatentMixture,
     timestep: int,
     path: Path,
+    conditions: torch.Tensor | None = None,
+    zigzag: ZSampling | None = None,
 ) -> Path:
     """A training shard denoised from z(T) drawn from a client's latent mixture (one per
-    label, from its class's mixture) toward per-class conditioning; the draws are seeded by the
+    label, from its class's mixture) toward row ``conditions[i]`` of ``cond_table`` (default:
+    the label's row), with Z-Sampling's zigzag when given; the draws are seeded by the
     server's seed and ``stream``, as :func:`fresh_noise_set`'s noise is."""
     settings = SynthesisSettings.from_config(server.cfg)
     seed = client_seed(server.cfg.seed, stream)
-    key = unit_key((seed, timestep, *settings.sampling_knobs()), cond_per_class, labels,
-                   *mixture.to_tensors().values())  # fmt: skip
+    extra = () if conditions is None else (conditions,)
+    knobs = (seed, timestep, *settings.sampling_knobs(), *(zigzag.knobs() if zigzag else ()))
+    key = unit_key(knobs, cond_table, labels, *mixture.to_tensors().values(), *extra)
 
     def batches() -> Iterator[torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         start = functools.partial(draw, mixture, generator=generator)
-        return iter_denoised(server.ldm(), cond_per_class, labels, settings, timestep, start)
+        return iter_denoised(server.ldm(), cond_table, labels, settings, timestep, start, conditions, zigzag)
 
     return keyed_shard(path, key, labels, batches)
 

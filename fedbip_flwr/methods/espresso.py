@@ -1,0 +1,220 @@
+"""Espresso (Guiding Diffusion Models with Fine-Grained Conditions and Semantics-Preserving
+Sampling for One-Shot FL; CVPR 2026), an instance-free peer: no per-image latent leaves a client.
+
+Client:
+1. each class's images are split into ``espresso.clusters`` sub-clusters, agglomerative (ward)
+   clustering of a frozen public encoder's features (:mod:`fedbip_flwr.clusters`);
+2. one cross-attention condition per (class, sub-cluster), learned with the frozen LDM's
+   diffusion loss on that sub-cluster's latents (:mod:`fedbip_flwr.conditions`);
+3. same-class latents mixed (FedBiP's gamma ~ N(gamma-mean, gamma-std^2)) and forward-noised
+   to T ``espresso.noisings`` times with fresh noise; per class a diagonal Gaussian mixture of
+   ``espresso.components`` components fitted to those z(T) (:mod:`fedbip_flwr.mixture`).
+The upload: the conditions, the mixture and the per-class counts.
+
+Server: as many images per client as FedBiP makes from it, each from a z(T) drawn from its
+class's mixture and one of the class's conditions chosen uniformly, with classifier-free
+guidance; with ``espresso.z-sampling`` Z-Sampling's zigzag at the timesteps above
+``espresso.z-threshold`` (:class:`fedbip_flwr.synthesis.ZSampling`).
+
+Checks: the mixture's (:func:`fedbip_flwr.methods.fedld.check_mixture_upload`), and every
+condition within the distance of its starting point (tau of the plain prompt, which the server
+rebuilds) that the client's Adam steps can cover: a condition aimed elsewhere is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+from tqdm.auto import tqdm
+
+from ..clusters import cluster_images, public_encoder
+from ..concepts import concept_scale
+from ..conditions import SPACE, initial_conditions, learn_conditions
+from ..instance import personalize_instances
+from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
+from ..payload import ROUNDING, PayloadError, adam_step_bound
+from ..seeds import client_seed
+from ..synthesis import ZSampling
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Upload,
+    check_tensor,
+    class_counts,
+    encode_upload,
+    fresh_noise_labels,
+    mixture_set,
+    register,
+)
+from .fedld import (
+    MixtureMeta,
+    MixtureSettings,
+    check_mixture_upload,
+    first_timestep,
+    mixture_meta,
+    mixture_metrics,
+)
+
+log = logging.getLogger(__name__)
+CONDITIONS = "conditions"
+
+
+class EspressoSettings(MixtureSettings):
+    """Espresso's own run-config keys (table ``espresso``)."""
+
+    WHAT: ClassVar[str] = "espresso settings"
+
+    clusters: int = Field(4, ge=1, description="Sub-clusters, and so conditions, per class (J; the paper: 4).")
+    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
+    epochs: int = Field(10, ge=0, description="Epochs of condition learning over the client's images.")
+    lr: float = Field(0.1, gt=0.0, description="Adam lr, in units of the hidden space's coordinate scale.")
+    batch_size: int = Field(8, ge=1)
+    z_sampling: bool = Field(True, description="Z-Sampling's zigzag at the early timesteps.")
+    z_threshold: int = Field(800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z).")
+    z_inverse_guidance: float = Field(0.0, ge=0.0, description="Guidance of the inversion step (g2 < g1).")
+
+    def zigzag(self) -> ZSampling | None:
+        return ZSampling(self.z_threshold, self.z_inverse_guidance) if self.z_sampling else None
+
+    def condition_moves(self, images: int) -> float:
+        """The most one coordinate of a condition can move in the client's learning, in units
+        of the hidden space's scale: lr x Adam's largest step x the steps taken."""
+        steps = self.epochs * math.ceil(images / self.batch_size)
+        return self.lr * adam_step_bound() * steps
+
+
+class EspressoMeta(MixtureMeta):
+    method: Literal["espresso"] = "espresso"
+    clusters: int = Field(ge=1)
+    prompt_template: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EspressoUpload:
+    """What the server keeps of an accepted upload."""
+
+    conditions: torch.Tensor  # (C, J, L, d)
+    mixture: LatentMixture
+    counts: torch.Tensor  # (C,) private images per class
+
+
+@register
+class Espresso(Method):
+    name = "espresso"
+    Settings = EspressoSettings
+    settings: EspressoSettings
+    meta_model = EspressoMeta
+    tensor_names = ("class_counts", CONDITIONS, *MIXTURE_TENSOR_NAMES)
+
+    def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        own, cfg, data, ldm = self.settings, job.cfg, job.data, job.ldm()
+        timestep, classes = first_timestep(cfg, ldm), list(data.classes)
+        seconds: dict[str, float] = {}
+
+        started = time.perf_counter()
+        encoder = public_encoder(cfg.model, cfg.classifier_image_size, job.device)
+        sub_clusters = cluster_images(data.images, data.labels, own.clusters, encoder)
+        seconds["seconds-clusters"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        instances = personalize_instances(
+            ldm.vae, ldm.scheduler, data.images, data.labels, timestep, gamma_mean=cfg.gamma_mean,
+            gamma_std=cfg.gamma_std, vae_batch_size=cfg.vae_batch_size, draws=own.noisings,
+            generator=job.generator,
+        )  # fmt: skip
+        mixture = fit_mixture(instances.zT, instances.zT_labels, len(classes), own.components, job.generator,
+                              rows_per_component=own.rows_per_component)  # fmt: skip
+        seconds["seconds-instance"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        start = initial_conditions(ldm, cfg.prompt_template, data.domain, classes, own.clusters)
+        with tqdm(total=own.epochs, desc=f"conditions {data.client_id}", unit="epoch", mininterval=5) as bar:
+            learned = learn_conditions(
+                ldm, start, instances.z0, data.labels, sub_clusters, timestep, epochs=own.epochs,
+                batch_size=own.batch_size, lr=own.lr, generator=job.generator,
+                on_epoch=lambda _epoch, loss: (bar.set_postfix(loss=f"{loss:.4f}"), bar.update()),
+            )  # fmt: skip
+        seconds["seconds-concept"] = time.perf_counter() - started
+
+        meta = EspressoMeta(
+            **mixture_meta(job, ldm, timestep, own.components), clusters=own.clusters,
+            prompt_template=cfg.prompt_template,
+        )  # fmt: skip
+        tensors = {
+            "class_counts": class_counts(data.labels, len(classes)),
+            CONDITIONS: learned.conditions.contiguous(),
+            **mixture.to_tensors(),
+        }
+        return encode_upload(meta, tensors), {
+            **seconds,
+            "concept-losses": learned.losses,
+            "condition-drift": learned.drift,
+            "sub-cluster-sizes": torch.bincount(data.labels * own.clusters + sub_clusters).tolist(),
+            **mixture_metrics(mixture, len(instances.zT)),
+        }
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        meta, own = upload.meta, self.settings
+        if meta.clusters != own.clusters:
+            raise PayloadError(f"clusters {meta.clusters} does not match the server's {own.clusters} "
+                               "(clients and server must share run config espresso.clusters)")  # fmt: skip
+        if meta.prompt_template != server.cfg.prompt_template:
+            raise PayloadError(f"prompt template {meta.prompt_template!r} does not match the server's "
+                               f"{server.cfg.prompt_template!r} (conditions start from its plain prompt)")  # fmt: skip
+        mixture = check_mixture_upload(upload, server, own.components)
+        conditions = check_conditions(upload, server, own)
+        return dataclasses.replace(upload, content=EspressoUpload(conditions, mixture, upload.tensors["class_counts"]))
+
+    def train_set(
+        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    ) -> dict[str, list[Path]]:
+        out = {}
+        for client_id, upload in sorted(uploads.items()):
+            content: EspressoUpload = upload.content
+            labels = fresh_noise_labels(content.counts, server.cfg)
+            rows = condition_rows(content, labels, client_seed(server.cfg.seed, f"{client_id}/conditions"))
+            table = content.conditions.reshape(-1, *content.conditions.shape[2:])
+            out[client_id] = [mixture_set(server, client_id, table, labels, content.mixture, upload.meta.timestep,
+                                          shard_path(client_id, 0), rows, self.settings.zigzag())]  # fmt: skip
+        return out
+
+
+def condition_rows(content: EspressoUpload, labels: torch.Tensor, seed: int) -> torch.Tensor:
+    """For each image to make, the row of its condition in the (C J, L, d) table: one of its
+    class's sub-clusters, uniformly (a class of n < J images has n; one without images its
+    unlearned plain-prompt condition)."""
+    clusters = content.conditions.shape[1]
+    usable = content.counts.clamp(min=1, max=clusters)[labels]
+    chosen = (torch.rand(len(labels), generator=torch.Generator().manual_seed(seed)) * usable).long()
+    return labels * clusters + chosen
+
+
+def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -> torch.Tensor:
+    """(C, J, L, d) conditions, each coordinate within reach of its start c0 (tau of the plain
+    prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise."""
+    meta, ldm = upload.meta, server.ldm()
+    start = initial_conditions(ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters)
+    conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))
+    scale = concept_scale(ldm, SPACE)
+    # The client's text encoder may run at another precision: allow c0's rounding besides the steps.
+    reach = scale * own.condition_moves(meta.num_examples) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
+    moved = (conditions - start).abs().amax(dim=(-2, -1))
+    if bool((moved > reach).any()):
+        k, j = (int(i) for i in (moved > reach).nonzero()[0])
+        raise PayloadError(
+            f"condition of class {server.class_names[k]!r}, sub-cluster {j} moved {float(moved[k, j]):.4g} "
+            f"from its plain prompt's states, beyond the {reach:.4g} its learning can cover "
+            f"({own.epochs} epochs of {math.ceil(meta.num_examples / own.batch_size)} Adam steps at lr "
+            f"{own.lr:g} x the hidden space's scale {scale:.3g}); were the conditions learned with the "
+            "server's base model, prompt template and espresso settings?"
+        )
+    return conditions
