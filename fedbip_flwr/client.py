@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .classifier import evaluate
+from .clusters import cluster_images, public_encoder
 from .concepts import learn_concepts, prompt_layout
 from .config import FedBiPConfig
 from .instance import personalize_instances
@@ -75,8 +76,11 @@ def personalize(
     report.seconds["instance"] = time.perf_counter() - started
 
     started = time.perf_counter()
+    clusters = cfg.class_clusters
+    sub = sub_clusters(images, labels, cfg, ldm.device)
+    concept_names = [name for name in class_names for _ in range(clusters)]
     layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, class_names
+        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
     )
 
     def on_epoch(epoch: int, loss: float) -> None:
@@ -91,7 +95,7 @@ def personalize(
             layout,
             cfg.concept_space,
             instances.z0,
-            instances.labels,
+            instances.labels * clusters + sub,
             timestep,
             epochs=cfg.concept_epochs,
             batch_size=cfg.concept_batch_size,
@@ -119,6 +123,7 @@ def personalize(
         latent_shape=list(instances.zT.shape[1:]),
         latent_dtype=cfg.latent_dtype,
         num_examples=len(instances.zT),
+        class_clusters=clusters,
     )
     payload = Payload(
         latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
@@ -126,8 +131,19 @@ def personalize(
         domain_concept=concepts.domain,
         class_concepts=concepts.classes,
         meta=meta,
+        # each z(T) is denoised with its own image's sub-cluster's concept
+        latent_clusters=sub.repeat(cfg.latents_per_image) if clusters > 1 else None,
     )
     return payload, report
+
+
+def sub_clusters(images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device) -> torch.Tensor:
+    """Each image's sub-cluster within its class (run config class-clusters; all 0 for one
+    concept per class), from the public encoder shipped with the base model."""
+    if cfg.class_clusters == 1:
+        return torch.zeros_like(labels)
+    encoder = public_encoder(cfg.model, cfg.classifier_image_size, device)
+    return cluster_images(images, labels, cfg.class_clusters, encoder)
 
 
 def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int) -> dict:

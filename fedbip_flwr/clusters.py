@@ -99,6 +99,16 @@ def effective_clusters(labels: torch.Tensor, num_classes: int, clusters: int) ->
     return torch.bincount(labels.cpu().long(), minlength=num_classes).clamp(max=clusters)
 
 
+def condition_rows(counts: torch.Tensor, clusters: int, labels: torch.Tensor, seed: int) -> torch.Tensor:
+    """For each image a server makes without a per-image latent, the row of its conditioning
+    in a class-major (C J) table: one of its class's sub-clusters, uniformly. A class of n < J
+    private images has n sub-clusters (:func:`effective_clusters`); one without images only
+    its first, never learned, row."""
+    usable = counts.clamp(min=1, max=clusters)[labels]
+    chosen = (torch.rand(len(labels), generator=torch.Generator().manual_seed(seed)) * usable).long()
+    return labels * clusters + chosen
+
+
 def _cluster_class(points: np.ndarray, clusters: int, linkage: Linkage) -> torch.Tensor:
     # sklearn refuses a single point, and n <= J points have only one partition into n clusters.
     if len(points) <= clusters:

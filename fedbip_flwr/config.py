@@ -293,6 +293,14 @@ class FedBiPConfig(FlatConfig):
         description="Fewest vectors per V_y (one per token of the class name if more); "
         "0 = the dataset's (Table 5).",
     )
+    class_clusters: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Class concepts per class: >1 splits each class's images into this many "
+        "sub-clusters (a public encoder's features) and learns one V per sub-cluster (fedbip, "
+        "fedbip-mixture).",
+    )
     concept_space: Literal["token", "hidden"] = Field(
         "token",
         description="token = input token embeddings (paper); "

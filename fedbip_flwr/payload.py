@@ -43,6 +43,8 @@ DEFAULT_MAX_BYTES = int(FedBiPConfig.model_fields["max_payload_mb"].default * 2*
 CLIENT_ID_PATTERN = r"^\w[\w .-]{0,47}$"
 MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 100 MB
 TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
+# With class_clusters > 1, each z(T)'s sub-cluster: which of its class's concepts it is denoised with.
+CLUSTER_TENSOR = "latent_clusters"
 
 # Bytes per element of every dtype a payload may use; anything else is refused at the header.
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "I64": 8, "U8": 1}
@@ -119,6 +121,16 @@ class PayloadMeta(UploadMeta):
     base_model: str = Field(min_length=1)
     latent_shape: list[int] = Field(min_length=3, max_length=3)
     latent_dtype: Literal["float32", "float16"]
+    class_clusters: int = Field(1, ge=1)  # class concepts per class (run config class-clusters)
+
+    @property
+    def concept_names(self) -> list[str]:
+        """The class each row of V is a concept of: class-major, class_clusters rows each."""
+        return [name for name in self.class_names for _ in range(self.class_clusters)]
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """Exactly the tensors a payload with this metadata holds."""
+        return (*TENSOR_NAMES, CLUSTER_TENSOR) if self.class_clusters > 1 else TENSOR_NAMES
 
     @model_validator(mode="after")
     def _check_fields(self) -> PayloadMeta:
@@ -137,12 +149,20 @@ class Payload:
     latents: torch.Tensor  # z(T): (N, C, H, W), dtype per meta.latent_dtype
     labels: torch.Tensor  # (N,) int64 in [0, len(class_names))
     domain_concept: torch.Tensor  # S: (n_s, d) float32
-    class_concepts: torch.Tensor  # V: (len(class_names), n_v, d) float32
+    class_concepts: torch.Tensor  # V: (len(class_names) x class_clusters, n_v, d) float32
     meta: PayloadMeta
+    latent_clusters: torch.Tensor | None = None  # (N,) int64 in [0, class_clusters) when > 1
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The four tensors under their file names, in :data:`TENSOR_NAMES` order."""
-        return {name: getattr(self, name) for name in TENSOR_NAMES}
+        """The tensors under their file names (:meth:`PayloadMeta.tensor_names`)."""
+        return {name: getattr(self, name) for name in self.meta.tensor_names()}
+
+    @property
+    def concept_rows(self) -> torch.Tensor:
+        """(N,) the row of V each z(T) is denoised with: its label's, its sub-cluster's."""
+        if self.latent_clusters is None:
+            return self.labels
+        return self.labels * self.meta.class_clusters + self.latent_clusters
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,7 @@ class Expectations:
     phrase_tokens: Callable[[str], int] | None = None
     # What honest numbers look like under the server's model; None: structure checks only.
     plausibility: Plausibility | None = None
+    class_clusters: int = 1  # run config class-clusters: class concepts per class
 
     def concept_sizes(self, domain: str) -> tuple[int, list[int]]:
         """Vectors of S for ``domain`` and of each V_y, as the clients' prompt layout has them."""
@@ -364,9 +385,8 @@ def decode_payload(
 
     The cap is ``expect.max_bytes`` when expectations are given, else ``max_bytes``.
     """
-    tensors, metadata = read_tensors(
-        blob, TENSOR_NAMES, expect.max_bytes if expect is not None else max_bytes, "fedbip"
-    )
+    limit = expect.max_bytes if expect is not None else max_bytes
+    tensors, metadata = read_tensors(blob, _tensor_names, limit, "fedbip")
     meta = parse_meta(metadata)
     payload = Payload(**tensors, meta=meta)
     check_payload(payload)
@@ -375,10 +395,25 @@ def decode_payload(
     return payload
 
 
+def _tensor_names(metadata: dict[str, str]) -> tuple[str, ...]:
+    """The tensors a FedBiP payload must hold, as its metadata's class_clusters says (a bad
+    value is refused with its reason when the metadata is parsed)."""
+    try:
+        clusters = _meta_value(metadata, "class_clusters")
+    except PayloadError:
+        return TENSOR_NAMES
+    return (*TENSOR_NAMES, CLUSTER_TENSOR) if type(clusters) is int and clusters > 1 else TENSOR_NAMES
+
+
 def read_tensors(
-    blob: bytes, names: Collection[str], max_bytes: int, method: str
+    blob: bytes,
+    names: Collection[str] | Callable[[dict[str, str]], Collection[str]],
+    max_bytes: int,
+    method: str,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Any method's upload, untrusted: ``(tensors, metadata)`` or :class:`PayloadError`.
+
+    ``names``: the tensors it must hold, or a function of its metadata giving them.
 
     Size cap before parsing, our own header parse, the schema version and ``method`` (so an
     upload for another method says so), exactly ``names`` tiling the data with no gap or
@@ -392,6 +427,8 @@ def read_tensors(
     entries, metadata = read_header(blob)
     _check_schema_version(_meta_value(metadata, "schema_version"))
     _check_method(metadata, method)
+    if callable(names):
+        names = names(metadata)
     _check_layout(entries, len(blob) - 8 - _header_len(blob), tuple(names))
     tensors = _load_tensors(blob)
     for name, tensor in tensors.items():
@@ -620,6 +657,11 @@ def check_payload(p: Payload) -> None:
     """Check that tensors agree with the metadata and with each other; raise PayloadError."""
     meta = p.meta
     _check_schema_version(meta.schema_version)
+    if (p.latent_clusters is None) != (meta.class_clusters == 1):
+        raise PayloadError(
+            f"class_clusters is {meta.class_clusters}: latent_clusters must be "
+            + ("absent" if meta.class_clusters == 1 else "present (each z(T)'s sub-cluster)")
+        )
     for name, tensor in p.tensors().items():
         if not isinstance(tensor, torch.Tensor):
             raise PayloadError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -629,6 +671,8 @@ def check_payload(p: Payload) -> None:
         if not bool(torch.isfinite(getattr(p, name)).all()):
             raise PayloadError(f"{name} contain NaN or Inf")
     _check_labels(p.labels, len(meta.class_names))
+    if p.latent_clusters is not None:
+        _check_labels(p.latent_clusters, meta.class_clusters, "latent_clusters", "sub-clusters per class")
 
 
 def _check_dtypes(p: Payload) -> None:
@@ -639,7 +683,8 @@ def _check_dtypes(p: Payload) -> None:
             f"'{p.meta.latent_dtype}' (latents must be float32 or float16, as declared)"
         )
     wanted = {"labels": torch.int64, "domain_concept": torch.float32,
-              "class_concepts": torch.float32}
+              "class_concepts": torch.float32, CLUSTER_TENSOR: torch.int64}
+    wanted = {name: dtype for name, dtype in wanted.items() if name in p.meta.tensor_names()}
     for name, dtype in wanted.items():
         got = getattr(p, name).dtype
         if got != dtype:
@@ -653,15 +698,18 @@ def _check_shapes(p: Payload) -> None:
         "latents": (n, *meta.latent_shape),
         "labels": (n,),
         "domain_concept": (meta.n_s, d),
-        "class_concepts": (len(meta.class_names), meta.n_v, d),
+        "class_concepts": (len(meta.concept_names), meta.n_v, d),
+        CLUSTER_TENSOR: (n,),
     }
+    shapes = {name: shape for name, shape in shapes.items() if name in meta.tensor_names()}
     for name, want in shapes.items():
         got = tuple(getattr(p, name).shape)
         if got != want:
             raise PayloadError(
                 f"{name} has shape {list(got)}, expected {list(want)} from the metadata "
                 f"(num_examples={n}, latent_shape={meta.latent_shape}, n_s={meta.n_s}, "
-                f"n_v={meta.n_v}, {len(meta.class_names)} classes, concept dim {d})"
+                f"n_v={meta.n_v}, {len(meta.class_names)} classes x {meta.class_clusters} "
+                f"concepts each, concept dim {d})"
             )
 
 
@@ -674,13 +722,13 @@ def _concept_dim(p: Payload) -> int:
     return int(p.domain_concept.shape[1])
 
 
-def _check_labels(labels: torch.Tensor, num_classes: int) -> None:
+def _check_labels(
+    labels: torch.Tensor, num_classes: int, name: str = "labels", what: str = "one per class name"
+) -> None:
     low, high = int(labels.min()), int(labels.max())
     if low < 0 or high >= num_classes:
         bad = low if low < 0 else high
-        raise PayloadError(
-            f"labels must lie in [0, {num_classes}) (one per class name); found {bad}"
-        )
+        raise PayloadError(f"{name} must lie in [0, {num_classes}) ({what}); found {bad}")
 
 
 def check_expectations(p: Payload, expect: Expectations) -> None:
@@ -708,6 +756,8 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
          "one vector per token of its class name, at least n-v"),
         ("concept space", meta.concept_space, expect.concept_space,
          "clients and server must share run config concept-space"),
+        ("class_clusters", meta.class_clusters, expect.class_clusters,
+         "clients and server must share run config class-clusters"),
         ("class names", tuple(meta.class_names), tuple(expect.class_names),
          "labels index the class list, so order matters"),
         ("prompt template", meta.prompt_template, expect.prompt_template,
@@ -721,10 +771,11 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
             "(clients and server must share run config domains)"
         )
-    check_class_rows(p.class_concepts, n_v, expect.class_names)
+    lengths = [length for length in n_v for _ in range(meta.class_clusters)]
+    check_class_rows(p.class_concepts, lengths, meta.concept_names)
     if expect.plausibility is not None:
         check_latent_moments(p.latents, expect.timestep, expect.plausibility)
-        check_concept_scale(p, n_v, expect.plausibility)
+        check_concept_scale(p, lengths, expect.plausibility)
 
 
 def check_class_rows(
@@ -789,7 +840,7 @@ def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility)
         **{f"domain_concept[{j}] (S)": row for j, row in enumerate(p.domain_concept)},
         **{f"class_concepts[{y}][{j}] (V of {name!r})": rows[j]
            for y, (name, rows, length) in enumerate(
-               zip(p.meta.class_names, p.class_concepts, lengths, strict=True))
+               zip(p.meta.concept_names, p.class_concepts, lengths, strict=True))
            for j in range(min(length, len(rows)))},
     }  # fmt: skip
     rms = torch.stack(list(vectors.values())).double().pow(2).mean(-1).sqrt()

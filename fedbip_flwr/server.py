@@ -126,6 +126,7 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         domains=tuple(cfg.domain_list),
         phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
         plausibility=plausibility(cfg, ldm, timestep),
+        class_clusters=cfg.class_clusters,
     )
 
 

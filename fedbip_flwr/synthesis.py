@@ -217,7 +217,7 @@ def payload_layout(ldm: LDM, payload: Payload, settings: SynthesisSettings) -> P
         meta.n_s,
         settings.n_v,
         meta.domain,
-        meta.class_names,
+        meta.concept_names,
         warn=False,
     )
     if layout.n_s != meta.n_s:
@@ -225,19 +225,20 @@ def payload_layout(ldm: LDM, payload: Payload, settings: SynthesisSettings) -> P
             f"S of {meta.client_id} has {meta.n_s} vectors but its domain phrase "
             f"'{meta.domain}' is {layout.n_s} tokens: a concept starts from its whole phrase"
         )
-    check_class_rows(payload.class_concepts, layout.v_lengths.tolist(), meta.class_names)
+    check_class_rows(payload.class_concepts, layout.v_lengths.tolist(), meta.concept_names)
     return layout
 
 
 def pass_conditioning(
     ldm: LDM, payload: Payload, settings: SynthesisSettings, eta: torch.Tensor
 ) -> torch.Tensor:
-    """tau(S + scale * eta, V_y) for every class y: (C, L, d), one pass's prompt embeddings."""
+    """tau(S + scale * eta, V) for every row of V (a class's, or with class-clusters a
+    sub-cluster's, class-major): (C x class_clusters, L, d), one pass's prompt embeddings."""
     meta = payload.meta
     layout = payload_layout(ldm, payload, settings)
     s_hat = payload.domain_concept + concept_scale(ldm, meta.concept_space) * eta
-    classes = torch.arange(len(meta.class_names))
-    return encode_prompts(ldm, layout, meta.concept_space, s_hat, payload.class_concepts, classes)
+    rows = torch.arange(len(meta.concept_names))
+    return encode_prompts(ldm, layout, meta.concept_space, s_hat, payload.class_concepts, rows)
 
 
 def synthesize_pass(
@@ -262,11 +263,12 @@ def iter_pass(
 
     The server writes each batch to its shard as it comes, so a pass is never whole in memory.
     """
-    cond_per_class = pass_conditioning(ldm, payload, settings, eta)
+    cond_per_row = pass_conditioning(ldm, payload, settings, eta)
     uncond = unconditional_embedding(ldm)
     sampler = settings.sampler(ldm)
+    rows = payload.concept_rows
     for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
-        cond = cond_per_class[payload.labels[batch].to(cond_per_class.device)]
+        cond = cond_per_row[rows[batch].to(cond_per_row.device)]
         z0 = denoise(
             ldm,
             payload.latents[batch].float(),
@@ -325,9 +327,11 @@ def iter_from_noise(
     labels: torch.Tensor,
     settings: SynthesisSettings,
     generator: torch.Generator,
+    conditions: torch.Tensor | None = None,
 ) -> Iterator[torch.Tensor]:
     """Images (batches in [-1, 1], float32, CPU) from fresh Gaussian noise over the full
-    schedule, guided toward each label's conditioning ``cond_per_class[label]`` (C, L, d).
+    schedule, guided toward each label's conditioning ``cond_per_class[label]`` (C, L, d), or
+    toward row ``conditions[i]`` when given.
 
     How every method without uploaded latents samples (Prompts-only, OSCAR's per-class caption
     embeddings). The noise comes from ``generator`` batch by batch, so the images do not
@@ -337,7 +341,7 @@ def iter_from_noise(
     first = settings.sampler(ldm).first_timestep()
     yield from iter_denoised(
         ldm, cond_per_class, labels, settings, first,
-        lambda batch: torch.randn((len(batch), *shape), generator=generator),
+        lambda batch: torch.randn((len(batch), *shape), generator=generator), conditions,
     )  # fmt: skip
 
 

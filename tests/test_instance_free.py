@@ -159,16 +159,15 @@ def test_espresso_learns_one_condition_per_sub_cluster_and_leaves_the_rest_at_th
     assert sum(metrics["sub-cluster-sizes"]) == upload.meta.num_examples
 
 
-def test_espresso_draws_a_condition_of_the_images_class_among_its_learned_ones():
-    from fedbip_flwr.methods.espresso import EspressoUpload, condition_rows
+def test_a_server_draws_a_condition_of_the_images_class_among_its_learned_ones():
+    from fedbip_flwr.clusters import condition_rows
 
-    content = EspressoUpload(torch.zeros(3, 4, 2, 2), None, torch.tensor([1, 9, 0]))
-    labels = torch.arange(3).repeat_interleave(400)
-    rows = condition_rows(content, labels, seed=0)
+    counts, labels = torch.tensor([1, 9, 0]), torch.arange(3).repeat_interleave(400)
+    rows = condition_rows(counts, 4, labels, seed=0)
     assert torch.equal(rows // 4, labels)
     chosen = [sorted((rows[labels == c] % 4).unique().tolist()) for c in range(3)]
     assert chosen == [[0], [0, 1, 2, 3], [0]]
-    assert torch.equal(rows, condition_rows(content, labels, seed=0))
+    assert torch.equal(rows, condition_rows(counts, 4, labels, seed=0))
 
 
 def test_espresso_refuses_conditions_beyond_their_learnings_reach_and_another_cluster_count(tiny_ldm):

@@ -48,7 +48,7 @@ def test_the_run_config_accepts_exactly_the_registered_methods():
     for name in methods.names():
         assert FedBiPConfig.from_flat({"method": name}).method == name
     assert isinstance(create("fedavg"), methods.MultiRound)
-    with pytest.raises(ConfigError, match="unknown method 'nope'; the registry knows central, fedavg"):
+    with pytest.raises(ConfigError, match="unknown method 'nope'; the registry knows central, espresso, fedavg"):
         FedBiPConfig.from_flat({"method": "nope"})
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         create("nope")

@@ -349,18 +349,21 @@ def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
 def fresh_noise_set(
     server: ServerJob,
     stream: str,
-    cond_per_class: torch.Tensor,
+    cond_table: torch.Tensor,
     labels: torch.Tensor,
     path: Path,
+    conditions: torch.Tensor | None = None,
 ) -> Path:
-    """A training shard sampled from fresh noise toward per-class conditioning
-    (:func:`fedbip_flwr.synthesis.iter_from_noise`); the noise is seeded by the server's seed
-    and ``stream`` (a client id, or a client's pass), so every shard has noise of its own."""
+    """A training shard sampled from fresh noise toward row ``conditions[i]`` of
+    ``cond_table`` (default: the label's row; :func:`fedbip_flwr.synthesis.iter_from_noise`);
+    the noise is seeded by the server's seed and ``stream`` (a client id, or a client's pass),
+    so every shard has noise of its own."""
     settings = SynthesisSettings.from_config(server.cfg)
     seed = client_seed(server.cfg.seed, stream)
-    key = unit_key((seed, *settings.sampling_knobs()), cond_per_class, labels)
+    extra = () if conditions is None else (conditions,)
+    key = unit_key((seed, *settings.sampling_knobs()), cond_table, labels, *extra)
     batches = functools.partial(
-        iter_from_noise, server.ldm(), cond_per_class, labels, settings, torch.Generator().manual_seed(seed)
+        iter_from_noise, server.ldm(), cond_table, labels, settings, torch.Generator().manual_seed(seed), conditions
     )
     return keyed_shard(path, key, labels, batches)
 

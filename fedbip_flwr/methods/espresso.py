@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from ..clusters import cluster_images, public_encoder
+from ..clusters import cluster_images, condition_rows, public_encoder
 from ..concepts import concept_scale
 from ..conditions import SPACE, initial_conditions, learn_conditions
 from ..instance import personalize_instances
@@ -181,21 +181,12 @@ class Espresso(Method):
         for client_id, upload in sorted(uploads.items()):
             content: EspressoUpload = upload.content
             labels = fresh_noise_labels(content.counts, server.cfg)
-            rows = condition_rows(content, labels, client_seed(server.cfg.seed, f"{client_id}/conditions"))
+            clusters = content.conditions.shape[1]
+            rows = condition_rows(content.counts, clusters, labels, client_seed(server.cfg.seed, f"{client_id}/conditions"))
             table = content.conditions.reshape(-1, *content.conditions.shape[2:])
             out[client_id] = [mixture_set(server, client_id, table, labels, content.mixture, upload.meta.timestep,
                                           shard_path(client_id, 0), rows, self.settings.zigzag())]  # fmt: skip
         return out
-
-
-def condition_rows(content: EspressoUpload, labels: torch.Tensor, seed: int) -> torch.Tensor:
-    """For each image to make, the row of its condition in the (C J, L, d) table: one of its
-    class's sub-clusters, uniformly (a class of n < J images has n; one without images its
-    unlearned plain-prompt condition)."""
-    clusters = content.conditions.shape[1]
-    usable = content.counts.clamp(min=1, max=clusters)[labels]
-    chosen = (torch.rand(len(labels), generator=torch.Generator().manual_seed(seed)) * usable).long()
-    return labels * clusters + chosen
 
 
 def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -> torch.Tensor:

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..client import personalize
-from ..payload import TENSOR_NAMES, Payload, PayloadMeta, decode_payload, encode_payload
+from ..payload import (
+    CLUSTER_TENSOR,
+    TENSOR_NAMES,
+    Payload,
+    PayloadMeta,
+    decode_payload,
+    encode_payload,
+)
 from ..seeds import client_seed
 from ..server import (
     WorkUnit,
@@ -46,6 +53,10 @@ class FedBiP(Method):
             "concept-drift-s": report.concept_drift["s"],
             "concept-drift-v": report.concept_drift["v"],
         }
+
+    def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
+        """With class-clusters > 1, each z(T)'s sub-cluster too."""
+        return (*TENSOR_NAMES, CLUSTER_TENSOR) if server.cfg.class_clusters > 1 else TENSOR_NAMES
 
     def audit(self, blob: bytes, max_bytes: int) -> Upload:
         """The full payload contract that needs no model: schema, shapes, dtypes, labels."""
@@ -104,6 +115,7 @@ def concept_only_unit(
         server, f"{unit.client_id}/pass{unit.index}",
         pass_conditioning(server.ldm(), payload, settings, eta),
         payload.labels, shard_path(unit.client_id, unit.index),
+        None if payload.latent_clusters is None else payload.concept_rows,
     )  # fmt: skip
 
 

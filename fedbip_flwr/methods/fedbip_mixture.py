@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 
 from ..client import personalize
+from ..clusters import condition_rows
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import Payload, PayloadMeta, check_concept_scale, check_expectations
 from ..seeds import client_seed
@@ -59,6 +60,7 @@ class FedBiPMixtureMeta(MixtureMeta):
     n_v: int = Field(ge=1)
     concept_space: Literal["token", "hidden"]
     prompt_template: str
+    class_clusters: int = Field(ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,7 @@ class FedBiPMixture(Method):
         meta = FedBiPMixtureMeta(
             **mixture_meta(job, ldm, payload.meta.timestep, own.components),
             n_s=payload.meta.n_s, n_v=payload.meta.n_v, concept_space=payload.meta.concept_space,
-            prompt_template=payload.meta.prompt_template,
+            prompt_template=payload.meta.prompt_template, class_clusters=payload.meta.class_clusters,
         )  # fmt: skip
         tensors = {
             "class_counts": class_counts(data.labels, len(data.classes)),
@@ -131,9 +133,11 @@ class FedBiPMixture(Method):
         settings = SynthesisSettings.from_config(server.cfg)
         eta = draw_etas(content.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
         cond = pass_conditioning(server.ldm(), content.concepts, settings, eta)
-        stream = f"{unit.client_id}/pass{unit.index}"
-        return [mixture_set(server, stream, cond, pass_labels(content, server), content.mixture,
-                            content.concepts.meta.timestep, shard_path(unit.client_id, unit.index))]  # fmt: skip
+        stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, server)
+        clusters = content.concepts.meta.class_clusters
+        rows = None if clusters == 1 else condition_rows(content.counts, clusters, labels, client_seed(server.cfg.seed, stream))
+        return [mixture_set(server, stream, cond, labels, content.mixture, content.concepts.meta.timestep,
+                            shard_path(unit.client_id, unit.index), rows)]  # fmt: skip
 
 
 def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
@@ -150,14 +154,16 @@ def concept_payload(upload: Upload, server: ServerJob) -> Payload:
     d, classes = ldm.concept_dim, len(meta.class_names)
     concepts = {
         "domain_concept": check_tensor(upload, "domain_concept", torch.float32, (meta.n_s, d)),
-        "class_concepts": check_tensor(upload, "class_concepts", torch.float32, (classes, meta.n_v, d)),
+        "class_concepts": check_tensor(upload, "class_concepts", torch.float32,
+                                       (classes * meta.class_clusters, meta.n_v, d)),
     }
     fields = meta.model_dump(include=set(PayloadMeta.model_fields) - {"method"})
     fields["num_examples"] = meta.num_examples * server.cfg.latents_per_image  # as FedBiP's z(T) rows
     payload = Payload(
         latents=torch.empty(0, *meta.latent_shape), labels=torch.empty(0, dtype=torch.int64),
         meta=PayloadMeta(**fields, latent_dtype="float32"), **concepts,
+        latent_clusters=torch.empty(0, dtype=torch.int64) if meta.class_clusters > 1 else None,
     )  # fmt: skip
     check_expectations(payload, dataclasses.replace(expect, plausibility=None))
-    check_concept_scale(payload, n_v, expect.plausibility)
+    check_concept_scale(payload, [n for n in n_v for _ in range(meta.class_clusters)], expect.plausibility)
     return payload
