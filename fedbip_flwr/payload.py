@@ -735,21 +735,10 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     """Refuse a valid payload that does not fit this server's base model and run config."""
     meta = p.meta
     n_s, n_v = expect.concept_sizes(meta.domain)
-    checks: list[tuple[str, Any, Any, str]] = [
-        ("base model fingerprint", meta.base_model, expect.base_model,
-         "client and server must load the same LDM"),
-        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
-         "clients must encode images at the server's image size with the same VAE"),
+    checks: list[Check] = [
+        *sampling_checks(meta, expect),
         ("concept dimension", _concept_dim(p), expect.concept_dim,
          "concepts must come from the server's text encoder"),
-        ("scheduler", meta.scheduler, expect.scheduler,
-         "z(T) only matches the sampler it was noised for: clients and server must share "
-         "run config scheduler"),
-        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
-         "clients and server must share run config num-inference-steps"),
-        ("timestep", meta.timestep, expect.timestep,
-         "z(T) must be noised to the first timestep the server denoises from: clients and "
-         "server must share run config num-inference-steps, timestep-spacing and start-timestep"),
         ("n_s", meta.n_s, n_s, "clients and server must share run config n-s; S has one "
          "vector per token of the domain phrase, at least n-s"),
         ("n_v", meta.n_v, max(n_v), "clients and server must share run config n-v; V_y has "
@@ -763,9 +752,7 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
         ("prompt template", meta.prompt_template, expect.prompt_template,
          "concepts were learned in this exact prompt"),
     ]
-    for label, got, want, why in checks:
-        if got != want:
-            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
+    refuse_mismatch(checks)
     if expect.domains and meta.domain not in expect.domains:
         raise PayloadError(
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
@@ -776,6 +763,37 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     if expect.plausibility is not None:
         check_latent_moments(p.latents, expect.timestep, expect.plausibility)
         check_concept_scale(p, lengths, expect.plausibility)
+
+
+# (what, the upload's value, the server's, why they must agree)
+Check = tuple[str, Any, Any, str]
+
+
+def sampling_checks(meta: Any, expect: Expectations) -> list[Check]:
+    """What every upload of z(T), or of a distribution over z(T), must share with the server:
+    the LDM, the latent shape and the sampler and its first timestep. ``meta`` has the fields
+    ``base_model``, ``latent_shape``, ``scheduler``, ``num_inference_steps`` and ``timestep``."""
+    return [
+        ("base model fingerprint", meta.base_model, expect.base_model,
+         "client and server must load the same LDM"),
+        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
+         "clients must encode images at the server's image size with the same VAE"),
+        ("scheduler", meta.scheduler, expect.scheduler,
+         "z(T) only matches the sampler it was noised for: clients and server must share "
+         "run config scheduler"),
+        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
+         "clients and server must share run config num-inference-steps"),
+        ("timestep", meta.timestep, expect.timestep,
+         "z(T) must be noised to the first timestep the server denoises from: clients and "
+         "server must share run config num-inference-steps, timestep-spacing and start-timestep"),
+    ]  # fmt: skip
+
+
+def refuse_mismatch(checks: Sequence[Check]) -> None:
+    """:class:`PayloadError` naming the first value that is not the server's, and why."""
+    for label, got, want, why in checks:
+        if got != want:
+            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
 
 
 def check_class_rows(

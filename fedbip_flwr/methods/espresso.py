@@ -42,6 +42,7 @@ from ..instance import personalize_instances
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import ROUNDING, PayloadError, adam_step_bound
 from ..seeds import client_seed
+from ..server import expectations
 from ..synthesis import ZSampling
 from .base import (
     ClientJob,
@@ -170,7 +171,8 @@ class Espresso(Method):
         if meta.prompt_template != server.cfg.prompt_template:
             raise PayloadError(f"prompt template {meta.prompt_template!r} does not match the server's "
                                f"{server.cfg.prompt_template!r} (conditions start from its plain prompt)")  # fmt: skip
-        mixture = check_mixture_upload(upload, server, own.components)
+        expect = expectations(server.cfg, server.ldm(), server.class_names)
+        mixture = check_mixture_upload(upload, server, own.components, expect)
         conditions = check_conditions(upload, server, own)
         return dataclasses.replace(upload, content=EspressoUpload(conditions, mixture, upload.tensors["class_counts"]))
 

@@ -28,7 +28,7 @@ from pydantic import Field
 from ..client import personalize
 from ..clusters import condition_rows
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
-from ..payload import Payload, PayloadMeta, check_concept_scale, check_expectations
+from ..payload import Expectations, Payload, PayloadMeta, check_concept_scale, check_expectations
 from ..seeds import client_seed
 from ..server import WorkUnit, expectations
 from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
@@ -108,8 +108,9 @@ class FedBiPMixture(Method):
         }
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        mixture = check_mixture_upload(upload, server, self.settings.components)
-        concepts = concept_payload(upload, server)
+        expect = expectations(server.cfg, server.ldm(), server.class_names)
+        mixture = check_mixture_upload(upload, server, self.settings.components, expect)
+        concepts = concept_payload(upload, server, expect)
         return dataclasses.replace(upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"]))
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
@@ -146,10 +147,9 @@ def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(per_class)), per_class)
 
 
-def concept_payload(upload: Upload, server: ServerJob) -> Payload:
-    """S and V checked by FedBiP's concept contract, as a payload without latents."""
+def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> Payload:
+    """S and V checked by FedBiP's concept contract (``expect``), as a payload without latents."""
     meta, ldm = upload.meta, server.ldm()
-    expect = expectations(server.cfg, ldm, server.class_names)
     n_s, n_v = expect.concept_sizes(meta.domain)
     d, classes = ldm.concept_dim, len(meta.class_names)
     concepts = {

@@ -37,7 +37,15 @@ from ..dp import dp_gaussian_estimate
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, draw, fit_mixture, from_tensors
-from ..payload import LATENT_RMS, PayloadError, UploadMeta, check_latent_moments
+from ..payload import (
+    LATENT_RMS,
+    Expectations,
+    PayloadError,
+    UploadMeta,
+    check_latent_moments,
+    refuse_mismatch,
+    sampling_checks,
+)
 from ..seeds import client_seed
 from ..server import expectations
 from ..synthesis import SynthesisSettings, encode_texts
@@ -136,25 +144,15 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
     return SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
 
 
-def check_mixture_upload(upload: Upload, server: ServerJob, components: int) -> LatentMixture:
+def check_mixture_upload(upload: Upload, server: ServerJob, components: int, expect: Expectations) -> LatentMixture:
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
-    run config, and for plausibility: draws from every held class must look like z(T) at T."""
-    meta, ldm = upload.meta, server.ldm()
-    expect = expectations(server.cfg, ldm, server.class_names)
-    fields = [
-        ("base model fingerprint", meta.base_model, expect.base_model, "client and server must load the same LDM"),
-        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
-         "clients must encode images at the server's image size with the same VAE"),
-        ("scheduler", meta.scheduler, expect.scheduler, "clients and server must share run config scheduler"),
-        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
-         "clients and server must share run config num-inference-steps"),
-        ("timestep", meta.timestep, expect.timestep, "the mixture must be fitted to z(T) at the first "
-         "timestep the server denoises from (run config num-inference-steps, timestep-spacing, start-timestep)"),
+    run config (``expect``, :func:`fedbip_flwr.server.expectations`), and for plausibility:
+    draws from every held class must look like z(T) at T."""
+    meta = upload.meta
+    refuse_mismatch([
+        *sampling_checks(meta, expect),
         ("components", meta.components, components, "clients and server must share the method's components"),
-    ]  # fmt: skip
-    for label, got, want, why in fields:
-        if got != want:
-            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
+    ])  # fmt: skip
     counts = check_class_counts(upload)
     try:
         mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
@@ -202,7 +200,8 @@ class FedLD(Method):
         return encode_upload(FedLDMeta(**meta), tensors), mixture_metrics(mixture, len(z_t))
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        mixture = check_mixture_upload(upload, server, self.settings.components)
+        expect = expectations(server.cfg, server.ldm(), server.class_names)
+        mixture = check_mixture_upload(upload, server, self.settings.components, expect)
         return dataclasses.replace(upload, content=mixture)
 
     def train_set(
