@@ -5,7 +5,7 @@ rounds (FedAvg's: ``train`` carries the global weights) go to its own hooks.
 Thin over the library. Who this node is and where its data lives come from its own node config
 (:class:`fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase and
 client id there; a simulated node gets a partition id. Its randomness never comes from anything
-the server sets (:func:`fedbip_flwr.client.client_generator`). An exception here becomes a Flower
+the server sets (:func:`fedbip_flwr.seeds.client_generator`). An exception here becomes a Flower
 error reply whose reason the server records.
 """
 

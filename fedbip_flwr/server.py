@@ -2,7 +2,7 @@
 
 Plain library code over a run folder; the Flower strategy only collects the replies and hands
 each to the run's method (:mod:`fedbip_flwr.methods`), whose training set is written as shards
-(:func:`keyed_shard`; FedBiP's by :func:`synthesize_all`), then :func:`train_global` and, where
+(:func:`keyed_shard`), then :func:`train_global` and, where
 the server holds test data, :func:`evaluate_on_server`.
 Everything accepted is on disk before any heavy work, synthesis is written in shards (one per
 client and pass), and a restart over the same folder resumes from what is there.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import hashlib
 import itertools
 import logging
 import time
@@ -38,10 +37,9 @@ from .classifier import (
 from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
 from .ldm import LDM
-from .payload import Expectations, Payload, Plausibility, adam_step_bound
-from .seeds import client_seed
+from .payload import Expectations, Plausibility, adam_step_bound
 from .storage import read_metadata, write_tensors_streamed
-from .synthesis import SynthesisSettings, draw_etas, iter_pass
+from .synthesis import SynthesisSettings
 from .viz import image_grid, quantize
 
 log = logging.getLogger(__name__)
@@ -156,24 +154,6 @@ def concept_init_rms(ldm: LDM, space: str) -> float:
     return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())
 
 
-def payload_digest(payload: Payload) -> str:
-    """sha256 over a payload's metadata and tensors: what its shards are made from."""
-    digest = hashlib.sha256(payload.meta.model_dump_json().encode())
-    for tensor in payload.tensors().values():
-        digest.update(tensor.contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) -> str:
-    """Digest of everything a shard's pixels depend on, stored in the shard.
-
-    A restart reuses a shard only under the same key, so resuming with a changed seed or
-    synthesis setting recomputes instead of silently mixing two configurations.
-    """
-    knobs = repr((payload_sha, *settings.sampling_knobs())).encode()
-    return hashlib.sha256(knobs + eta.contiguous().numpy().tobytes()).hexdigest()
-
-
 @dataclass(frozen=True)
 class WorkUnit:
     """One piece of a run's training set that any process can make on its own.
@@ -185,59 +165,6 @@ class WorkUnit:
     client_id: str
     index: int  # FedBiP: the pass; 0 where one unit is a client's whole training set
     images: int  # how many images it writes: what a split over processes balances
-
-
-def synthesis_units(payloads: Mapping[str, Payload], multiplier: int) -> list[WorkUnit]:
-    """FedBiP's work: one unit per (client, pass), clients in name order, passes in order."""
-    return [
-        WorkUnit(client_id, index, len(payload.labels))
-        for client_id, payload in sorted(payloads.items())
-        for index in range(multiplier)
-    ]
-
-
-def synthesize_all(
-    ldm: LDM,
-    payloads: Mapping[str, Payload],
-    cfg: FedBiPConfig,
-    shard_path: Callable[[str, int], Path],
-) -> dict[str, list[Path]]:
-    """FedBiP's synthetic shards per client, in pass order; shards on disk are reused.
-
-    Each shard holds one pass over a client's z(T) as uint8 (what a PNG holds), written batch by
-    batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
-    reads the shards back (:class:`ShardImages`), so a resumed run trains on exactly the bytes
-    an uninterrupted one would. Every shard depends only on its own payload, pass and seed,
-    never on which shards were made before it, which is what lets `fedbip synthesize` make
-    them in other processes (:func:`synthesis_units`).
-    """
-    units = synthesis_units(payloads, cfg.multiplier)
-    out: dict[str, list[Path]] = {}
-    with tqdm(total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5) as bar:
-        for unit in units:
-            path = synthesize_unit(ldm, payloads[unit.client_id], cfg, unit, shard_path, bar.update)
-            out.setdefault(unit.client_id, []).append(path)
-    return out
-
-
-def synthesize_unit(
-    ldm: LDM,
-    payload: Payload,
-    cfg: FedBiPConfig,
-    unit: WorkUnit,
-    shard_path: Callable[[str, int], Path],
-    on_images: Callable[[int], None] | None = None,
-) -> Path:
-    """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
-    settings = SynthesisSettings.from_config(cfg)
-    eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
-    return keyed_shard(
-        shard_path(unit.client_id, unit.index),
-        shard_key(payload_digest(payload), settings, eta),
-        payload.labels,
-        functools.partial(iter_pass, ldm, payload, settings, eta, on_images),
-        on_reuse=on_images,
-    )
 
 
 class ShardPending(Exception):
@@ -318,8 +245,8 @@ def train_global(
 ) -> tuple[nn.Module, dict]:
     """Train ResNet-18 on the pooled synthetic set (eq. 6), save it; (model, training facts).
 
-    ``synthetic`` is :func:`synthesize_all`'s shards per client: they are read a batch at a
-    time, so memory does not grow with the synthetic set. ``distillation`` (the method's
+    ``synthetic`` is a method's shards per client (its ``train_set``): they are read a batch
+    at a time, so memory does not grow with the synthetic set. ``distillation`` (the method's
     :meth:`~fedbip_flwr.methods.base.Method.teacher`) adds soft targets to the same recipe.
     """
     data = synthetic_dataset(synthetic, cfg.classifier_image_size)

@@ -41,11 +41,11 @@ def child(args: argparse.Namespace) -> None:
     from flwr.common.config import flatten_dict
 
     from fedbip_flwr import shapes
-    from fedbip_flwr.client import personalize
     from fedbip_flwr.config import FedBiPConfig
     from fedbip_flwr.ldm import load_ldm
+    from fedbip_flwr.methods.fedbip import personalize, synthesize_all
     from fedbip_flwr.seeds import client_seed
-    from fedbip_flwr.server import RunFolder, synthesize_all, train_global
+    from fedbip_flwr.server import RunFolder, train_global
 
     try:
         import tomllib

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.synthesis import SynthesisSettings, synthesize_client
 from fedbip_flwr.viz import image_grid
 

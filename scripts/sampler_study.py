@@ -14,7 +14,7 @@ library's own code, and measures
   scored on every domain's test set (:func:`fedbip_flwr.server.evaluate_models`).
 
 Concepts are learned once per client and seed. Each client runs
-:func:`fedbip_flwr.client.personalize` once with the default config (PNDM, 25 steps); then, for
+:func:`fedbip_flwr.methods.fedbip.personalize` once with the default config (PNDM, 25 steps); then, for
 every setting, only the instance level is redone: :func:`fedbip_flwr.instance.personalize_instances`
 noises the same images to that sampler's first timestep T from a generator seeded as the
 client's own (``client_seed(seed, client_id)``, what ``client_generator`` draws under
@@ -28,7 +28,7 @@ own under another setting only in that range's end (T = 961 at the default, 801 
 grid's other settings: the shared concepts saw a slightly wider range), which is what makes a
 grid of 20 settings cost 3 concept trainings instead of 60.
 
-FedBiP's training set is the server's :func:`fedbip_flwr.server.synthesize_all` (the images
+FedBiP's training set is the server's :func:`fedbip_flwr.methods.fedbip.synthesize_all` (the images
 ``synthesize_client`` makes with seed ``client_seed(seed, client_id)``); Prompts-only's
 is its method's ``train_set`` ("a {domain} of a {class}" from fresh noise, as many images per
 client as FedBiP makes: images x latents-per-image x multiplier). Both are read back as the
@@ -65,13 +65,13 @@ from tqdm.auto import tqdm
 
 from fedbip_flwr import dataset, methods
 from fedbip_flwr.classifier import ShardImages, fit_to_classifier
-from fedbip_flwr.client import LATENT_DTYPES, personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.instance import personalize_instances
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import ClientJob, ServerJob, Upload
+from fedbip_flwr.methods.fedbip import LATENT_DTYPES, personalize
 from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.sampler import SchedulerName
 from fedbip_flwr.seeds import client_seed

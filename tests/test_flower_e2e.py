@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 
 from fedbip_flwr import results, shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import load_ldm
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.results import Scored
 from fedbip_flwr.seeds import client_generator
 from fedbip_tools.simulation import (

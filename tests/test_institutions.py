@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from fedbip_flwr import dataset, shapes
-from fedbip_flwr.client import kept_classifier_path, personalize
+from fedbip_flwr.client import kept_classifier_path
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.methods import ServerJob, create
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.seeds import client_generator

@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from fedbip_flwr import methods, shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.distributed import (
     RunSynthesis,
@@ -37,8 +36,9 @@ from fedbip_flwr.distributed import (
 )
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import ServerJob
+from fedbip_flwr.methods.fedbip import personalize, synthesize_all
 from fedbip_flwr.payload import encode_payload
-from fedbip_flwr.server import RunFolder, WorkUnit, synthesize_all
+from fedbip_flwr.server import RunFolder, WorkUnit
 from fedbip_flwr.storage import atomic_write, read_small_tensor, write_json
 from fedbip_tools import cli
 from tests.helpers import (

@@ -1,6 +1,6 @@
 """Statistically implausible uploads are refused, with a reason; honest ones never are.
 
-Honest payloads come from the real client code (:func:`fedbip_flwr.client.personalize`) on the
+Honest payloads come from the real client code (:func:`fedbip_flwr.methods.fedbip.personalize`) on the
 tiny test model and are checked against the server's own expectations
 (:func:`fedbip_flwr.server.expectations`), exactly as ``FedBiP.accept`` checks an upload.
 The bounds themselves are in docs/payload.md, "Plausibility".
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.methods.base import ServerJob
-from fedbip_flwr.methods.fedbip import FedBiP
+from fedbip_flwr.methods.fedbip import FedBiP, personalize
 from fedbip_flwr.payload import (
     LATENT_RMS,
     Payload,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.instance import encode_images, pick_partners, sample_gammas
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import Payload
 from fedbip_flwr.seeds import client_generator, client_seed
 

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import torch
 
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.server import RunFolder, synthesize_all, train_global
+from fedbip_flwr.methods.fedbip import personalize, synthesize_all
+from fedbip_flwr.server import RunFolder, train_global
 from fedbip_flwr.storage import write_tensors
 from fedbip_flwr.viz import quantize
 from tests.helpers import (

@@ -10,10 +10,10 @@ import pytest
 import torch
 from diffusers import PNDMScheduler
 
-from fedbip_flwr.client import personalize
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import forward_noise
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import PayloadError, decode_payload, encode_payload
 from fedbip_flwr.sampler import Sampler, SchedulerName
 from fedbip_flwr.server import expectations

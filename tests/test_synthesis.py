@@ -9,10 +9,10 @@ import torch
 from diffusers import PNDMScheduler
 
 from fedbip_flwr import ldm as ldm_module
-from fedbip_flwr.client import personalize
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.synthesis import (
     SynthesisSettings,

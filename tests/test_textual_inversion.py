@@ -17,10 +17,10 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from fedbip_flwr import shapes
-from fedbip_flwr.client import personalize
 from fedbip_flwr.concepts import encode_prompts, prompt_layout
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import Payload
 from fedbip_flwr.textual_inversion import (
     ExportError,

@@ -1,20 +1,34 @@
 """FedBiP (this paper): z(T) of interpolated latents plus learned concepts S and V, uploaded
 once; the server denoises every z(T) m times with the client's concepts.
 
-The steps themselves are :mod:`fedbip_flwr.instance` (z(T)), :mod:`fedbip_flwr.concepts`
-(S, V), :mod:`fedbip_flwr.payload` (the upload's contract) and :mod:`fedbip_flwr.synthesis`
-(eq. 5); this module only plugs them into the method shape.
+The client step (:func:`personalize`, Algorithm 1's ClientUpdate) and the server's work units
+and shards (:func:`synthesize_all`) are here; the building blocks they use are named for the
+step they implement: :mod:`fedbip_flwr.instance` (z(T)), :mod:`fedbip_flwr.concepts` (S, V),
+:mod:`fedbip_flwr.payload` (the upload's contract) and :mod:`fedbip_flwr.synthesis` (eq. 5).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..client import personalize
+import torch
+from tqdm.auto import tqdm
+
+from ..clusters import cluster_images, public_encoder
+from ..concepts import learn_concepts, prompt_layout
+from ..config import FedBiPConfig
+from ..instance import personalize_instances
+from ..ldm import LDM
 from ..payload import (
     CLUSTER_TENSOR,
+    SCHEMA_VERSION,
     TENSOR_NAMES,
     Payload,
     PayloadMeta,
@@ -22,15 +36,133 @@ from ..payload import (
     encode_payload,
 )
 from ..seeds import client_seed
-from ..server import (
-    WorkUnit,
-    expectations,
-    synthesis_units,
-    synthesize_all,
-    synthesize_unit,
-)
-from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
+from ..server import WorkUnit, expectations, keyed_shard
+from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
 from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
+
+log = logging.getLogger(__name__)
+
+LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class ClientReport:
+    """What the client tells the server besides the payload (timings, loss curve)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    concept_losses: list[float] = field(default_factory=list)
+    concept_drift: dict[str, float] = field(default_factory=dict)  # ||S-S0||/||S0||, mean for V
+
+
+# --- the client step ---------------------------------------------------------------------------
+
+
+def personalize(
+    ldm: LDM,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    class_names: list[str],
+    domain: str,
+    client_id: str,
+    cfg: FedBiPConfig,
+    generator: torch.Generator,
+) -> tuple[Payload, ClientReport]:
+    """Instance level (z(T)) then concept level (S, V); returns the payload to upload once.
+
+    ``generator`` is all the randomness used: see :func:`fedbip_flwr.seeds.client_generator` for where it must
+    come from to keep z(T) private.
+    """
+    report = ClientReport()
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
+    timestep = sampler.first_timestep(cfg.start_timestep)
+
+    started = time.perf_counter()
+    instances = personalize_instances(
+        ldm.vae,
+        ldm.scheduler,
+        images,
+        labels,
+        timestep,
+        gamma_mean=cfg.gamma_mean,
+        gamma_std=cfg.gamma_std,
+        generator=generator,
+        vae_batch_size=cfg.vae_batch_size,
+        draws=cfg.latents_per_image,
+    )
+    report.seconds["instance"] = time.perf_counter() - started
+
+    started = time.perf_counter()
+    clusters = cfg.class_clusters
+    sub = sub_clusters(images, labels, cfg, ldm.device)
+    concept_names = [name for name in class_names for _ in range(clusters)]
+    layout = prompt_layout(
+        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
+    )
+
+    def on_epoch(epoch: int, loss: float) -> None:
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update()
+        log.info("[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss)
+
+    with tqdm(total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch",
+              mininterval=5) as bar:
+        concepts = learn_concepts(
+            ldm,
+            layout,
+            cfg.concept_space,
+            instances.z0,
+            instances.labels * clusters + sub,
+            timestep,
+            epochs=cfg.concept_epochs,
+            batch_size=cfg.concept_batch_size,
+            lr=cfg.concept_lr,
+            generator=generator,
+            on_epoch=on_epoch,
+        )
+    report.seconds["concept"] = time.perf_counter() - started
+    report.concept_losses = concepts.losses
+    report.concept_drift = {"s": concepts.domain_drift, "v": concepts.class_drift}
+
+    meta = PayloadMeta(
+        schema_version=SCHEMA_VERSION,
+        client_id=client_id,
+        domain=domain,
+        timestep=timestep,
+        scheduler=sampler.name,
+        num_inference_steps=cfg.num_inference_steps,
+        n_s=layout.n_s,
+        n_v=layout.n_v,
+        concept_space=cfg.concept_space,
+        class_names=list(class_names),
+        prompt_template=cfg.prompt_template,
+        base_model=ldm.fingerprint,
+        latent_shape=list(instances.zT.shape[1:]),
+        latent_dtype=cfg.latent_dtype,
+        num_examples=len(instances.zT),
+        class_clusters=clusters,
+    )
+    payload = Payload(
+        latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
+        labels=instances.zT_labels.to(torch.int64),
+        domain_concept=concepts.domain,
+        class_concepts=concepts.classes,
+        meta=meta,
+        # each z(T) is denoised with its own image's sub-cluster's concept
+        latent_clusters=sub.repeat(cfg.latents_per_image) if clusters > 1 else None,
+    )
+    return payload, report
+
+
+def sub_clusters(images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device) -> torch.Tensor:
+    """Each image's sub-cluster within its class (run config class-clusters; all 0 for one
+    concept per class), from the public encoder shipped with the base model."""
+    if cfg.class_clusters == 1:
+        return torch.zeros_like(labels)
+    encoder = public_encoder(cfg.model, cfg.classifier_image_size, device)
+    return cluster_images(images, labels, cfg.class_clusters, encoder)
+
+
+# --- the method ------------------------------------------------------------------------------
 
 
 @register
@@ -122,3 +254,77 @@ def concept_only_unit(
 def as_upload(payload: Payload) -> Upload:
     """A decoded (validated) payload as the server keeps every method's upload."""
     return Upload(meta=payload.meta, tensors=payload.tensors(), content=payload)
+
+
+# --- the server's work units and shards -----------------------------------------------------------
+
+
+def payload_digest(payload: Payload) -> str:
+    """sha256 over a payload's metadata and tensors: what its shards are made from."""
+    digest = hashlib.sha256(payload.meta.model_dump_json().encode())
+    for tensor in payload.tensors().values():
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) -> str:
+    """Digest of everything a shard's pixels depend on, stored in the shard.
+
+    A restart reuses a shard only under the same key, so resuming with a changed seed or
+    synthesis setting recomputes instead of silently mixing two configurations.
+    """
+    knobs = repr((payload_sha, *settings.sampling_knobs())).encode()
+    return hashlib.sha256(knobs + eta.contiguous().numpy().tobytes()).hexdigest()
+
+
+def synthesis_units(payloads: Mapping[str, Payload], multiplier: int) -> list[WorkUnit]:
+    """FedBiP's work: one unit per (client, pass), clients in name order, passes in order."""
+    return [
+        WorkUnit(client_id, index, len(payload.labels))
+        for client_id, payload in sorted(payloads.items())
+        for index in range(multiplier)
+    ]
+
+
+def synthesize_all(
+    ldm: LDM,
+    payloads: Mapping[str, Payload],
+    cfg: FedBiPConfig,
+    shard_path: Callable[[str, int], Path],
+) -> dict[str, list[Path]]:
+    """FedBiP's synthetic shards per client, in pass order; shards on disk are reused.
+
+    Each shard holds one pass over a client's z(T) as uint8 (what a PNG holds), written batch by
+    batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
+    reads the shards back (:class:`ShardImages`), so a resumed run trains on exactly the bytes
+    an uninterrupted one would. Every shard depends only on its own payload, pass and seed,
+    never on which shards were made before it, which is what lets `fedbip synthesize` make
+    them in other processes (:func:`synthesis_units`).
+    """
+    units = synthesis_units(payloads, cfg.multiplier)
+    out: dict[str, list[Path]] = {}
+    with tqdm(total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5) as bar:
+        for unit in units:
+            path = synthesize_unit(ldm, payloads[unit.client_id], cfg, unit, shard_path, bar.update)
+            out.setdefault(unit.client_id, []).append(path)
+    return out
+
+
+def synthesize_unit(
+    ldm: LDM,
+    payload: Payload,
+    cfg: FedBiPConfig,
+    unit: WorkUnit,
+    shard_path: Callable[[str, int], Path],
+    on_images: Callable[[int], None] | None = None,
+) -> Path:
+    """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
+    settings = SynthesisSettings.from_config(cfg)
+    eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
+    return keyed_shard(
+        shard_path(unit.client_id, unit.index),
+        shard_key(payload_digest(payload), settings, eta),
+        payload.labels,
+        functools.partial(iter_pass, ldm, payload, settings, eta, on_images),
+        on_reuse=on_images,
+    )

@@ -2,7 +2,7 @@
 but the z(T) of a class are summarized by a diagonal Gaussian mixture, and only the mixture
 leaves the client (``method = "fedbip-mixture"``).
 
-Client: FedBiP's whole client step (:func:`fedbip_flwr.client.personalize`: mixed same-class
+Client: FedBiP's whole client step (:func:`fedbip_flwr.methods.fedbip.personalize`: mixed same-class
 latents forward-noised to T, ``latents-per-image`` per image; S and V learned with the
 diffusion loss), then per class a mixture of ``fedbip-mixture.components`` Gaussians fitted to
 those z(T). The upload is S, V, the mixture and the per-class counts; the z(T) stay home.
@@ -25,7 +25,6 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from ..client import personalize
 from ..clusters import condition_rows
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import Expectations, Payload, PayloadMeta, check_concept_scale, check_expectations
@@ -43,6 +42,7 @@ from .base import (
     mixture_set,
     register,
 )
+from .fedbip import personalize
 from .fedld import MixtureMeta, MixtureSettings, check_mixture_upload, mixture_meta, mixture_metrics
 
 CONCEPTS = ("domain_concept", "class_concepts")
