@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import itertools
 import logging
 import time
@@ -220,6 +221,18 @@ def keyed_shard(
     )  # fmt: skip
     log.info("%s written (%d images)", path.name, len(labels))
     return path
+
+
+def shard_key(knobs: tuple, *inputs: torch.Tensor) -> str:
+    """The key of a shard (:func:`keyed_shard`): sha256 of everything its pixels depend on, its
+    ``knobs`` (settings, seeds, digests; by ``repr``) and every byte of its input tensors
+    (floating ones as float32). Every method keys its shards with it, so a changed input or
+    setting can never reuse an old shard."""
+    digest = hashlib.sha256(repr(knobs).encode())
+    for tensor in inputs:
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update((tensor.float() if tensor.is_floating_point() else tensor).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def synthetic_dataset(synthetic: Mapping[str, Sequence[Path]], image_size: int) -> ShardImages:

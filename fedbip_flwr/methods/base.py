@@ -26,7 +26,6 @@ so the apps name no method.
 from __future__ import annotations
 
 import functools
-import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from ..payload import read_header as _read_header
 from ..payload import read_tensors as _read_tensors
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
-from ..server import RunFolder, WorkUnit, keyed_shard
+from ..server import RunFolder, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, ZSampling, iter_denoised, iter_from_noise
 
 __all__ = [
@@ -361,7 +360,7 @@ def fresh_noise_set(
     settings = SynthesisSettings.from_config(server.cfg)
     seed = client_seed(server.cfg.seed, stream)
     extra = () if conditions is None else (conditions,)
-    key = unit_key((seed, *settings.sampling_knobs()), cond_table, labels, *extra)
+    key = shard_key((seed, *settings.sampling_knobs()), cond_table, labels, *extra)
     batches = functools.partial(
         iter_from_noise, server.ldm(), cond_table, labels, settings, torch.Generator().manual_seed(seed), conditions
     )
@@ -387,7 +386,7 @@ def mixture_set(
     seed = client_seed(server.cfg.seed, stream)
     extra = () if conditions is None else (conditions,)
     knobs = (seed, timestep, *settings.sampling_knobs(), *(zigzag.knobs() if zigzag else ()))
-    key = unit_key(knobs, cond_table, labels, *mixture.to_tensors().values(), *extra)
+    key = shard_key(knobs, cond_table, labels, *mixture.to_tensors().values(), *extra)
 
     def batches() -> Iterator[torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
@@ -395,13 +394,3 @@ def mixture_set(
         return iter_denoised(server.ldm(), cond_table, labels, settings, timestep, start, conditions, zigzag)
 
     return keyed_shard(path, key, labels, batches)
-
-
-def unit_key(knobs: tuple, *inputs: torch.Tensor) -> str:
-    """sha256 of everything a shard's pixels depend on: its knobs and every byte of its input
-    tensors (floating ones as float32), so a changed input can never reuse an old shard."""
-    digest = hashlib.sha256(repr(knobs).encode())
-    for tensor in inputs:
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update((tensor.float() if tensor.is_floating_point() else tensor).numpy().tobytes())
-    return digest.hexdigest()

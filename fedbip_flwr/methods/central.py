@@ -5,7 +5,6 @@ the raw images, which is exactly what the other methods exist to avoid.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -13,7 +12,7 @@ from typing import Any, Literal
 import torch
 
 from ..payload import UploadMeta
-from ..server import keyed_shard
+from ..server import keyed_shard, shard_key
 from ..viz import dequantize, quantize
 from .base import (
     ClientJob,
@@ -54,7 +53,7 @@ class Central(Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             images, labels = upload.tensors["images"], upload.tensors["labels"]
-            key = hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
+            key = shard_key((self.name,), images, labels)
             path = keyed_shard(shard_path(client_id, 0), key, labels, lambda i=images: [dequantize(i)])
             out[client_id] = [path]
         return out

@@ -36,7 +36,7 @@ from ..payload import (
     encode_payload,
 )
 from ..seeds import client_seed
-from ..server import WorkUnit, expectations, keyed_shard
+from ..server import WorkUnit, expectations, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
 from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
 
@@ -267,16 +267,6 @@ def payload_digest(payload: Payload) -> str:
     return digest.hexdigest()
 
 
-def shard_key(payload_sha: str, settings: SynthesisSettings, eta: torch.Tensor) -> str:
-    """Digest of everything a shard's pixels depend on, stored in the shard.
-
-    A restart reuses a shard only under the same key, so resuming with a changed seed or
-    synthesis setting recomputes instead of silently mixing two configurations.
-    """
-    knobs = repr((payload_sha, *settings.sampling_knobs())).encode()
-    return hashlib.sha256(knobs + eta.contiguous().numpy().tobytes()).hexdigest()
-
-
 def synthesis_units(payloads: Mapping[str, Payload], multiplier: int) -> list[WorkUnit]:
     """FedBiP's work: one unit per (client, pass), clients in name order, passes in order."""
     return [
@@ -323,7 +313,7 @@ def synthesize_unit(
     eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
     return keyed_shard(
         shard_path(unit.client_id, unit.index),
-        shard_key(payload_digest(payload), settings, eta),
+        shard_key((payload_digest(payload), *settings.sampling_knobs()), eta),
         payload.labels,
         functools.partial(iter_pass, ldm, payload, settings, eta, on_images),
         on_reuse=on_images,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -52,7 +51,7 @@ from ..config import FedBiPConfig, MethodSettings
 from ..ldm import LDM
 from ..payload import PayloadError, UploadMeta
 from ..seeds import client_seed
-from ..server import keyed_shard
+from ..server import keyed_shard, shard_key
 from ..synthesis import decode_latents, encode_texts
 from .base import (
     ClientJob,
@@ -393,17 +392,15 @@ def class_prompts(own: FedLMGSettings, class_names: list[str]) -> list[str]:
     return [own.prompt.replace(CLASS_SLOT, name) for name in class_names]
 
 
-def shard_key(
+def guided_key(
     upload: Upload, settings: GuidanceSettings, prompts: list[str], ldm: LDM, seed: int,
     labels: torch.Tensor,
 ) -> str:
-    """Digest of everything a client's guided shard depends on: the base model, the seed, the
-    settings, the prompts, the labels and every byte of the uploaded model."""
-    digest = hashlib.sha256(repr((ldm.fingerprint, seed, asdict(settings), prompts)).encode())
-    digest.update(labels.numpy().tobytes())
-    for name, tensor in sorted(upload.tensors.items()):
-        digest.update(name.encode() + tensor.contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    """The key of a client's guided shard: the base model, the seed, the settings, the
+    prompts, the labels and every byte of the uploaded model."""
+    names = sorted(upload.tensors)
+    knobs = (ldm.fingerprint, seed, asdict(settings), prompts, names)
+    return shard_key(knobs, labels, *(upload.tensors[name] for name in names))
 
 
 @register
@@ -451,7 +448,7 @@ class FedLMG(Method):
                     iter_guided, ldm, upload.content, cond, labels[client_id], settings,
                     torch.Generator().manual_seed(seed), bar.update, cfg.vae_batch_size,
                 )  # fmt: skip
-                key = shard_key(upload, settings, prompts, ldm, seed, labels[client_id])
+                key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
                 out[client_id] = [keyed_shard(shard_path(client_id, 0), key, labels[client_id],
                                               batches, on_reuse=bar.update)]  # fmt: skip
         return out
