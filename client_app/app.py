@@ -74,7 +74,7 @@ def train(msg: Message, context: Context) -> Message:
     method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
         return Message(content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
-    _, client_id = dataset.institution_identity(cfg, node)
+    _, client_id = dataset.institution_identity(cfg.data, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return Message(content=skipped_content(client_id), reply_to=msg)
@@ -95,11 +95,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
         return Message(content=method.client_evaluate(msg, cfg, node), reply_to=msg)
-    domain, client_id = dataset.institution_identity(cfg, node)
+    domain, client_id = dataset.institution_identity(cfg.data, node)
     settings = message_config(msg)
     blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))
     model = load_classifier_bytes(blob, cfg.class_list)
-    test = dataset.institution_test_set(cfg, node, domain)
+    test = dataset.institution_test_set(cfg.data, node, domain)
     scores = score_classifier(model, test, cfg.classifier_image_size)
     kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
     atomic_write(kept, blob)

@@ -143,6 +143,28 @@ def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> 
         raise ValueError(_problems(err, f"{method}.")) from None
 
 
+DatasetName = Literal["shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"]
+Partitioning = Literal["domain", "dirichlet", "iid"]
+
+
+class DataDescription(BaseModel):
+    """What to load, and nothing else: the data layer (:mod:`fedbip_flwr.dataset`) takes this,
+    never a method's knobs. Built from a validated run config (:attr:`FedBiPConfig.data`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dataset: DatasetName
+    data_root: str
+    classes: tuple[str, ...]  # label order
+    domains: tuple[str, ...]
+    partitioning: Partitioning
+    dirichlet_beta: float
+    shots_per_class: int
+    test_per_class: int
+    image_size: int
+    seed: int
+
+
 class FedBiPConfig(FlatConfig):
     """Every knob of a FedBiP run. Keys are kebab-case in TOML / ``--run-config``."""
 
@@ -216,9 +238,7 @@ class FedBiPConfig(FlatConfig):
     )
 
     # --- data --------------------------------------------------------------------------------
-    dataset: Literal[
-        "shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"
-    ] = Field(
+    dataset: DatasetName = Field(
         "shapes",
         description="shapes is generated in memory; imagefolder is each institution's own "
         "<data-root>/[train|test/]<class>/<image> folder (node config); the others are the "
@@ -239,7 +259,7 @@ class FedBiPConfig(FlatConfig):
         description="Comma-separated domains, each also the words S starts from; "
         "\"\" = the dataset's defaults. Partition p gets domains[p % len(domains)].",
     )
-    partitioning: Literal["domain", "dirichlet", "iid"] = Field(
+    partitioning: Partitioning = Field(
         "domain",
         description="domain = one domain per client, k shots per class (feature heterogeneity); "
         "dirichlet / iid = labels split over num-partitions clients (DermaMNIST, UCM).",
@@ -485,6 +505,16 @@ class FedBiPConfig(FlatConfig):
     @property
     def class_list(self) -> list[str]:
         return _split_list(self.classes)
+
+    @property
+    def data(self) -> DataDescription:
+        """The data layer's part of this config."""
+        return DataDescription(
+            dataset=self.dataset, data_root=self.data_root, classes=tuple(self.class_list),
+            domains=tuple(self.domain_list), partitioning=self.partitioning,
+            dirichlet_beta=self.dirichlet_beta, shots_per_class=self.shots_per_class,
+            test_per_class=self.test_per_class, image_size=self.image_size, seed=self.seed,
+        )  # fmt: skip
 
     def to_flat(self) -> dict[str, Any]:
         """The kebab-case dict form, as written to metrics.json and accepted by from_flat:

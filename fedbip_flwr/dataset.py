@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from . import shapes
-from .config import FedBiPConfig, NodeConfig
+from .config import DataDescription, NodeConfig
 from .folders import Split, open_split, own_folder_split
 from .partitions import DataError, k_shots, label_partition, round_robin
 from .paths import resolve
@@ -49,15 +49,15 @@ class ClientSet(ImageSet):
     skipped_files: int = 0
 
 
-def class_names(cfg: FedBiPConfig) -> list[str]:
+def class_names(data: DataDescription) -> list[str]:
     """The classifier's classes, in label order (Table 5's prompt words, or the run's own)."""
-    return cfg.class_list
+    return list(data.classes)
 
 
-def _own_split(cfg: FedBiPConfig, node: NodeConfig) -> Split:
-    if not cfg.data_root:
+def _own_split(data: DataDescription, node: NodeConfig) -> Split:
+    if not data.data_root:
         raise DataError("dataset imagefolder: set data-root to this institution's folder in its node config")
-    return own_folder_split(resolve(cfg.data_root), cfg.class_list, node.bad_images)
+    return own_folder_split(resolve(data.data_root), list(data.classes), node.bad_images)
 
 
 def _identity(node: NodeConfig) -> tuple[str, str]:
@@ -68,109 +68,109 @@ def _identity(node: NodeConfig) -> tuple[str, str]:
     return node.domain, node.client_id
 
 
-def institution_identity(cfg: FedBiPConfig, node: NodeConfig) -> tuple[str, str]:
+def institution_identity(data: DataDescription, node: NodeConfig) -> tuple[str, str]:
     """(domain, client id) of this node, without reading a single image."""
-    if SPECS[cfg.dataset].layout == OWN_FOLDER:
+    if SPECS[data.dataset].layout == OWN_FOLDER:
         return _identity(node)
     if node.partition_id is None:
         raise DataError(
-            f"dataset {cfg.dataset} assigns data by the node config's partition-id; an "
+            f"dataset {data.dataset} assigns data by the node config's partition-id; an "
             "institution with its own folder uses dataset imagefolder"
         )
-    return _partition_identity(cfg, node.partition_id)[:2]
+    return _partition_identity(data, node.partition_id)[:2]
 
 
-def _partition_identity(cfg: FedBiPConfig, partition_id: int) -> tuple[str, str, int]:
+def _partition_identity(data: DataDescription, partition_id: int) -> tuple[str, str, int]:
     """(domain, client id, index within the domain) of a simulated partition."""
-    if cfg.partitioning == FEATURE:
-        domain, index = round_robin(partition_id, cfg.domain_list)
+    if data.partitioning == FEATURE:
+        domain, index = round_robin(partition_id, data.domains)
         return domain, f"{domain}-{index}", index
-    return cfg.domain_list[0], f"{cfg.dataset}-{partition_id}", partition_id
+    return data.domains[0], f"{data.dataset}-{partition_id}", partition_id
 
 
-def institution_data(cfg: FedBiPConfig, node: NodeConfig) -> ClientSet:
+def institution_data(data: DataDescription, node: NodeConfig) -> ClientSet:
     """This node's private training images: its own folder, or its simulated partition.
 
-    ``cfg`` already carries the node's own run-config keys (data-root, model, ...).
+    ``data`` already carries the node's own data-root (the run config merged with its node config).
     """
-    domain, client_id = institution_identity(cfg, node)
-    if SPECS[cfg.dataset].layout != OWN_FOLDER:
-        return load_client_data(cfg, node.partition_id, node.num_partitions)
-    split = _own_split(cfg, node)
-    images = split.train.take(np.arange(len(split.train)), cfg.image_size)
+    domain, client_id = institution_identity(data, node)
+    if SPECS[data.dataset].layout != OWN_FOLDER:
+        return load_client_data(data, node.partition_id, node.num_partitions)
+    split = _own_split(data, node)
+    images = split.train.take(np.arange(len(split.train)), data.image_size)
     labels = torch.from_numpy(split.train.labels)
-    return ClientSet(images, labels, tuple(cfg.class_list), domain, client_id, len(split.skipped))
+    return ClientSet(images, labels, data.classes, domain, client_id, len(split.skipped))
 
 
-def institution_test_set(cfg: FedBiPConfig, node: NodeConfig, domain: str) -> ImageSet:
+def institution_test_set(data: DataDescription, node: NodeConfig, domain: str) -> ImageSet:
     """The held-out images an institution scores the classifier it gets back on."""
-    if SPECS[cfg.dataset].layout != OWN_FOLDER:
-        return _test_set(cfg, domain)
-    pool = _own_split(cfg, node).test
+    if SPECS[data.dataset].layout != OWN_FOLDER:
+        return _test_set(data, domain)
+    pool = _own_split(data, node).test
     if len(pool) == 0:
-        raise DataError(f"{cfg.data_root} holds no held-out images to score the classifier on")
-    images = pool.take(np.arange(len(pool)), cfg.image_size)
-    return ImageSet(images, torch.from_numpy(pool.labels), tuple(cfg.class_list), domain)
+        raise DataError(f"{data.data_root} holds no held-out images to score the classifier on")
+    images = pool.take(np.arange(len(pool)), data.image_size)
+    return ImageSet(images, torch.from_numpy(pool.labels), data.classes, domain)
 
 
-def _split(cfg: FedBiPConfig, domain: str) -> Split:
-    return open_split(SPECS[cfg.dataset], resolve(cfg.data_root), domain, cfg.image_size)
+def _split(data: DataDescription, domain: str) -> Split:
+    return open_split(SPECS[data.dataset], resolve(data.data_root), domain, data.image_size)
 
 
-def verify(cfg: FedBiPConfig) -> None:
+def verify(data: DataDescription) -> None:
     """Index every configured domain without decoding: missing data fails before the model loads.
 
     Nothing to do for generated data, nor for imagefolder: the server holds no institution's folder.
     """
-    if SPECS[cfg.dataset].layout not in ("generated", OWN_FOLDER):
-        for domain in cfg.domain_list:
-            _split(cfg, domain)
+    if SPECS[data.dataset].layout not in ("generated", OWN_FOLDER):
+        for domain in data.domains:
+            _split(data, domain)
 
 
 def load_client_data(
-    cfg: FedBiPConfig, partition_id: int, num_partitions: int | None = None
+    data: DataDescription, partition_id: int, num_partitions: int | None = None
 ) -> ClientSet:
     """The private training images of SuperNode ``partition_id`` (of ``num_partitions``)."""
-    spec = SPECS[cfg.dataset]
-    domain, client_id, index = _partition_identity(cfg, partition_id)
-    if cfg.partitioning == FEATURE:
+    spec = SPECS[data.dataset]
+    domain, client_id, index = _partition_identity(data, partition_id)
+    if data.partitioning == FEATURE:
         if spec.layout == "generated":
             made = shapes.client_train_set(
-                domain, cfg.shots_per_class, index, seed=cfg.seed, size=cfg.image_size
+                domain, data.shots_per_class, index, seed=data.seed, size=data.image_size
             )
             return ClientSet(made.images, made.labels, made.classes, domain, client_id)
-        pool = _split(cfg, domain).train
-        key = (cfg.seed, zlib.crc32(domain.encode()))
+        pool = _split(data, domain).train
+        key = (data.seed, zlib.crc32(domain.encode()))
         where = f"{spec.name} domain '{domain}'"
-        chosen = k_shots(pool.labels, spec.classes, cfg.shots_per_class, index, key, where)
+        chosen = k_shots(pool.labels, spec.classes, data.shots_per_class, index, key, where)
     else:
         if num_partitions is None:
             raise DataError(
-                f"partitioning '{cfg.partitioning}' needs the node config num-partitions"
+                f"partitioning '{data.partitioning}' needs the node config num-partitions"
             )
-        pool = _split(cfg, domain).train
+        pool = _split(data, domain).train
         chosen = label_partition(
             pool.labels,
-            cfg.partitioning,
-            cfg.dirichlet_beta,
+            data.partitioning,
+            data.dirichlet_beta,
             int(num_partitions),
             partition_id,
-            cfg.seed,
+            data.seed,
         )
-    images = pool.take(chosen, cfg.image_size)
+    images = pool.take(chosen, data.image_size)
     labels = torch.from_numpy(pool.labels[chosen])
     return ClientSet(images, labels, spec.classes, domain, client_id)
 
 
-def _test_set(cfg: FedBiPConfig, domain: str) -> ImageSet:
-    spec = SPECS[cfg.dataset]
+def _test_set(data: DataDescription, domain: str) -> ImageSet:
+    spec = SPECS[data.dataset]
     if spec.layout == "generated":
-        return shapes.test_set(domain, cfg.test_per_class, seed=cfg.seed, size=cfg.image_size)
-    pool = _split(cfg, domain).test
-    images = pool.take(np.arange(len(pool)), cfg.image_size)
+        return shapes.test_set(domain, data.test_per_class, seed=data.seed, size=data.image_size)
+    pool = _split(data, domain).test
+    images = pool.take(np.arange(len(pool)), data.image_size)
     return ImageSet(images, torch.from_numpy(pool.labels), spec.classes, domain)
 
 
-def load_test_sets(cfg: FedBiPConfig, domains: list[str]) -> dict[str, ImageSet]:
+def load_test_sets(data: DataDescription, domains: list[str]) -> dict[str, ImageSet]:
     """Real test images per domain (for label partitions: the one global test split)."""
-    return {domain: _test_set(cfg, domain) for domain in domains}
+    return {domain: _test_set(data, domain) for domain in domains}

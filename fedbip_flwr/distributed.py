@@ -104,7 +104,7 @@ def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunS
         load_for_run, cfg.model, device, cfg.half_precision, cfg.image_size,
         channels_last=cfg.channels_last, compile_unet=cfg.compile_unet,
     ))  # fmt: skip
-    job = ServerJob(cfg, dataset.class_names(cfg), loader, device)
+    job = ServerJob(cfg, dataset.class_names(cfg.data), loader, device)
     uploads = load_persisted(folder, functools.partial(method.accept, server=job))
     return RunSynthesis(folder, method, job, uploads)
 

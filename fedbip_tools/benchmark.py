@@ -257,7 +257,7 @@ def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
 
 
 def dataset_classes() -> list[str]:
-    return dataset.class_names(FedBiPConfig())
+    return dataset.class_names(FedBiPConfig().data)
 
 
 # --------------------------------------------------------------------------- measurements
@@ -305,12 +305,12 @@ def folder_paths(folder: RunFolder, names: Sequence[str]) -> list[Path]:
 
 
 def load_classifier(folder: RunFolder, cfg: FedBiPConfig) -> torch.nn.Module:
-    return load_classifier_bytes(folder.classifier.read_bytes(), dataset.class_names(cfg))
+    return load_classifier_bytes(folder.classifier.read_bytes(), dataset.class_names(cfg.data))
 
 
 def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
     """The benchmark's clients, one per domain, exactly as the simulation's nodes load them."""
-    sets = [dataset.load_client_data(cfg, p) for p in range(len(cfg.domain_list))]
+    sets = [dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list))]
     return {s.client_id: s for s in sets}
 
 
@@ -358,7 +358,7 @@ def mia_gaps(
 ) -> dict[str, float]:
     """Non-member minus member mean loss / entropy of the classifier (paper Sec. 5.5), averaged
     over clients: about 0 means it does not tell the clients' training images from unseen ones."""
-    tests = dataset.load_test_sets(cfg, cfg.domain_list)
+    tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
     gaps: dict[str, list[float]] = {"loss": [], "entropy": []}
     for data in clients.values():
         test = tests[data.domain]

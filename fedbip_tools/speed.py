@@ -262,7 +262,7 @@ def concept_setup(args: argparse.Namespace):
                                   "image-size": args.image_size})  # fmt: skip
     # as a client loads it: fp16 on CUDA (half-precision's default), float32 on the CPU
     ldm = load(args, half=cfg.half_precision)
-    data = dataset.load_client_data(cfg, 0)
+    data = dataset.load_client_data(cfg.data, 0)
     images, labels = data.images[: args.concept_images], data.labels[: args.concept_images]
     z0 = encode_images(ldm.vae, images)
     layout = prompt_layout(ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, data.domain, list(data.classes))

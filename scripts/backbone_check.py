@@ -63,9 +63,9 @@ def main() -> None:
     shards = {c: [folder.shards / name for name in names]
               for c, names in json.loads(folder.training_set.read_text()).items()}  # fmt: skip
     base = FedBiPConfig.from_flat(flat)
-    classes = dataset.class_names(base)
+    classes = dataset.class_names(base.data)
     data = synthetic_dataset(shards, base.classifier_image_size)
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base, base.domain_list).items()}
+    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base.data, base.domain_list).items()}
     print(f"{args.run}: {len(data)} synthetic images, {torch.get_num_threads()} torch threads")
     if classes != list(shapes.CLASSES):
         raise SystemExit(f"the run's classes {classes} are not the backbone's {list(shapes.CLASSES)}")

@@ -77,12 +77,12 @@ def own(cfg: FedBiPConfig) -> FedLMGSettings:
 
 def client_uploads(cfg: FedBiPConfig, ldm, cache: Path) -> dict:
     """Each client's FedLMG upload (made once, cached as the bytes a client would send)."""
-    method, server = create_for(cfg), ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
+    method, server = create_for(cfg), ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
     uploads = {}
     for partition, domain in enumerate(cfg.domain_list):
         path = cache / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
         if not path.exists():
-            data = dataset.load_client_data(cfg, partition)
+            data = dataset.load_client_data(cfg.data, partition)
             started = time.perf_counter()
             blob, _ = method.upload(ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm))
             print(f"{domain}: local model trained in {time.perf_counter() - started:.0f} s", flush=True)
@@ -155,7 +155,7 @@ def main() -> None:
         **{f"guide {u.domain}": evaluate(u.content, *test_set(u.domain), size).accuracy for u in uploads.values()},
     }  # fmt: skip
     print(results["judges on real test images"], flush=True)
-    cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg)))
+    cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg.data)))
     labels = torch.arange(6).repeat_interleave(args.per_class)
     settings = {**SETTINGS, **json.loads(args.set)}
     for name, changes in settings.items():

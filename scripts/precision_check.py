@@ -46,7 +46,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
     for half in (False, True):
         cfg = FedBiPConfig.from_flat({**flat, "half-precision": half, "multiplier": 1})
         ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
-        job = ServerJob(cfg, dataset.class_names(cfg), lambda ldm=ldm: ldm)
+        job = ServerJob(cfg, dataset.class_names(cfg.data), lambda ldm=ldm: ldm)
         method = methods.one_shot_for(cfg)
         uploads = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
         out = RunFolder(tmp / f"half-{half}")
@@ -76,8 +76,8 @@ def classifier(flat: dict, folder: RunFolder, seeds: list[int], modes: list[str]
     shards = {c: [folder.shards / name for name in names]
               for c, names in json.loads(folder.training_set.read_text()).items()}  # fmt: skip
     base = FedBiPConfig.from_flat(flat)
-    classes = dataset.class_names(base)
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base, base.domain_list).items()}
+    classes = dataset.class_names(base.data)
+    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base.data, base.domain_list).items()}
     print(f"classifier: auto = {Precision.for_device('cpu', 'auto')}")
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for seed in seeds:

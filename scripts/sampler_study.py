@@ -225,7 +225,7 @@ def judge(shards: Mapping[str, Sequence[Path]], uploads: Mapping[str, Upload], j
 
 def test_sets(cfg: FedBiPConfig) -> Tests:
     """Every domain's test set, held at the classifier's input size as the server holds it."""
-    sets = dataset.load_test_sets(cfg, cfg.domain_list)
+    sets = dataset.load_test_sets(cfg.data, cfg.domain_list)
     return {d: (fit_to_classifier(s.images, cfg.classifier_image_size), s.labels) for d, s in sets.items()}
 
 
@@ -235,7 +235,7 @@ def accuracy(
 ) -> dict[str, Any]:  # fmt: skip
     """The server's classifier on the synthetic set (``steps`` SGD steps, ``seed``), scored."""
     recipe = FedBiPConfig.from_flat({**cfg.to_flat(), "seed": seed, "classifier-steps": steps})
-    model, facts = train_global(recipe, shards, dataset.class_names(cfg), folder, device)
+    model, facts = train_global(recipe, shards, dataset.class_names(cfg.data), folder, device)
     scores = evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
     return {**scores, "classifier_steps": steps, "classifier_seed": seed,
             "classifier_seconds": facts["classifier_seconds"]}  # fmt: skip
@@ -256,7 +256,7 @@ class Study:
 
 def measure(study: Study, name: str, cfg: FedBiPConfig) -> dict[str, Any]:
     """One method under one setting: its training set made, judged, and optionally trained on."""
-    job = ServerJob(cfg, dataset.class_names(cfg), lambda: study.ldm, study.device)
+    job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: study.ldm, study.device)
     started = time.perf_counter()
     if name == "fedbip":
         uploads = fedbip_uploads(study.ldm, study.bases, study.clients, job)

@@ -67,7 +67,7 @@ def main(grid: Grid, context: Context) -> None:
     setup_logging()
     cfg = FedBiPConfig.from_flat(context.run_config)
     folder = _open_run_folder(cfg, context.run_id)
-    dataset.verify(cfg)
+    dataset.verify(cfg.data)
     check_classifier_init(cfg.classifier_init, cfg.model)  # an offline server fails now, not after synthesis
     device = select_device(cfg.device)
     method = methods.create_for(cfg)
@@ -107,7 +107,7 @@ def _run_one_shot(
 ) -> RunResults:
     """The one round, the training set, the classifier and its scores, each phase timed."""
     seconds = Seconds()
-    job = ServerJob(cfg, dataset.class_names(cfg), _model_loader(cfg, seconds), device)
+    job = ServerJob(cfg, dataset.class_names(cfg.data), _model_loader(cfg, seconds), device)
     started_unix = time.time()  # where `seconds` begin: process samplers place the phases by it
     strategy, uploads, clients = _round(method, grid, job, folder, seconds)
     # what metrics.json says if the run stops before it completes
@@ -293,7 +293,7 @@ def _test_sets(
         return None, {}
     tests, grid_rows = {}, {}
     for domain in domains:
-        test = dataset.load_test_sets(cfg, [domain])[domain]
+        test = dataset.load_test_sets(cfg.data, [domain])[domain]
         grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
         tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
     return tests, grid_rows

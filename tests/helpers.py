@@ -155,12 +155,12 @@ def method_config(method: str, **values) -> FedBiPConfig:
 
 
 def client_job(cfg: FedBiPConfig, ldm, partition: int = 0) -> ClientJob:
-    data = dataset.load_client_data(cfg, partition)
+    data = dataset.load_client_data(cfg.data, partition)
     return ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
 
 
 def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
-    return ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
+    return ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
 
 
 def tampered(blob: bytes, method: str, cfg: FedBiPConfig, change) -> bytes:

@@ -93,10 +93,10 @@ def test_backbone_corpus_shares_no_image_with_any_client_or_test_image():
         flat = flatten_dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
     cfg = FedBiPConfig.from_flat(flat)
     assert (cfg.dataset, cfg.domain_list, cfg.shots_per_class) == ("shapes", ["sketch", "quickdraw", "painting"], 16)
-    clients = [dataset.load_client_data(cfg, p) for p in range(3)]
+    clients = [dataset.load_client_data(cfg.data, p) for p in range(3)]
     assert [(c.client_id, len(c)) for c in clients] == [("sketch-0", 96), ("quickdraw-0", 96), ("painting-0", 96)]
     assert set(cfg.domain_list) <= set(domains)  # the corpus does hold these domains' styles
-    tests = dataset.load_test_sets(cfg, cfg.domain_list)
+    tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
     private = set().union(*(_hashes(c.images) for c in clients))
     held_out = set().union(*(_hashes(t.images) for t in tests.values()))
     assert len(private) == 3 * 96 and len(held_out) == 3 * 6 * cfg.test_per_class

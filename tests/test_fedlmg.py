@@ -50,11 +50,11 @@ def config(**values) -> FedBiPConfig:
 
 
 def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
-    return ServerJob(cfg, dataset.class_names(cfg), lambda: ldm)
+    return ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
 
 
 def upload_of(cfg: FedBiPConfig, ldm, partition: int = 0):
-    data = dataset.load_client_data(cfg, partition)
+    data = dataset.load_client_data(cfg.data, partition)
     job = ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
     blob, _ = create_for(cfg).upload(job)
     return blob, data

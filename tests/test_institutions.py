@@ -48,14 +48,14 @@ def own_folder(tmp_path_factory) -> Path:
 
 def test_own_folder_is_labelled_by_the_run_class_order(own_folder):
     cfg, node = institution(own_folder)
-    data = dataset.institution_data(cfg, node)
+    data = dataset.institution_data(cfg.data, node)
     assert (data.domain, data.client_id) == ("sketch", "hospital-a")
     assert data.images.shape == (18, 3, 32, 32) and data.images.dtype == torch.float32
     assert data.classes == RUN_CLASSES
     # ImageFolder lists class folders sorted; the labels follow the run's class order
     want = [RUN_CLASSES.index(name) for name in sorted(shapes.CLASSES) for _ in range(3)]
     assert data.labels.tolist() == want
-    test = dataset.institution_test_set(cfg, node, data.domain)
+    test = dataset.institution_test_set(cfg.data, node, data.domain)
     assert len(test.labels) == 12 and set(test.labels.tolist()) == set(range(6))
 
 
@@ -66,10 +66,10 @@ def test_folder_without_test_split_holds_out_a_fixed_fifth(tmp_path, layout):
     if layout == "class-folders-at-root":
         root = (root / "train").rename(tmp_path / "flat")
     cfg, node = institution(root)
-    train = dataset.institution_data(cfg, node)
-    test = dataset.institution_test_set(cfg, node, "sketch")
+    train = dataset.institution_data(cfg.data, node)
+    test = dataset.institution_test_set(cfg.data, node, "sketch")
     assert len(train.labels) == 24 and len(test.labels) == 6  # one of five per class
-    assert torch.equal(test.images, dataset.institution_test_set(cfg, node, "sketch").images)
+    assert torch.equal(test.images, dataset.institution_test_set(cfg.data, node, "sketch").images)
 
 
 def test_a_class_folder_the_run_does_not_know_is_one_sentence(tmp_path, own_folder):
@@ -77,7 +77,7 @@ def test_a_class_folder_the_run_does_not_know_is_one_sentence(tmp_path, own_fold
     (tmp_path / "data" / "train" / "hexagon").mkdir()
     cfg, node = institution(tmp_path / "data")
     with pytest.raises(DataError, match=r"class folder 'hexagon' in .* is not one of the run's classes") as err:
-        dataset.institution_data(cfg, node)
+        dataset.institution_data(cfg.data, node)
     assert "\n" not in str(err.value)
 
 
@@ -86,7 +86,7 @@ def test_a_missing_class_is_legal_label_skew_and_logged(tmp_path, own_folder, ca
     shutil.rmtree(tmp_path / "data" / "train" / "heart")
     cfg, node = institution(tmp_path / "data")
     with caplog.at_level(logging.WARNING):
-        data = dataset.institution_data(cfg, node)
+        data = dataset.institution_data(cfg.data, node)
     assert RUN_CLASSES.index("heart") not in data.labels.tolist()
     assert len(data.labels) == 15
     assert any("no images of heart" in r.message and "label skew" in r.message for r in caplog.records)
@@ -104,7 +104,7 @@ def test_a_missing_class_is_legal_label_skew_and_logged(tmp_path, own_folder, ca
 def test_bad_node_config_is_one_sentence(own_folder, values, needle):
     cfg, node = institution(own_folder, **values)
     with pytest.raises(DataError, match=needle) as err:
-        dataset.institution_data(cfg, node)
+        dataset.institution_data(cfg.data, node)
     assert "\n" not in str(err.value)
 
 
@@ -119,7 +119,7 @@ def test_node_config_rejects_unknown_keys_and_sets_only_its_own_run_keys():
 def test_simulated_node_without_partition_id_is_told_about_imagefolder():
     cfg = FedBiPConfig()
     with pytest.raises(DataError, match="dataset imagefolder"):
-        dataset.institution_data(cfg, NodeConfig())
+        dataset.institution_data(cfg.data, NodeConfig())
 
 
 def test_imagefolder_run_config_is_checked_at_the_edge():
@@ -133,10 +133,10 @@ def test_imagefolder_run_config_is_checked_at_the_edge():
 
 def test_an_institutions_upload_is_accepted_under_any_domain_phrase(tmp_path, own_folder, tiny_ldm):
     cfg, node = institution(own_folder, domain="painting")
-    data = dataset.institution_data(cfg, node)
+    data = dataset.institution_data(cfg.data, node)
     payload, _ = personalize(tiny_ldm, data.images, data.labels, list(data.classes), data.domain,
                              data.client_id, cfg, client_generator(cfg, node, data.client_id))
-    job = ServerJob(run_config(), dataset.class_names(run_config()), lambda: tiny_ldm)
+    job = ServerJob(run_config(), dataset.class_names(run_config().data), lambda: tiny_ldm)
     accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.domain, accepted.meta.client_id) == ("painting", "hospital-a")
     assert accepted.meta.class_names == list(RUN_CLASSES)

@@ -159,7 +159,7 @@ def test_local_uploads_a_trained_classifier_and_is_scored_per_client(tiny_ldm):
     assert not torch.equal(sent["bn1.running_mean"], fresh["bn1.running_mean"]), "trained locally"
     models = create("local").final_models(uploads, server)
     assert sorted(models) == ["quickdraw-0", "sketch-0"]
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(cfg, ["sketch", "painting"]).items()}
+    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(cfg.data, ["sketch", "painting"]).items()}
     scores = evaluate_models(models, tests, 32, "cpu")
     for domain in tests:
         per_model = [scores["per_model"][m]["per_domain"][domain] for m in models]

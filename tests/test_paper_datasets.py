@@ -64,7 +64,7 @@ def config(**values) -> FedBiPConfig:
 
 
 def clients(cfg: FedBiPConfig, count: int, num_partitions: int | None = None) -> list:
-    return [dataset.load_client_data(cfg, p, num_partitions) for p in range(count)]
+    return [dataset.load_client_data(cfg.data, p, num_partitions) for p in range(count)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def test_shapes_default_is_what_it_was() -> None:
     for p, (domain, index) in enumerate(
         [("sketch", 0), ("quickdraw", 0), ("painting", 0), ("sketch", 1)]
     ):
-        got = dataset.load_client_data(cfg, p)
+        got = dataset.load_client_data(cfg.data, p)
         want = shapes.client_train_set(domain, 2, index, seed=0, size=32)
         assert (got.client_id, got.domain, got.classes) == (
             f"{domain}-{index}",
@@ -144,10 +144,10 @@ def test_shapes_default_is_what_it_was() -> None:
             shapes.CLASSES,
         )
         assert torch.equal(got.images, want.images) and torch.equal(got.labels, want.labels)
-    tests = dataset.load_test_sets(cfg, ["painting"])
+    tests = dataset.load_test_sets(cfg.data, ["painting"])
     assert torch.equal(tests["painting"].images, shapes.test_set("painting", 2, size=32).images)
-    assert dataset.class_names(cfg) == list(shapes.CLASSES)
-    dataset.verify(cfg)  # nothing on disk to check
+    assert dataset.class_names(cfg.data) == list(shapes.CLASSES)
+    dataset.verify(cfg.data)  # nothing on disk to check
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
     make_tree(tmp_path, folders, list(spec.folder_of_class()), per_class)
     cfg = config(**{"dataset": name, "data-root": str(tmp_path), "domains": ",".join(domains),
                     "shots-per-class": shots})  # fmt: skip
-    dataset.verify(cfg)
+    dataset.verify(cfg.data)
     got = clients(cfg, 2 * len(domains))  # two clients per domain
     assert [c.client_id for c in got] == [f"{d}-{i}" for i in range(2) for d in domains]
     for client in got:
@@ -184,7 +184,7 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
     for d in range(len(domains)):  # a domain's two clients share no image
         a, b = (codes(got[d + k * len(domains)].images).tolist() for k in (0, 1))
         assert not {tuple(x) for x in a} & {tuple(x) for x in b}
-    tests = dataset.load_test_sets(cfg, domains)
+    tests = dataset.load_test_sets(cfg.data, domains)
     held_out = round(TEST_FRACTION * per_class)
     for domain in domains:
         assert torch.bincount(tests[domain].labels).tolist() == [held_out] * len(spec.classes)
@@ -192,7 +192,7 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
             tuple(x) for c in got if c.domain == domain for x in codes(c.images).tolist()
         }
         assert not train_codes & {tuple(x) for x in codes(tests[domain].images).tolist()}
-    assert dataset.class_names(cfg) == list(spec.classes)
+    assert dataset.class_names(cfg.data) == list(spec.classes)
 
 
 def test_partitions_are_reproducible_and_move_with_the_seed(tmp_path: Path) -> None:
@@ -203,13 +203,13 @@ def test_partitions_are_reproducible_and_move_with_the_seed(tmp_path: Path) -> N
         "domains": "sketch",
         "shots-per-class": 2,
     }
-    first = dataset.load_client_data(config(**values), 0)
-    again = dataset.load_client_data(config(**values), 0)
-    other = dataset.load_client_data(config(**values, seed=1), 0)
+    first = dataset.load_client_data(config(**values).data, 0)
+    again = dataset.load_client_data(config(**values).data, 0)
+    other = dataset.load_client_data(config(**values, seed=1).data, 0)
     assert torch.equal(first.images, again.images)
     assert not torch.equal(first.images, other.images)
     # the test split does not move with the run seed
-    tests = [dataset.load_test_sets(config(**values, seed=s), ["sketch"])["sketch"] for s in (0, 1)]
+    tests = [dataset.load_test_sets(config(**values, seed=s).data, ["sketch"])["sketch"] for s in (0, 1)]
     assert torch.equal(tests[0].images, tests[1].images)
 
 
@@ -220,10 +220,10 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
     cfg = config(**{"dataset": "domainnet", "data-root": str(tmp_path), "domains": "sketch",
                     "shots-per-class": 2})  # fmt: skip
     with pytest.raises(DataError, match="class folder 'bird' is missing"):
-        dataset.verify(cfg)
+        dataset.verify(cfg.data)
     make_tree(tmp_path, ["sketch"], ["bird"], 10)  # now both exist; only 'bird' may be read
     bird = classes.index("bird")
-    client = dataset.load_client_data(cfg, 0)
+    client = dataset.load_client_data(cfg.data, 0)
     assert (codes(client.images)[client.labels == bird, 0] == 0).all()  # bird folder's colour
     assert torch.equal(
         codes(client.images)[client.labels != bird, 0], client.labels[client.labels != bird]
@@ -233,7 +233,7 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
     make_tree(tmp_path / "oh", ["Art"], folders, 10)
     office = config(**{"dataset": "officehome", "data-root": str(tmp_path / "oh"), "domains": "art",
                        "shots-per-class": 2})  # fmt: skip
-    client = dataset.load_client_data(office, 0)
+    client = dataset.load_client_data(office.data, 0)
     assert torch.equal(codes(client.images)[:, 0], client.labels)
     assert {"pen", "pencil"} <= set(client.classes)
 
@@ -250,14 +250,14 @@ def test_domainnet_official_split_lists(tmp_path: Path) -> None:
         (tmp_path / f"clipart_{split}.txt").write_text("\n".join(lines) + "\n")
     cfg = config(**{"dataset": "domainnet", "data-root": str(tmp_path), "domains": "clipart",
                     "shots-per-class": 2})  # fmt: skip
-    test = dataset.load_test_sets(cfg, ["clipart"])["clipart"]
+    test = dataset.load_test_sets(cfg.data, ["clipart"])["clipart"]
     assert len(test) == 2 * len(classes)  # birdhouse's listed images are not read
     assert set(codes(test.images)[:, 1].tolist()) == {4, 5}  # exactly the listed test files
-    train = dataset.load_client_data(cfg, 0)
+    train = dataset.load_client_data(cfg.data, 0)
     assert set(codes(train.images)[:, 1].tolist()) <= {0, 1, 2, 3}
     (tmp_path / "clipart_test.txt").write_text("clipart/clock/404.jpg 1\n")
     with pytest.raises(DataError, match="lists no image of class 'airplane'"):
-        dataset.verify(cfg)
+        dataset.verify(cfg.data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,12 +298,12 @@ def test_dermamnist_label_partitions(tmp_path: Path) -> None:
             assert torch.equal(codes(c.images)[:, 0], c.labels)
         if how == "iid":
             assert [len(c) for c in got] == [28] * 5
-    test = dataset.load_test_sets(cfg, ["dermatoscopic image"])["dermatoscopic image"]
+    test = dataset.load_test_sets(cfg.data, ["dermatoscopic image"])["dermatoscopic image"]
     assert torch.bincount(test.labels).tolist() == [3] * 7
     with pytest.raises(DataError, match="num-partitions"):
-        dataset.load_client_data(cfg, 0)
+        dataset.load_client_data(cfg.data, 0)
     with pytest.raises(DataError, match="outside 0..4"):
-        dataset.load_client_data(cfg, 5, 5)
+        dataset.load_client_data(cfg.data, 5, 5)
 
 
 def test_ucm_tif_folders(tmp_path: Path) -> None:
@@ -314,7 +314,7 @@ def test_ucm_tif_folders(tmp_path: Path) -> None:
         got = clients(cfg, 5, num_partitions=5)
         assert sum(len(c) for c in got) == 21 * 4 and got[0].client_id == "ucm-0"
         assert all(torch.equal(codes(c.images)[:, 0], c.labels) for c in got)
-        test = dataset.load_test_sets(cfg, cfg.domain_list)["centered satellite photo"]
+        test = dataset.load_test_sets(cfg.data, cfg.domain_list)["centered satellite photo"]
         assert torch.bincount(test.labels).tolist() == [1] * 21
 
 
@@ -355,16 +355,16 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
     cases.append((config(**pacs, **{"data-root": str(tmp_path / "empty")}), "holds no images"))
     for cfg, needle in cases:
         with pytest.raises(DataError) as err:
-            dataset.load_client_data(cfg, 0, 5)
+            dataset.load_client_data(cfg.data, 0, 5)
         assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(DataError, match="does not exist"):
-        dataset.verify(cases[0][0])
+        dataset.verify(cases[0][0].data)
     np.savez(tmp_path / "bad.npz", train_images=np.zeros((2, 28, 28, 3), np.uint8))
     bad = config(
         **{"dataset": "dermamnist", "data-root": str(tmp_path / "bad.npz"), "partitioning": "iid"}
     )
     with pytest.raises(DataError, match="lacks test_images, test_labels, train_labels"):
-        dataset.verify(bad)
+        dataset.verify(bad.data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,14 +382,14 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
         {"dataset": "ucm", "data-root": str(tmp_path / "ucm"), "partitioning": "iid",
          "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4}
     )  # fmt: skip
-    data = dataset.load_client_data(cfg, 1, 2)
+    data = dataset.load_client_data(cfg.data, 1, 2)
     payload, _ = personalize(
         tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
         torch.Generator().manual_seed(0),
     )
-    job = ServerJob(cfg, dataset.class_names(cfg), lambda: tiny_ldm)
+    job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: tiny_ldm)
     accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.client_id, accepted.meta.domain) == ("ucm-1", "centered satellite photo")
     assert accepted.meta.prompt_template == "A {S} of {V}." and accepted.meta.n_s == 3
-    tests = dataset.load_test_sets(cfg, [accepted.meta.domain])
+    tests = dataset.load_test_sets(cfg.data, [accepted.meta.domain])
     assert len(tests[accepted.meta.domain]) == 21  # round(0.2 * 3) = 1 per class

@@ -43,6 +43,18 @@ def test_what_nodes_run_never_imports_the_tools():
             assert not tools, f"{path.relative_to(ROOT)} imports {sorted(tools)}, which nodes lack"
 
 
+DATA_LAYER = ("dataset.py", "folders.py", "partitions.py", "shapes.py", "images.py", "specs.py")
+
+
+def test_the_data_layer_takes_a_data_description_never_the_run_config():
+    """What to load arrives as a DataDescription; no method knob can reach the data layer."""
+    for name in DATA_LAYER:
+        tree = ast.parse((ROOT / "fedbip_flwr" / name).read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for alias in node.names}  # fmt: skip
+        assert "FedBiPConfig" not in imported, f"{name} imports FedBiPConfig"
+
+
 def test_no_test_module_imports_another():
     """Shared helpers live in tests/helpers.py, imported under one spelling."""
     for path in sorted((ROOT / "tests").glob("*.py")):

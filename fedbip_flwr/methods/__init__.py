@@ -82,7 +82,7 @@ def institution_upload(
     sent beside it, for the run's method. The ClientApp and ``fedbip personalize`` both call
     this, so what an institution computes and audits offline is exactly what it would upload."""
     started = time.perf_counter()
-    data = dataset.institution_data(cfg, node)
+    data = dataset.institution_data(cfg.data, node)
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))

@@ -52,7 +52,7 @@ class FedAvg(MultiRound):
 
     def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
         """One client's round: the global weights, trained locally on its own images."""
-        data = dataset.institution_data(cfg, node)
+        data = dataset.institution_data(cfg.data, node)
         model = build_classifier(len(data.classes), "random")
         model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
         generator = client_generator(cfg, node, data.client_id)
@@ -65,10 +65,10 @@ class FedAvg(MultiRound):
 
     def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         """Flower's federated evaluation: the global weights scored on the client's held-out images."""
-        domain, _ = dataset.institution_identity(cfg, node)
+        domain, _ = dataset.institution_identity(cfg.data, node)
         model = build_classifier(len(cfg.class_list), "random")
         model.load_state_dict(msg.content[ARRAYS].to_torch_state_dict())
-        scores = score_classifier(model, dataset.institution_test_set(cfg, node, domain),
+        scores = score_classifier(model, dataset.institution_test_set(cfg.data, node, domain),
                                   cfg.classifier_image_size)  # fmt: skip
         return RecordDict({METRICS: MetricRecord(
             {"accuracy": scores["accuracy"], "num-examples": scores["num-examples"]}
