@@ -1,4 +1,4 @@
-"""The one upload of a FedBiP client: a single safetensors blob, and its strict validation.
+"""FedBiP's upload contract: what its one safetensors blob holds, and its strict validation.
 
 A client sends ``{z_i(T), y_i}`` for all local images plus the learned concepts ``S`` and ``V``
 exactly once. The server treats those bytes as untrusted network input, so they are:
@@ -17,94 +17,47 @@ no other exception escapes :func:`decode_payload`, whatever the bytes. See ``doc
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-import safetensors.torch
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from typing_extensions import Self
+from pydantic import Field, model_validator
 
-from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, FedBiPConfig
-from fedbip_flwr.logs import short_reason
+from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
 from fedbip_flwr.storage import atomic_write
+from fedbip_flwr.upload import (
+    DEFAULT_MAX_BYTES,
+    PayloadError,
+    UploadMeta,
+    check_index,
+    check_schema_version,
+    dtype_name,
+    encode_tensors,
+    meta_strings,
+    meta_value,
+    parse_meta,
+    read_capped,
+    read_tensors,
+    tensor_summary,
+)
 
-SCHEMA_VERSION = 1
-META_PREFIX = "fedbip."
-# The server's default cap (run config max-payload-mb), so tools and server agree out of the box.
-DEFAULT_MAX_BYTES = int(FedBiPConfig.model_fields["max_payload_mb"].default * 2**20)
-# A client id names files on the server: no separators, no leading dot, short enough in UTF-8.
-CLIENT_ID_PATTERN = r"^\w[\w .-]{0,47}$"
-MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 100 MB
 TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
 # With class_clusters > 1, each z(T)'s sub-cluster: which of its class's concepts it is denoised with.
 CLUSTER_TENSOR = "latent_clusters"
 
-# Bytes per element of every dtype a payload may use; anything else is refused at the header.
-_DTYPE_BYTES = {"F32": 4, "F16": 2, "I64": 8, "U8": 1}
 _LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_TENSOR_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
-_MAX_RANK = 8
 
 
-class PayloadError(ValueError):
-    """A payload that cannot be accepted; ``reason`` says what is wrong and what to change."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-        super().__init__(f"payload rejected: {reason}")
-
-    def __reduce__(self) -> tuple[type[PayloadError], tuple[str]]:
-        # Rebuild from the reason so the prefix is not doubled when the error crosses processes.
-        return (type(self), (self.reason,))
 
 
-class PayloadTooLarge(PayloadError):
-    """Above the byte cap. ``amount`` is the size, or "more than <limit> bytes" for a stream
-    that was not read to its end; the reason names the server's knob, run config max-payload-mb
-    (the CLI names its own)."""
-
-    def __init__(self, amount: str, limit: int) -> None:
-        self.amount, self.limit = amount, limit
-        super().__init__(
-            f"payload is {amount}, above the cap of {limit} bytes (raise run config "
-            "max-payload-mb if this client legitimately holds that many images, or upload "
-            "float16 latents)"
-        )
-
-    def __reduce__(self) -> tuple[type[PayloadTooLarge], tuple[str, int]]:
-        return (type(self), (self.amount, self.limit))
 
 
-class UploadMeta(BaseModel):
-    """What every method's upload says about itself; each method's metadata adds its own fields
-    and fixes ``method`` to its name (:mod:`fedbip_flwr.methods`)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    schema_version: int
-    method: str
-    client_id: str = Field(pattern=CLIENT_ID_PATTERN)  # the server's file name for it
-    domain: str = Field(min_length=1)
-    class_names: list[str] = Field(min_length=1)
-    num_examples: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _check_class_names(self) -> Self:
-        if any(not name for name in self.class_names):
-            raise ValueError("class_names must not contain empty names")
-        if len(set(self.class_names)) != len(self.class_names):
-            raise ValueError("class_names must be unique")
-        return self
 
 
-M = TypeVar("M", bound=UploadMeta)
 
 
 class PayloadMeta(UploadMeta):
@@ -308,29 +261,8 @@ def encode_payload(p: Payload) -> bytes:
     return encode_tensors(p.tensors(), _meta_to_strings(p.meta))
 
 
-def encode_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
-    """Any method's upload as safetensors bytes; equal inputs give equal bytes, in any process.
-
-    safetensors writes ``__metadata__`` in a per-process random order (a Rust HashMap), so the
-    header is rewritten in sorted order.
-    """
-    tensors = {
-        name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-        for name, t in tensors.items()
-    }
-    blob = safetensors.torch.save(tensors, metadata=dict(metadata))
-    size = _header_len(blob)
-    header = json.loads(blob[8 : 8 + size])
-    metadata = dict(sorted(header.pop("__metadata__").items()))
-    raw = json.dumps({"__metadata__": metadata, **dict(sorted(header.items()))},
-                     separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors' own padding: tensor data stays 8-byte aligned
-    return struct.pack("<Q", len(raw)) + raw + blob[8 + size :]
 
 
-def meta_strings(meta: BaseModel) -> dict[str, str]:
-    """safetensors metadata is str -> str; JSON values keep types and stay human-readable."""
-    return {META_PREFIX + key: json.dumps(value) for key, value in meta.model_dump().items()}
 
 
 def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
@@ -366,16 +298,6 @@ def load_payload(
     return decode_payload(read_capped(path, limit), expect, max_bytes=limit)
 
 
-def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
-    """A file's bytes, never more than ``max_bytes`` + 1 of them read: a file above the cap is
-    refused before reading, and a device or pipe, whose size the file system does not know,
-    once it passes the cap."""
-    with open(path, "rb") as file:
-        check_size(os.fstat(file.fileno()).st_size, max_bytes)
-        blob = file.read(max_bytes + 1)
-    if len(blob) > max_bytes:
-        raise PayloadTooLarge(f"more than {max_bytes} bytes", max_bytes)
-    return blob
 
 
 def decode_payload(
@@ -387,7 +309,7 @@ def decode_payload(
     """
     limit = expect.max_bytes if expect is not None else max_bytes
     tensors, metadata = read_tensors(blob, _tensor_names, limit, "fedbip")
-    meta = parse_meta(metadata)
+    meta = parse_meta(metadata, PayloadMeta)
     payload = Payload(**tensors, meta=meta)
     check_payload(payload)
     if expect is not None:
@@ -399,255 +321,44 @@ def _tensor_names(metadata: dict[str, str]) -> tuple[str, ...]:
     """The tensors a FedBiP payload must hold, as its metadata's class_clusters says (a bad
     value is refused with its reason when the metadata is parsed)."""
     try:
-        clusters = _meta_value(metadata, "class_clusters")
+        clusters = meta_value(metadata, "class_clusters")
     except PayloadError:
         return TENSOR_NAMES
     return (*TENSOR_NAMES, CLUSTER_TENSOR) if type(clusters) is int and clusters > 1 else TENSOR_NAMES
 
 
-def read_tensors(
-    blob: bytes,
-    names: Collection[str] | Callable[[dict[str, str]], Collection[str]],
-    max_bytes: int,
-    method: str,
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Any method's upload, untrusted: ``(tensors, metadata)`` or :class:`PayloadError`.
-
-    ``names``: the tensors it must hold, or a function of its metadata giving them.
-
-    Size cap before parsing, our own header parse, the schema version and ``method`` (so an
-    upload for another method says so), exactly ``names`` tiling the data with no gap or
-    overlap, safetensors' load, and finite floats. What the tensors must look like is the
-    method's own check, after this.
-    """
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"expected bytes, got {type(blob).__name__}")
-    check_size(memoryview(blob).nbytes, max_bytes)
-    blob = bytes(blob)
-    entries, metadata = read_header(blob)
-    _check_schema_version(_meta_value(metadata, "schema_version"))
-    _check_method(metadata, method)
-    if callable(names):
-        names = names(metadata)
-    _check_layout(entries, len(blob) - 8 - _header_len(blob), tuple(names))
-    tensors = _load_tensors(blob)
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise PayloadError(f"{name} contain NaN or Inf")
-    return tensors, metadata
 
 
-def check_size(size: int, limit: int) -> None:
-    """Refuse oversize input before parsing it, so a huge upload costs no parsing work."""
-    if size > limit:
-        raise PayloadTooLarge(f"{size} bytes", limit)
 
 
-def _header_len(blob: bytes) -> int:
-    return struct.unpack("<Q", blob[:8])[0]
 
 
-def read_header(
-    blob: bytes, max_header_bytes: int = MAX_HEADER_BYTES
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Parse the safetensors header ourselves, under our own limits, for clear error messages.
-
-    Returns ``(tensor entries, metadata)``: each entry is the header's
-    ``{"dtype", "shape", "data_offsets"}`` object, already type-checked; metadata is
-    ``__metadata__`` (str -> str, empty when absent). Offsets are not checked against the data
-    here; :func:`decode_payload` does that.
-    """
-    if len(blob) < 8:
-        raise PayloadError(
-            f"only {len(blob)} bytes; a safetensors file starts with an 8-byte header length "
-            "(empty or truncated upload)"
-        )
-    size = _header_len(blob)
-    if size > max_header_bytes:
-        raise PayloadError(
-            f"declared header length {size} bytes exceeds the {max_header_bytes}-byte limit "
-            "(not a FedBiP payload, or corrupted)"
-        )
-    if size > len(blob) - 8:
-        raise PayloadError(
-            f"declared header length {size} bytes runs past the end of the {len(blob)}-byte "
-            "blob (truncated upload?)"
-        )
-    header = _parse_json_object(blob[8 : 8 + size])
-    metadata = header.pop("__metadata__", {})
-    _check_metadata_types(metadata)
-    for name, entry in header.items():
-        _check_entry(name, entry)
-    return header, metadata
 
 
-def _parse_json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_unique_keys,
-            parse_constant=_reject_constant,
-        )
-    except UnicodeDecodeError:
-        raise PayloadError("header is not valid UTF-8 (not a safetensors file?)") from None
-    except (ValueError, RecursionError) as err:
-        raise PayloadError(f"header is not valid JSON ({short_reason(err)})") from None
-    if not isinstance(header, dict):
-        raise PayloadError(f"header is a JSON {_json_type(header)}, expected an object")
-    return header
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """Duplicate keys would let our view of the header differ from the loader's."""
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
 
 
-def _check_metadata_types(metadata: Any) -> None:
-    if not isinstance(metadata, dict):
-        raise PayloadError(f"__metadata__ is a JSON {_json_type(metadata)}, expected an object")
-    for key, value in metadata.items():
-        if not isinstance(value, str):
-            raise PayloadError(
-                f"__metadata__ value of {key!r} is a JSON {_json_type(value)}; "
-                "safetensors metadata values are strings"
-            )
 
 
-def _check_entry(name: str, entry: Any) -> None:
-    """Type-check one header entry so the layout arithmetic below cannot fail."""
-    if not isinstance(entry, dict) or set(entry) != _TENSOR_ENTRY_KEYS:
-        raise PayloadError(
-            f"header entry {name!r} must be an object with exactly dtype, shape, data_offsets"
-        )
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
-        raise PayloadError(
-            f"tensor {name!r} has dtype {dtype!r}; uploads hold F32, F16, I64 or U8 tensors"
-        )
-    if not _is_int_list(shape) or len(shape) > _MAX_RANK or any(s < 0 for s in shape):
-        raise PayloadError(f"tensor {name!r} has an invalid shape {shape!r}")
-    if not _is_int_list(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1]:
-        raise PayloadError(f"tensor {name!r} has invalid data_offsets {offsets!r}")
 
 
-def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    )
 
 
-def _check_layout(
-    entries: dict[str, dict[str, Any]], data_len: int, wanted: tuple[str, ...] = TENSOR_NAMES
-) -> None:
-    """Exact tensor names, and byte ranges that tile the data section with no gap or overlap."""
-    names = set(entries)
-    if missing := sorted(set(wanted) - names):
-        raise PayloadError(f"missing tensor(s) {missing}: expected {list(wanted)}, found {sorted(names)}")
-    if extra := sorted(names - set(wanted)):
-        raise PayloadError(f"unexpected tensor(s) {extra}: expected {list(wanted)}, found {sorted(names)}")
-    for name, entry in entries.items():
-        begin, end = entry["data_offsets"]
-        nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]
-        if end - begin != nbytes:
-            raise PayloadError(
-                f"tensor {name!r} of shape {entry['shape']} and dtype {entry['dtype']} needs "
-                f"{nbytes} bytes but its data_offsets span {end - begin}"
-            )
-    cursor = 0
-    for name, entry in sorted(entries.items(), key=lambda item: item[1]["data_offsets"]):
-        begin, end = entry["data_offsets"]
-        if begin != cursor:
-            where = "overlaps the previous tensor" if begin < cursor else "leaves a gap"
-            raise PayloadError(f"tensor {name!r} starts at data byte {begin} and {where}")
-        cursor = end
-    if cursor != data_len:
-        raise PayloadError(
-            f"tensor data ends at byte {cursor} but the blob carries {data_len} data bytes "
-            "(truncated or padded upload)"
-        )
 
 
-def parse_meta(metadata: dict[str, str], model: type[M] = PayloadMeta) -> M:  # type: ignore[assignment]
-    """Turn ``fedbip.*`` metadata strings into ``model`` (a method's metadata), version first.
-
-    The version is checked before anything else so that a payload from a newer schema gets a
-    "version" message rather than a confusing one about fields it added; then the method, so
-    an upload meant for another method says so.
-    """
-    _check_schema_version(_meta_value(metadata, "schema_version"))
-    _check_method(metadata, model.model_fields["method"].default)
-    expected = {META_PREFIX + field for field in model.model_fields}
-    if missing := sorted(expected - set(metadata)):
-        raise PayloadError(f"metadata is missing {missing} (written by an incomplete encoder?)")
-    if unknown := sorted(set(metadata) - expected):
-        raise PayloadError(f"metadata has unknown key(s) {unknown}")
-    values = {field: _meta_value(metadata, field) for field in model.model_fields}
-    try:
-        return model.model_validate(values, strict=True)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(part) for part in first["loc"])
-        where = f"metadata field '{META_PREFIX}{loc}'" if loc else "metadata"
-        raise PayloadError(f"{where} is invalid: {first['msg']}") from None
 
 
-def _check_method(metadata: dict[str, str], wanted: str) -> None:
-    method = _meta_value(metadata, "method")
-    if method != wanted:
-        raise PayloadError(
-            f"this is an upload for method {method!r}, not {wanted!r} (in a federation, "
-            "clients and server share run config method)"
-        )
 
 
-def upload_method(blob: bytes, max_bytes: int) -> str:
-    """The method an untrusted upload says it is for (its ``fedbip.method``), read from its
-    header alone: which method's checks to run on it."""
-    check_size(memoryview(blob).nbytes, max_bytes)
-    _, metadata = read_header(bytes(blob))
-    method = _meta_value(metadata, "method")
-    if not isinstance(method, str):
-        raise PayloadError(f"metadata 'fedbip.method' must be a string, got {method!r}")
-    return method
 
 
-def _meta_value(metadata: dict[str, str], field: str) -> Any:
-    key = META_PREFIX + field
-    if key not in metadata:
-        raise PayloadError(f"metadata is missing '{key}' (not a FedBiP payload?)")
-    try:
-        return json.loads(metadata[key], parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as err:
-        raise PayloadError(f"metadata '{key}' is not valid JSON ({short_reason(err)})") from None
 
 
-def _check_schema_version(version: Any) -> None:
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise PayloadError(
-            f"schema version {version!r} is not supported (this side reads version "
-            f"{SCHEMA_VERSION}); run the same fedbip-flwr release on clients and server"
-        )
 
 
-def _load_tensors(blob: bytes) -> dict[str, torch.Tensor]:
-    """Let safetensors do the real load, wrapping whatever it raises.
-
-    Our header checks should already have caught every problem; catching broadly here is
-    deliberate, so that no loader edge case can escape as anything but a PayloadError.
-    """
-    try:
-        return safetensors.torch.load(blob)
-    except Exception as err:  # noqa: BLE001 - untrusted input: one error type, always
-        raise PayloadError(f"safetensors could not load it ({short_reason(err)})") from None
 
 
 # --- validation shared by encode and decode ---------------------------------------------------
@@ -656,7 +367,7 @@ def _load_tensors(blob: bytes) -> dict[str, torch.Tensor]:
 def check_payload(p: Payload) -> None:
     """Check that tensors agree with the metadata and with each other; raise PayloadError."""
     meta = p.meta
-    _check_schema_version(meta.schema_version)
+    check_schema_version(meta.schema_version)
     if (p.latent_clusters is None) != (meta.class_clusters == 1):
         raise PayloadError(
             f"class_clusters is {meta.class_clusters}: latent_clusters must be "
@@ -679,7 +390,7 @@ def _check_dtypes(p: Payload) -> None:
     latent_dtype = _LATENT_DTYPES[p.meta.latent_dtype]
     if p.latents.dtype != latent_dtype:
         raise PayloadError(
-            f"latents are {_dtype_name(p.latents.dtype)} but metadata says latent_dtype "
+            f"latents are {dtype_name(p.latents.dtype)} but metadata says latent_dtype "
             f"'{p.meta.latent_dtype}' (latents must be float32 or float16, as declared)"
         )
     wanted = {"labels": torch.int64, "domain_concept": torch.float32,
@@ -688,7 +399,7 @@ def _check_dtypes(p: Payload) -> None:
     for name, dtype in wanted.items():
         got = getattr(p, name).dtype
         if got != dtype:
-            raise PayloadError(f"{name} must be {_dtype_name(dtype)}, got {_dtype_name(got)}")
+            raise PayloadError(f"{name} must be {dtype_name(dtype)}, got {dtype_name(got)}")
 
 
 def _check_shapes(p: Payload) -> None:
@@ -725,10 +436,7 @@ def _concept_dim(p: Payload) -> int:
 def _check_labels(
     labels: torch.Tensor, num_classes: int, name: str = "labels", what: str = "one per class name"
 ) -> None:
-    low, high = int(labels.min()), int(labels.max())
-    if low < 0 or high >= num_classes:
-        bad = low if low < 0 else high
-        raise PayloadError(f"{name} must lie in [0, {num_classes}) ({what}); found {bad}")
+    check_index(name, labels, num_classes, what)
 
 
 def check_expectations(p: Payload, expect: Expectations) -> None:
@@ -883,22 +591,8 @@ def summarize(p: Payload) -> list[dict[str, Any]]:
     return [tensor_summary(name, t) for name, t in p.tensors().items()]
 
 
-def tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
-    values = tensor.detach().to("cpu", torch.float64)
-    return {
-        "name": name,
-        "shape": list(tensor.shape),
-        "dtype": _dtype_name(tensor.dtype),
-        "mean": float(values.mean()),
-        "std": float(values.std(correction=0)),  # population std: defined for one element
-    }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
-def _json_type(value: Any) -> str:
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
-    return names.get(type(value), "number")
 

@@ -21,9 +21,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import results
-from .payload import PayloadError
 from .results import ClientOutcome, RunResults, Scored
 from .storage import atomic_write
+from .upload import PayloadError
 
 REPORT_FILE = "report.md"
 CLASSIFIER_PNG = "classifier-curves.png"

@@ -29,8 +29,9 @@ from .concepts import (
 )
 from .config import FedBiPConfig
 from .ldm import LDM
-from .payload import Payload, PayloadError, check_class_rows
+from .payload import Payload, check_class_rows
 from .sampler import Sampler, SchedulerName, TimestepSpacing
+from .upload import PayloadError
 
 if TYPE_CHECKING:
     from diffusers import SchedulerMixin

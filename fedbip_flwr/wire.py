@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from .payload import PayloadError, check_size
+from .upload import PayloadError, check_size
 
 PAYLOAD_RECORD = "fedbip.payload"
 CLASSIFIER_RECORD = "fedbip.classifier"

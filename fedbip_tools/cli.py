@@ -28,18 +28,18 @@ from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
-from fedbip_flwr.payload import (
-    DEFAULT_MAX_BYTES,
-    PayloadError,
-    PayloadTooLarge,
-    load_payload,
-    read_capped,
-    tensor_summary,
-)
+from fedbip_flwr.payload import load_payload
 from fedbip_flwr.report import write_report
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
+from fedbip_flwr.upload import (
+    DEFAULT_MAX_BYTES,
+    PayloadError,
+    PayloadTooLarge,
+    read_capped,
+    tensor_summary,
+)
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
 

@@ -33,10 +33,10 @@ from flwr.serverapp.strategy import Result, Strategy
 from pydantic import ValidationError
 
 from fedbip_flwr.methods import Upload
-from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.results import ClientOutcome, Scored, Unscored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write, write_json
+from fedbip_flwr.upload import PayloadError
 from fedbip_flwr.wire import (
     CLIENT_ID,
     blob_record,

@@ -27,15 +27,8 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.base import decode_upload
-from fedbip_flwr.payload import (
-    SCHEMA_VERSION,
-    Expectations,
-    Payload,
-    PayloadMeta,
-    Plausibility,
-    encode_payload,
-    encode_tensors,
-)
+from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, Plausibility, encode_payload
+from fedbip_flwr.upload import SCHEMA_VERSION, encode_tensors
 from fedbip_tools import simulation
 from fedbip_tools.simulation import (
     FLWR,

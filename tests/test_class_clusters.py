@@ -9,9 +9,9 @@ import torch
 
 from fedbip_flwr.concepts import initial_concepts, prompt_layout
 from fedbip_flwr.methods import audit_upload, create_for
-from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
+from fedbip_flwr.upload import PayloadError
 from tests.helpers import client_job, method_config, server_job, tampered
 
 J = 3

@@ -23,16 +23,9 @@ from fedbip_flwr.concepts import (
     velocity,
 )
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG, TINY, build_ldm, load_ldm
-from fedbip_flwr.payload import (
-    SCHEMA_VERSION,
-    Expectations,
-    Payload,
-    PayloadError,
-    PayloadMeta,
-    decode_payload,
-    encode_payload,
-)
+from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, decode_payload, encode_payload
 from fedbip_flwr.synthesis import SynthesisSettings, payload_layout
+from fedbip_flwr.upload import SCHEMA_VERSION, PayloadError
 from tests.helpers import WORDS
 
 CLASSES = ["circle", "square", "star"]

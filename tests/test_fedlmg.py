@@ -33,10 +33,10 @@ from fedbip_flwr.methods.fedlmg import (
     mean_teacher,
     source_teacher,
 )
-from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_metadata, write_tensors
 from fedbip_flwr.synthesis import decode_latents, encode_texts
+from fedbip_flwr.upload import PayloadError
 from fedbip_flwr.viz import quantize
 from tests.helpers import tampered
 

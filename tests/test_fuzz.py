@@ -39,9 +39,10 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedbip_flwr import results
 from fedbip_flwr.methods.fedbip import as_upload
-from fedbip_flwr.payload import MAX_HEADER_BYTES, Payload, decode_payload, encode_payload
+from fedbip_flwr.payload import Payload, decode_payload, encode_payload
 from fedbip_flwr.results import ClientOutcome, Scored, Unscored
 from fedbip_flwr.server import RunFolder
+from fedbip_flwr.upload import MAX_HEADER_BYTES
 from fedbip_flwr.wire import (
     BLOB_ARRAY,
     BLOB_STYPE,

@@ -10,9 +10,9 @@ import torch
 
 from fedbip_flwr.methods import audit_upload, create_for
 from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_TENSOR_NAMES, MIXTURE_VARIANCES
-from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
+from fedbip_flwr.upload import PayloadError
 from tests.helpers import client_job, method_config, server_job, tampered
 
 METHODS = ("fedld", "fedbip-mixture", "espresso")

@@ -22,9 +22,9 @@ from fedbip_flwr.methods.base import (
     encode_upload,
     fresh_noise_labels,
 )
-from fedbip_flwr.payload import PayloadError, UploadMeta
 from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
+from fedbip_flwr.upload import PayloadError, UploadMeta
 from fedbip_tools import cli
 from tests.helpers import (
     METHOD_CFG,

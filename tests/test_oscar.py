@@ -24,9 +24,9 @@ from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.ldm import ModelLoadError
 from fedbip_flwr.methods import ClientJob, create_for
 from fedbip_flwr.methods.oscar import class_conditioning
-from fedbip_flwr.payload import PayloadError
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
+from fedbip_flwr.upload import PayloadError
 from tests.helpers import client_job, method_config, server_job, tampered
 
 ROOT = Path(__file__).resolve().parents[1]

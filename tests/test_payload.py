@@ -21,16 +21,14 @@ from safetensors import safe_open
 
 from fedbip_flwr.payload import (
     Payload,
-    PayloadError,
     PayloadMeta,
-    PayloadTooLarge,
     decode_payload,
     encode_payload,
     load_payload,
-    read_header,
     save_payload,
     summarize,
 )
+from fedbip_flwr.upload import PayloadError, PayloadTooLarge, read_header
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,

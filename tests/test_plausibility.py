@@ -21,15 +21,9 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.methods.base import ServerJob
 from fedbip_flwr.methods.fedbip import FedBiP, personalize
-from fedbip_flwr.payload import (
-    LATENT_RMS,
-    Payload,
-    PayloadError,
-    decode_payload,
-    encode_payload,
-    latent_bounds,
-)
+from fedbip_flwr.payload import LATENT_RMS, Payload, decode_payload, encode_payload, latent_bounds
 from fedbip_flwr.server import expectations
+from fedbip_flwr.upload import PayloadError
 
 CLASSES = ["circle", "square", "star"]
 SIZE = 32  # the tiny model's 4 x 16 x 16 latent

@@ -18,8 +18,8 @@ import torch
 from .. import dataset
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
-from ..payload import PayloadError, upload_method
 from ..seeds import client_generator
+from ..upload import PayloadError, upload_method
 from . import (
     central,
     espresso,

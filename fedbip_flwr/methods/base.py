@@ -6,7 +6,7 @@ tests call alike:
 1. :meth:`Method.upload` runs once on a client: its private images (and its own randomness)
    -> the bytes of one safetensors upload, and metrics sent beside it.
 2. :meth:`Method.accept` runs on the server for every reply: untrusted bytes -> a validated
-   :class:`Upload`, or :class:`~fedbip_flwr.payload.PayloadError` with the reason.
+   :class:`Upload`, or :class:`~fedbip_flwr.upload.PayloadError` with the reason.
 3. :meth:`Method.train_set` turns all accepted uploads into the classifier's training set,
    written as uint8 shards (one or more per client), which the shared classifier recipe
    (:func:`fedbip_flwr.server.train_global`) reads back; :meth:`Method.teacher` optionally
@@ -42,14 +42,23 @@ from ..config import FedBiPConfig, MethodSettings, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
 from ..mixture import LatentMixture, draw
-from ..payload import SCHEMA_VERSION, M, PayloadError, UploadMeta, meta_strings, parse_meta
-from ..payload import encode_tensors as _encode_tensors
-from ..payload import read_header as _read_header
-from ..payload import read_tensors as _read_tensors
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
 from ..server import RunFolder, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, ZSampling, iter_denoised, iter_from_noise
+from ..upload import (
+    SCHEMA_VERSION,
+    M,
+    PayloadError,
+    UploadMeta,
+    check_dtype_shape,
+    check_index,
+    meta_strings,
+    parse_meta,
+)
+from ..upload import encode_tensors as _encode_tensors
+from ..upload import read_header as _read_header
+from ..upload import read_tensors as _read_tensors
 
 __all__ = [
     "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
@@ -301,21 +310,13 @@ def common_meta(job: ClientJob) -> dict[str, Any]:
 
 def check_tensor(upload: Upload, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """One of an upload's tensors with exactly this dtype and shape, or :class:`PayloadError`."""
-    tensor = upload.tensors[name]
-    if tensor.dtype != dtype:
-        raise PayloadError(f"{name} must be {dtype}, got {tensor.dtype}".replace("torch.", ""))
-    if tuple(tensor.shape) != tuple(shape):
-        raise PayloadError(f"{name} has shape {list(tensor.shape)}, expected {list(shape)}")
-    return tensor
+    return check_dtype_shape(name, upload.tensors[name], dtype, shape)
 
 
 def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
     """(num_examples,) int64 labels within the class list."""
     labels = check_tensor(upload, name, torch.int64, (upload.meta.num_examples,))
-    classes = len(upload.meta.class_names)
-    if len(labels) and (int(labels.min()) < 0 or int(labels.max()) >= classes):
-        raise PayloadError(f"{name} must lie in [0, {classes}) (one per class name)")
-    return labels
+    return check_index(name, labels, len(upload.meta.class_names), "one per class name")
 
 
 def check_class_counts(upload: Upload, name: str = "class_counts") -> torch.Tensor:

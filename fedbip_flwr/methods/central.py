@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..payload import UploadMeta
 from ..server import keyed_shard, shard_key
+from ..upload import UploadMeta
 from ..viz import dequantize, quantize
 from .base import (
     ClientJob,

@@ -40,10 +40,11 @@ from ..concepts import concept_scale
 from ..conditions import SPACE, initial_conditions, learn_conditions
 from ..instance import personalize_instances
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
-from ..payload import ROUNDING, PayloadError, adam_step_bound
+from ..payload import ROUNDING, adam_step_bound
 from ..seeds import client_seed
 from ..server import expectations
 from ..synthesis import ZSampling
+from ..upload import PayloadError
 from .base import (
     ClientJob,
     Method,

@@ -28,7 +28,6 @@ from ..instance import personalize_instances
 from ..ldm import LDM
 from ..payload import (
     CLUSTER_TENSOR,
-    SCHEMA_VERSION,
     TENSOR_NAMES,
     Payload,
     PayloadMeta,
@@ -38,6 +37,7 @@ from ..payload import (
 from ..seeds import client_seed
 from ..server import WorkUnit, expectations, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
+from ..upload import SCHEMA_VERSION
 from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
 
 log = logging.getLogger(__name__)

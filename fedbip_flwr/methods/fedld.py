@@ -40,8 +40,6 @@ from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, draw, fit_mixture, fr
 from ..payload import (
     LATENT_RMS,
     Expectations,
-    PayloadError,
-    UploadMeta,
     check_latent_moments,
     refuse_mismatch,
     sampling_checks,
@@ -49,6 +47,7 @@ from ..payload import (
 from ..seeds import client_seed
 from ..server import expectations
 from ..synthesis import SynthesisSettings, encode_texts
+from ..upload import PayloadError, UploadMeta
 from .base import (
     ClientJob,
     Method,

@@ -49,10 +49,10 @@ from ..classifier import Distillation, Divergence, Teacher, _prepare
 from ..concepts import unconditional_embedding
 from ..config import FedBiPConfig, MethodSettings
 from ..ldm import LDM
-from ..payload import PayloadError, UploadMeta
 from ..seeds import client_seed
 from ..server import keyed_shard, shard_key
 from ..synthesis import decode_latents, encode_texts
+from ..upload import PayloadError, UploadMeta
 from .base import (
     ClientJob,
     Method,

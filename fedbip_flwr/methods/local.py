@@ -17,8 +17,8 @@ from torch import nn
 
 from ..classifier import build_classifier, train_classifier
 from ..config import MethodSettings
-from ..payload import PayloadError, UploadMeta
 from ..server import train_settings
+from ..upload import PayloadError, UploadMeta
 from .base import ClientJob, Method, ServerJob, Upload, common_meta, encode_upload, register
 
 

@@ -33,8 +33,8 @@ from torch import nn
 from ..captioner import Captioner, load_captioner
 from ..config import MethodSettings
 from ..ldm import LDM
-from ..payload import PayloadError, UploadMeta
 from ..synthesis import encode_texts
+from ..upload import PayloadError, UploadMeta
 from .base import (
     ClientJob,
     Method,

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..concepts import plain_prompt
-from ..payload import UploadMeta
 from ..synthesis import encode_texts
+from ..upload import UploadMeta
 from .base import (
     ClientJob,
     Method,
