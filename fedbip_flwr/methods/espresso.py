@@ -160,7 +160,8 @@ class Espresso(Method):
             **seconds,
             "concept-losses": learned.losses,
             "condition-drift": learned.drift,
-            "sub-cluster-sizes": torch.bincount(data.labels * own.clusters + sub_clusters).tolist(),
+            "sub-cluster-sizes": torch.bincount(data.labels * own.clusters + sub_clusters,
+                                                minlength=len(classes) * own.clusters).tolist(),
             **mixture_metrics(mixture, len(instances.zT)),
         }
 
