@@ -143,6 +143,8 @@ def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> 
         raise ValueError(_problems(err, f"{method}.")) from None
 
 
+# Class concepts per class at most: a sub-cluster per image of a 16-shot class.
+MAX_CLASS_CLUSTERS = 16
 DatasetName = Literal["shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"]
 Partitioning = Literal["domain", "dirichlet", "iid"]
 
@@ -316,7 +318,7 @@ class FedBiPConfig(FlatConfig):
     class_clusters: int = Field(
         1,
         ge=1,
-        le=16,
+        le=MAX_CLASS_CLUSTERS,
         description="Class concepts per class: >1 splits each class's images into this many "
         "sub-clusters (a public encoder's features) and learns one V per sub-cluster (fedbip, "
         "fedbip-mixture).",

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
+from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, MAX_CLASS_CLUSTERS
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
@@ -52,14 +52,6 @@ CLUSTER_TENSOR = "latent_clusters"
 _LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-
-
-
-
-
-
-
-
 class PayloadMeta(UploadMeta):
     """Everything the server needs to denoise a client's z(T) exactly as the client meant."""
 
@@ -74,7 +66,7 @@ class PayloadMeta(UploadMeta):
     base_model: str = Field(min_length=1)
     latent_shape: list[int] = Field(min_length=3, max_length=3)
     latent_dtype: Literal["float32", "float16"]
-    class_clusters: int = Field(1, ge=1)  # class concepts per class (run config class-clusters)
+    class_clusters: int = Field(1, ge=1, le=MAX_CLASS_CLUSTERS)  # run config class-clusters
 
     @property
     def concept_names(self) -> list[str]:
@@ -258,15 +250,7 @@ def latent_bounds(
 def encode_payload(p: Payload) -> bytes:
     """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway."""
     check_payload(p)
-    return encode_tensors(p.tensors(), _meta_to_strings(p.meta))
-
-
-
-
-
-
-def _meta_to_strings(meta: PayloadMeta) -> dict[str, str]:
-    return meta_strings(meta)
+    return encode_tensors(p.tensors(), meta_strings(p.meta))
 
 
 def save_payload(p_or_blob: Payload | bytes, path: str | os.PathLike[str]) -> Path:
@@ -298,8 +282,6 @@ def load_payload(
     return decode_payload(read_capped(path, limit), expect, max_bytes=limit)
 
 
-
-
 def decode_payload(
     blob: bytes, expect: Expectations | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> Payload:
@@ -324,41 +306,8 @@ def _tensor_names(metadata: dict[str, str]) -> tuple[str, ...]:
         clusters = meta_value(metadata, "class_clusters")
     except PayloadError:
         return TENSOR_NAMES
-    return (*TENSOR_NAMES, CLUSTER_TENSOR) if type(clusters) is int and clusters > 1 else TENSOR_NAMES
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    valid = type(clusters) is int and 1 < clusters <= MAX_CLASS_CLUSTERS
+    return (*TENSOR_NAMES, CLUSTER_TENSOR) if valid else TENSOR_NAMES
 
 
 # --- validation shared by encode and decode ---------------------------------------------------
@@ -381,9 +330,9 @@ def check_payload(p: Payload) -> None:
     for name in ("latents", "domain_concept", "class_concepts"):
         if not bool(torch.isfinite(getattr(p, name)).all()):
             raise PayloadError(f"{name} contain NaN or Inf")
-    _check_labels(p.labels, len(meta.class_names))
+    check_index("labels", p.labels, len(meta.class_names), "one per class name")
     if p.latent_clusters is not None:
-        _check_labels(p.latent_clusters, meta.class_clusters, "latent_clusters", "sub-clusters per class")
+        check_index("latent_clusters", p.latent_clusters, meta.class_clusters, "sub-clusters per class")
 
 
 def _check_dtypes(p: Payload) -> None:
@@ -409,7 +358,7 @@ def _check_shapes(p: Payload) -> None:
         "latents": (n, *meta.latent_shape),
         "labels": (n,),
         "domain_concept": (meta.n_s, d),
-        "class_concepts": (len(meta.concept_names), meta.n_v, d),
+        "class_concepts": (len(meta.class_names) * meta.class_clusters, meta.n_v, d),
         CLUSTER_TENSOR: (n,),
     }
     shapes = {name: shape for name, shape in shapes.items() if name in meta.tensor_names()}
@@ -431,12 +380,6 @@ def _concept_dim(p: Payload) -> int:
             f"domain_concept has shape {list(p.domain_concept.shape)}, expected (n_s, d)"
         )
     return int(p.domain_concept.shape[1])
-
-
-def _check_labels(
-    labels: torch.Tensor, num_classes: int, name: str = "labels", what: str = "one per class name"
-) -> None:
-    check_index(name, labels, num_classes, what)
 
 
 def check_expectations(p: Payload, expect: Expectations) -> None:
@@ -589,10 +532,5 @@ def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility)
 def summarize(p: Payload) -> list[dict[str, Any]]:
     """Per-tensor name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
     return [tensor_summary(name, t) for name, t in p.tensors().items()]
-
-
-
-
-
 
 

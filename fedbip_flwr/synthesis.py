@@ -44,7 +44,9 @@ class ZSampling:
     weaker ``inverse_guidance``, then the sampler's own step from the new z(t). The round trip
     moves z(t) toward where the guided model puts its class: the condition's semantics enter
     the early, layout-setting steps twice. Both DDIM steps are diffusers' (DDIMScheduler and
-    DDIMInverseScheduler on the sampler's own noise schedule and spacing)."""
+    DDIMInverseScheduler on the sampler's noise schedule), one DDIM stride long (1000 / steps),
+    which is not the next timestep of a multistep solver's leading grid: the round trip needs
+    only to return to t."""
 
     threshold: int = 800
     inverse_guidance: float = 0.0
@@ -86,8 +88,11 @@ def denoise(
     z = z_t.to(ldm.device, ldm.dtype)
     cond, uncond = cond.to(ldm.device, ldm.dtype), uncond.to(ldm.device, ldm.dtype)
     ddim = zigzag_schedulers(sampler) if zigzag is not None else None
-    for t in timesteps:
-        if zigzag is not None and zigzag.applies(t, ddim[0]):
+    for i, t in enumerate(timesteps):
+        # PNDM's warm-up steps twice at its second timestep and discards the sample it is given
+        # the first time: zigzag at a timestep's last occurrence only.
+        repeated = i + 1 < len(timesteps) and int(timesteps[i + 1]) == int(t)
+        if zigzag is not None and zigzag.applies(t, ddim[0]) and not repeated:
             z = zigzag_step(ldm, z, t, cond, uncond, guidance_scale, zigzag.inverse_guidance, ddim)
         model_in = scheduler.scale_model_input(z, t)
         z = scheduler.step(guided_eps(ldm, model_in, t, cond, uncond, guidance_scale), t, z).prev_sample

@@ -315,11 +315,14 @@ def parse_meta(metadata: dict[str, str], model: type[M]) -> M:
     check_schema_version(meta_value(metadata, "schema_version"))
     _check_method(metadata, model.model_fields["method"].default)
     expected = {META_PREFIX + field for field in model.model_fields}
-    if missing := sorted(expected - set(metadata)):
+    # A field with a default was added to the schema later: an upload written before it (a run
+    # folder's persisted payloads) means the default.
+    required = {META_PREFIX + name for name, field in model.model_fields.items() if field.is_required()}
+    if missing := sorted(required - set(metadata)):
         raise PayloadError(f"metadata is missing {missing} (written by an incomplete encoder?)")
     if unknown := sorted(set(metadata) - expected):
         raise PayloadError(f"metadata has unknown key(s) {unknown}")
-    values = {field: meta_value(metadata, field) for field in model.model_fields}
+    values = {field: meta_value(metadata, field) for field in model.model_fields if META_PREFIX + field in metadata}
     try:
         return model.model_validate(values, strict=True)
     except ValidationError as err:

@@ -29,7 +29,7 @@ def without_meta(blob: bytes, key: str) -> bytes:
     """The upload re-encoded (deterministically) with its metadata ``key`` left out."""
     names = tuple(read_header(blob)[0])
     tensors, metadata = read_tensors(blob, names, len(blob), json.loads(read_header(blob)[1]["fedbip.method"]))
-    metadata.pop(key)
+    metadata.pop(key, None)
     return encode_tensors(tensors, metadata)
 
 

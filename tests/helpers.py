@@ -28,7 +28,7 @@ from fedbip_flwr.ldm import LDM
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.base import decode_upload
 from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, Plausibility, encode_payload
-from fedbip_flwr.upload import SCHEMA_VERSION, encode_tensors
+from fedbip_flwr.upload import SCHEMA_VERSION, encode_tensors, read_header
 from fedbip_tools import simulation
 from fedbip_tools.simulation import (
     FLWR,
@@ -158,8 +158,7 @@ def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
 
 def tampered(blob: bytes, method: str, cfg: FedBiPConfig, change) -> bytes:
     """The upload re-encoded after ``change(tensors, metadata)``: a client that lies."""
-    upload = decode_upload(blob, create(method).meta_model,
-                           tuple(create(method).expected_tensors(server_job(cfg, None))), 2**40)  # fmt: skip
+    upload = decode_upload(blob, create(method).meta_model, tuple(read_header(blob)[0]), 2**40)
     tensors = dict(upload.tensors)
     meta = {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()}
     change(tensors, meta)

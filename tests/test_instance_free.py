@@ -182,3 +182,15 @@ def test_espresso_refuses_conditions_beyond_their_learnings_reach_and_another_cl
     other = method_config("espresso", **{"espresso.clusters": 2})
     with pytest.raises(PayloadError, match="clusters 4 does not match the server's 2"):
         create_for(other).accept(blob, server_job(other, tiny_ldm))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_domain_the_server_does_not_hold_is_refused(method, tiny_ldm):
+    """The domain phrase becomes prompt text on the server: only the run's domains are taken."""
+    cfg, blob, _ = upload_of(method, tiny_ldm)
+
+    def elsewhere(_tensors, meta):
+        meta["fedbip.domain"] = '"photo of a dog"'
+
+    with pytest.raises(PayloadError, match="is not one of the server's domains"):
+        create_for(cfg).accept(tampered(blob, method, cfg, elsewhere), server_job(cfg, tiny_ldm))

@@ -28,7 +28,13 @@ from fedbip_flwr.payload import (
     save_payload,
     summarize,
 )
-from fedbip_flwr.upload import PayloadError, PayloadTooLarge, read_header
+from fedbip_flwr.upload import (
+    PayloadError,
+    PayloadTooLarge,
+    encode_tensors,
+    read_header,
+    read_tensors,
+)
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,
@@ -271,3 +277,23 @@ def test_payload_error_survives_pickling() -> None:
     too_large = PayloadTooLarge("9 bytes", 8)
     copy = pickle.loads(pickle.dumps(too_large))
     assert (type(copy), copy.amount, copy.limit, str(copy)) == (PayloadTooLarge, "9 bytes", 8, str(too_large))
+
+
+# --- the class-clusters key -----------------------------------------------------------------------
+
+
+def _with_metadata(blob: bytes, change) -> bytes:
+    tensors, metadata = read_tensors(blob, tuple(read_header(blob)[0]), 2**30, "fedbip")
+    change(metadata)
+    return encode_tensors(tensors, metadata)
+
+
+def test_a_payload_written_before_class_clusters_existed_means_one_concept_per_class(blob: bytes) -> None:
+    old = _with_metadata(blob, lambda m: m.pop("fedbip.class_clusters"))
+    assert decode_payload(old).meta.class_clusters == 1
+
+
+def test_an_absurd_class_cluster_count_is_refused_before_any_work(blob: bytes) -> None:
+    huge = _with_metadata(blob, lambda m: m.update({"fedbip.class_clusters": str(10**15)}))
+    with pytest.raises(PayloadError, match="class_clusters"):
+        decode_payload(huge)

@@ -82,7 +82,7 @@ class EspressoSettings(MixtureSettings):
     batch_size: int = Field(8, ge=1)
     z_sampling: bool = Field(True, description="Z-Sampling's zigzag at the early timesteps.")
     z_threshold: int = Field(800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z).")
-    z_inverse_guidance: float = Field(0.0, ge=0.0, description="Guidance of the inversion step (g2 < g1).")
+    z_inverse_guidance: float = Field(0.0, ge=0.0, description="Guidance of the inversion step (g2; the paper keeps it below the run's guidance).")
 
     def zigzag(self) -> ZSampling | None:
         return ZSampling(self.z_threshold, self.z_inverse_guidance) if self.z_sampling else None

@@ -27,7 +27,6 @@ from ..config import FedBiPConfig
 from ..instance import personalize_instances
 from ..ldm import LDM
 from ..payload import (
-    CLUSTER_TENSOR,
     TENSOR_NAMES,
     Payload,
     PayloadMeta,
@@ -185,10 +184,6 @@ class FedBiP(Method):
             "concept-drift-s": report.concept_drift["s"],
             "concept-drift-v": report.concept_drift["v"],
         }
-
-    def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
-        """With class-clusters > 1, each z(T)'s sub-cluster too."""
-        return (*TENSOR_NAMES, CLUSTER_TENSOR) if server.cfg.class_clusters > 1 else TENSOR_NAMES
 
     def audit(self, blob: bytes, max_bytes: int) -> Upload:
         """The full payload contract that needs no model: schema, shapes, dtypes, labels."""

@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 
 from ..clusters import condition_rows
+from ..config import MAX_CLASS_CLUSTERS
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import Expectations, Payload, PayloadMeta, check_concept_scale, check_expectations
 from ..seeds import client_seed
@@ -60,7 +61,7 @@ class FedBiPMixtureMeta(MixtureMeta):
     n_v: int = Field(ge=1)
     concept_space: Literal["token", "hidden"]
     prompt_template: str
-    class_clusters: int = Field(ge=1)
+    class_clusters: int = Field(ge=1, le=MAX_CLASS_CLUSTERS)
 
 
 @dataclasses.dataclass(frozen=True)

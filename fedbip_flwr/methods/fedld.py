@@ -148,6 +148,11 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
     run config (``expect``, :func:`fedbip_flwr.server.expectations`), and for plausibility:
     draws from every held class must look like z(T) at T."""
     meta = upload.meta
+    if expect.domains and meta.domain not in expect.domains:
+        raise PayloadError(
+            f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
+            "(clients and server must share run config domains)"
+        )
     refuse_mismatch([
         *sampling_checks(meta, expect),
         ("components", meta.components, components, "clients and server must share the method's components"),
