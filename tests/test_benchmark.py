@@ -107,8 +107,9 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     assert set(small["fidelity"]) == {"sketch", "quickdraw"}
     assert all(0 <= f["class"] <= 1 and 0 <= f["domain"] <= 1 for f in small["fidelity"].values())
     assert math.isfinite(small["mia_gap"]["loss"]) and small["sgd_steps"] == 3
-    # the tiny model ships no backbone: membership by distance in pixels only
-    assert all(set(d) == {"pixel_auc", "pixel_share"} and 0 <= d["pixel_auc"] <= 1 for d in small["dcr"].values())
+    # the tiny model ships a (random) backbone: membership by distance in pixels and in its features
+    keys = {"pixel_auc", "pixel_share", "feature_auc", "feature_share"}
+    assert all(set(d) == keys and 0 <= d["pixel_auc"] <= 1 and 0 <= d["feature_auc"] <= 1 for d in small["dcr"].values())
     cached = json.loads(bench.cache(0).read_text())
     assert cached["settings"] == bench.settings.digest() and set(cached["results"]) == set(results)
 
