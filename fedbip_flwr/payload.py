@@ -71,7 +71,11 @@ class PayloadMeta(UploadMeta):
     @property
     def concept_names(self) -> list[str]:
         """The class each row of V is a concept of: class-major, class_clusters rows each."""
-        return [name for name in self.class_names for _ in range(self.class_clusters)]
+        return self.per_concept(self.class_names)
+
+    def per_concept(self, per_class: Sequence[Any]) -> list[Any]:
+        """A per-class list repeated for each of the class's rows of V (class-major)."""
+        return [value for value in per_class for _ in range(self.class_clusters)]
 
     def tensor_names(self) -> tuple[str, ...]:
         """Exactly the tensors a payload with this metadata holds."""
@@ -409,7 +413,7 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
             "(clients and server must share run config domains)"
         )
-    lengths = [length for length in n_v for _ in range(meta.class_clusters)]
+    lengths = meta.per_concept(n_v)
     check_class_rows(p.class_concepts, lengths, meta.concept_names)
     if expect.plausibility is not None:
         check_latent_moments(p.latents, expect.timestep, expect.plausibility)

@@ -40,7 +40,7 @@ from ..concepts import concept_scale
 from ..conditions import SPACE, initial_conditions, learn_conditions
 from ..instance import personalize_instances
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
-from ..payload import ROUNDING, adam_step_bound
+from ..payload import ROUNDING, adam_step_bound, refuse_mismatch
 from ..seeds import client_seed
 from ..server import expectations
 from ..synthesis import ZSampling
@@ -167,12 +167,11 @@ class Espresso(Method):
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         meta, own = upload.meta, self.settings
-        if meta.clusters != own.clusters:
-            raise PayloadError(f"clusters {meta.clusters} does not match the server's {own.clusters} "
-                               "(clients and server must share run config espresso.clusters)")  # fmt: skip
-        if meta.prompt_template != server.cfg.prompt_template:
-            raise PayloadError(f"prompt template {meta.prompt_template!r} does not match the server's "
-                               f"{server.cfg.prompt_template!r} (conditions start from its plain prompt)")  # fmt: skip
+        refuse_mismatch([
+            ("clusters", meta.clusters, own.clusters, "clients and server must share run config espresso.clusters"),
+            ("prompt template", meta.prompt_template, server.cfg.prompt_template,
+             "conditions start from its plain prompt"),
+        ])  # fmt: skip
         expect = expectations(server.cfg, server.ldm(), server.class_names)
         mixture = check_mixture_upload(upload, server, own.components, expect)
         conditions = check_conditions(upload, server, own)

@@ -166,5 +166,5 @@ def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> 
         latent_clusters=torch.empty(0, dtype=torch.int64) if meta.class_clusters > 1 else None,
     )  # fmt: skip
     check_expectations(payload, dataclasses.replace(expect, plausibility=None))
-    check_concept_scale(payload, [n for n in n_v for _ in range(meta.class_clusters)], expect.plausibility)
+    check_concept_scale(payload, payload.meta.per_concept(n_v), expect.plausibility)
     return payload
