@@ -336,6 +336,14 @@ class FedBiPConfig(FlatConfig):
 
     # --- payload -----------------------------------------------------------------------------
     max_payload_mb: float = Field(512.0, gt=0.0, description="Replies above this are refused.")
+    max_images_per_client: int = Field(
+        100_000,
+        ge=1,
+        description="Uploads claiming more private images than this (in all, or of one class) "
+        "are refused: the server synthesizes in proportion to the claim, so the cap bounds its "
+        "work per client. The default passes every paper setting (the largest client holds "
+        "DermaMNIST's 7,007 training images) and institutions of tens of thousands of images.",
+    )
 
     # --- server synthesis (eq. 5) ------------------------------------------------------------
     multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")

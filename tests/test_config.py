@@ -96,6 +96,8 @@ def test_paper_defaults():
         ({"concept-space": "pixels"}, "'concept-space'"),
         ({"prompt-template": "a {V}"}, "{S} exactly once"),
         ({"gamma-mean": 1.5}, "'gamma-mean'"),
+        ({"max-images-per-client": 0}, "'max-images-per-client': Input should be greater than or equal to 1"),
+        ({"max-images-per-client": 2.5}, "'max-images-per-client': Input should be a valid integer"),
     ],
 )
 def test_bad_config_is_one_sentence(flat, needle):

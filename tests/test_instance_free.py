@@ -5,6 +5,8 @@ in test_methods.py (all are in ONE_SHOT)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -194,3 +196,49 @@ def test_a_domain_the_server_does_not_hold_is_refused(method, tiny_ldm):
 
     with pytest.raises(PayloadError, match="is not one of the server's domains"):
         create_for(cfg).accept(tampered(blob, method, cfg, elsewhere), server_job(cfg, tiny_ldm))
+
+
+def claim_more(extra: list[int]):
+    """A client that adds ``extra[c]`` to its count of class c (num_examples kept as it was)."""
+
+    def change(tensors, _meta):
+        counts = tensors["class_counts"]
+        tensors["class_counts"] = counts + torch.tensor(extra + [0] * (len(counts) - len(extra)))
+
+    return change
+
+
+def claim_total(extra: int):
+    """A client that claims ``extra`` more images of its first class, num_examples to match."""
+
+    def change(tensors, meta):
+        claim_more([extra])(tensors, meta)
+        meta["fedbip.num_examples"] = json.dumps(int(tensors["class_counts"].sum()))
+
+    return change
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_claimed_image_counts_are_held_to_max_images_per_client(method, tiny_ldm):
+    """The counts decide how many images the server makes (and Espresso's condition reach): a
+    claim above run config max-images-per-client, in all or for one class, is refused before
+    the mixture is read; a claim at the cap is taken."""
+    cfg, blob, _ = upload_of(method, tiny_ldm)
+    counts = audit_upload(blob, 2**30).tensors["class_counts"]
+    n = int(counts.sum())
+    assert int(counts.max()) < n - 1, "a per-class claim within the caps below"
+    at_cap = method_config(method, **{"max-images-per-client": n})
+    assert create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm)).meta.num_examples == n
+    below = method_config(method, **{"max-images-per-client": n - 1})
+    with pytest.raises(PayloadError, match=f"class_counts in all claims {n} images, above run config "
+                                           f"max-images-per-client {n - 1}"):  # fmt: skip
+        create_for(below).accept(blob, server_job(below, tiny_ldm))
+    one_class = f"class_counts of class 'circle' claims {int(counts[0]) + 10**9} images, above run config"
+    with pytest.raises(PayloadError, match=f"{one_class} max-images-per-client 100000"):
+        create_for(cfg).accept(tampered(blob, method, cfg, claim_total(10**9)), server_job(cfg, tiny_ldm))
+    # four counts of 2**62 more sum, in int64, to the honest num_examples
+    with pytest.raises(PayloadError, match="class_counts of class 'circle' claims .* max-images-per-client"):
+        create_for(cfg).accept(tampered(blob, method, cfg, claim_more([2**62] * 4)), server_job(cfg, tiny_ldm))
+    negative = [-int(counts[0]) - 1, int(counts[0]) + 1]
+    with pytest.raises(PayloadError, match="class_counts .* must be non-negative"):
+        create_for(cfg).accept(tampered(blob, method, cfg, claim_more(negative)), server_job(cfg, tiny_ldm))

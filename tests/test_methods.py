@@ -223,6 +223,19 @@ def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm)
             create(method).accept(tampered(blob, method, cfg, poison), server_job(cfg, tiny_ldm))
 
 
+@pytest.mark.parametrize("method", ["fedbip", "prompts-only", "oscar", "fedlmg"])
+def test_every_claimed_image_count_is_held_to_max_images_per_client(method, tiny_ldm):
+    """As the mixture methods' (test_instance_free.py): the server's synthesis grows with a
+    client's claimed images, FedBiP's z(T) rows included."""
+    blob, _ = valid_upload(method, tiny_ldm)
+    n = len(client_job(method_config(method), tiny_ldm).data.labels)
+    at_cap = method_config(method, **{"max-images-per-client": n})
+    create(method).accept(blob, server_job(at_cap, tiny_ldm))
+    below = method_config(method, **{"max-images-per-client": n - 1})
+    with pytest.raises(PayloadError, match=f"claims {n} images, above run config max-images-per-client {n - 1}"):
+        create(method).accept(blob, server_job(below, tiny_ldm))
+
+
 def test_a_fedbip_payload_names_its_method(tiny_ldm):
     upload_meta = methods.fedbip.FedBiP.meta_model.model_fields["method"].default
     assert upload_meta == "fedbip"
@@ -286,6 +299,8 @@ def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
     n = len(job.data.labels)
     assert upload.meta.num_examples == 2 * n and upload.tensors["latents"].shape[0] == 2 * n
     assert torch.equal(upload.tensors["labels"], job.data.labels.repeat(2))
+    at_cap = method_config("fedbip", **{"latents-per-image": 2, "max-images-per-client": n})
+    create("fedbip").accept(blob, server_job(at_cap, tiny_ldm))  # 2n z(T) rows of n images
     one, _ = create("fedbip").upload(client_job(method_config("fedbip"), tiny_ldm))
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
 

@@ -319,15 +319,31 @@ def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
     return check_index(name, labels, len(upload.meta.class_names), "one per class name")
 
 
-def check_class_counts(upload: Upload, name: str = "class_counts") -> torch.Tensor:
-    """(C,) int64 per-class counts, non-negative, summing to the upload's num_examples."""
+def check_class_counts(upload: Upload, server: ServerJob, name: str = "class_counts") -> torch.Tensor:
+    """(C,) int64 per-class counts, non-negative, each and their sum within the server's run
+    config max-images-per-client (it synthesizes as many images as they claim), summing to the
+    upload's num_examples."""
+    cap = server.cfg.max_images_per_client
     counts = check_tensor(upload, name, torch.int64, (len(upload.meta.class_names),))
-    if bool((counts < 0).any()) or int(counts.sum()) != upload.meta.num_examples:
-        raise PayloadError(
-            f"{name} {counts.tolist()} must be non-negative and sum to num_examples "
-            f"{upload.meta.num_examples}"
-        )
+    values = counts.tolist()  # Python ints: their sum cannot wrap around as int64's can
+    if min(values, default=0) < 0:
+        raise PayloadError(f"{name} {values} must be non-negative")
+    for class_name, count in zip(upload.meta.class_names, values, strict=True):
+        check_image_count(count, cap, f"{name} of class {class_name!r}")
+    check_image_count(sum(values), cap, f"{name} in all")
+    if sum(values) != upload.meta.num_examples:
+        raise PayloadError(f"{name} {values} must sum to num_examples {upload.meta.num_examples}")
     return counts
+
+
+def check_image_count(images: int, cap: int, what: str) -> None:
+    """Refuse a claim of more private images than ``cap`` (run config max-images-per-client):
+    the server's synthesis grows with the claim, so an unbounded claim is unbounded work."""
+    if images > cap:
+        raise PayloadError(
+            f"{what} claims {images} images, above run config max-images-per-client {cap} "
+            "(raise it on the server if a client legitimately holds that many)"
+        )
 
 
 def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -194,7 +194,9 @@ class Espresso(Method):
 
 def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -> torch.Tensor:
     """(C, J, L, d) conditions, each coordinate within reach of its start c0 (tau of the plain
-    prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise."""
+    prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise. The reach grows
+    with num_examples, so this runs after :func:`check_mixture_upload` has held it to run config
+    max-images-per-client."""
     meta, ldm = upload.meta, server.ldm()
     start = initial_conditions(ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters)
     conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))

@@ -37,7 +37,7 @@ from ..seeds import client_seed
 from ..server import WorkUnit, expectations, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
 from ..upload import SCHEMA_VERSION
-from .base import ClientJob, Method, ServerJob, Upload, fresh_noise_set, register
+from .base import ClientJob, Method, ServerJob, Upload, check_image_count, fresh_noise_set, register
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +190,14 @@ class FedBiP(Method):
         return as_upload(decode_payload(blob, max_bytes=max_bytes))
 
     def accept(self, blob: bytes, server: ServerJob) -> Upload:
-        """The full payload contract (docs/payload.md), against the server's model and config."""
-        return as_upload(decode_payload(blob, expectations(server.cfg, server.ldm(), server.class_names)))
+        """The full payload contract (docs/payload.md), against the server's model and config,
+        and the images its z(T) stand for within run config max-images-per-client, as every
+        upload's claimed images are."""
+        payload = decode_payload(blob, expectations(server.cfg, server.ldm(), server.class_names))
+        rows, per_image = payload.meta.num_examples, server.cfg.latents_per_image
+        what = f"num_examples {rows} ({per_image} z(T) per image)"
+        check_image_count(-(-rows // per_image), server.cfg.max_images_per_client, what)
+        return as_upload(payload)
 
     def train_set(
         self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]

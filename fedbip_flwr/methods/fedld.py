@@ -146,7 +146,9 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
 def check_mixture_upload(upload: Upload, server: ServerJob, components: int, expect: Expectations) -> LatentMixture:
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
     run config (``expect``, :func:`fedbip_flwr.server.expectations`), and for plausibility:
-    draws from every held class must look like z(T) at T."""
+    draws from every held class must look like z(T) at T. Its class counts, which decide how
+    many images the server makes, are held to run config max-images-per-client, and so is
+    num_examples, their sum."""
     meta = upload.meta
     if expect.domains and meta.domain not in expect.domains:
         raise PayloadError(
@@ -157,7 +159,7 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
         *sampling_checks(meta, expect),
         ("components", meta.components, components, "clients and server must share the method's components"),
     ])  # fmt: skip
-    counts = check_class_counts(upload)
+    counts = check_class_counts(upload, server)
     try:
         mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
     except ValueError as err:

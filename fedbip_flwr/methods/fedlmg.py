@@ -424,7 +424,7 @@ class FedLMG(Method):
         return (*self.tensor_names, *(PREFIX + name for name in names))
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        check_class_counts(upload)
+        check_class_counts(upload, server)
         model = check_classifier(upload, PREFIX)
         for layer_name, layer in model.named_modules():
             if isinstance(layer, nn.BatchNorm2d) and bool((layer.running_var < 0).any()):

@@ -116,7 +116,7 @@ class OSCAR(Method):
                 f"conditioning was encoded by base model {upload.meta.base_model}, the server's "
                 f"is {ldm.fingerprint}: client and server must load the same LDM"
             )
-        counts = check_class_counts(upload)
+        counts = check_class_counts(upload, server)
         shape = (len(server.class_names), int(ldm.tokenizer.model_max_length), ldm.concept_dim)
         conditioning = check_tensor(upload, "conditioning", torch.float32, shape)
         empty = conditioning.flatten(1).abs().amax(1) == 0

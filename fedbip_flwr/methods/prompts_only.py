@@ -42,7 +42,7 @@ class PromptsOnly(Method):
         return encode_upload(PromptsOnlyMeta(**common_meta(job)), {"class_counts": counts}), {}
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        check_class_counts(upload)
+        check_class_counts(upload, server)
         return upload
 
     def train_set(
