@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,7 +28,15 @@ import psutil
 
 from fedbip_flwr.paths import project_dir
 
-FLWR = str(Path(sys.executable).with_name("flwr"))
+
+def flwr_tool(name: str) -> str:
+    """A Flower command (``flwr``, ``flower-superlink``...) beside this Python, else on PATH
+    (where Flower was installed with ``pip --target``, as on a lent GPU machine)."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else shutil.which(name) or str(beside)
+
+
+FLWR = flwr_tool("flwr")
 
 
 class SimulationError(RuntimeError):
@@ -114,17 +123,20 @@ def run_simulation(
     cpus_per_client: int = 1,
     env: Mapping[str, str] | None = None,
     actors: int | None = None,
+    federation: str | None = None,
 ) -> tuple[int, str]:
     """``flwr run APP --stream`` on this home's local simulation SuperLink; (run id, output).
 
-    ``run_config`` is ``--run-config``'s text or a dict of values. ``env`` adds variables to the
-    processes (e.g. ``OMP_NUM_THREADS``); the SuperLink, started by the first run of a home,
-    keeps those it started with. ``actors`` caps how many ClientApp processes run at once
-    (default: as many as the cores allow, :func:`federation_config`).
+    ``run_config`` is ``--run-config``'s text (key=value pairs or a TOML file's path) or a dict
+    of values. ``env`` adds variables to the processes (e.g. ``OMP_NUM_THREADS``); the SuperLink,
+    started by the first run of a home, keeps those it started with. ``actors`` caps how many
+    ClientApp processes run at once (default: as many as the cores allow,
+    :func:`federation_config`); ``federation`` replaces the whole ``--federation-config`` text
+    (``supernodes`` then unused).
     """
     home.mkdir(parents=True, exist_ok=True)
     text = run_config if isinstance(run_config, str) else run_config_arg(run_config)
-    federation = federation_config(supernodes, cpus_per_client, actors)
+    federation = federation or federation_config(supernodes, cpus_per_client, actors)
     proc = subprocess.run(
         [FLWR, "run", str(app or project_dir() or Path.cwd()), "--stream",
          "--run-config", text, "--federation-config", federation],

@@ -13,7 +13,9 @@
 #   2. SD v1-4's architecture with random weights (scripts/build_sd_architecture.py), unless
 #      SD_MODEL already holds a build.
 #   3. scripts/sd_proof.py --device cuda: two institutions and a server through the real
-#      SuperLink/SuperNodes and `flwr run` at 512 px; time and GPU memory per phase.
+#      SuperLink/SuperNodes and `flwr run` at 512 px; time and GPU memory per phase. Then
+#      (sim-gpu) the README's one-GPU-box simulation command, conf/sd-v1-4-gpu.toml with three
+#      simulated clients on Ray sharing the card with the ServerApp (--engine simulation).
 #   4. `fedbip speed` at 512 px: half precision at the paper's 50 PNDM steps (the project's loop
 #      against the stock pipeline, both fp16); float32 at 10 steps with the same-images check
 #      and the matmul peaks; the concept step against the textual-inversion recipe and the
@@ -67,6 +69,10 @@ rm -f "$WORK/sd-proof/proof.json"  # never summarize an earlier run's record
 stage sd-proof 300 "$PY" scripts/sd_proof.py "$WORK/sd-proof" --device cuda --model "$SD_MODEL" --timeout 280
 cp "$WORK/sd-proof/proof.json" "$OUT/sd_gpu_proof.json" 2>/dev/null
 tail -n 40 "$WORK"/sd-proof/logs/*.log >"$OUT/sd_proof_logs.txt" 2>/dev/null
+rm -f "$WORK/sim-gpu/proof.json"
+stage sim-gpu 300 "$PY" scripts/sd_proof.py "$WORK/sim-gpu" --engine simulation --device cuda --model "$SD_MODEL" --timeout 280
+cp "$WORK/sim-gpu/proof.json" "$OUT/sd_gpu_simulation.json" 2>/dev/null
+tail -n 60 "$WORK"/sim-gpu/logs/*.log "$WORK"/sim-gpu/flwr-home/local-superlink/*.log >"$OUT/sim_logs.txt" 2>/dev/null
 
 speed() {  # speed NAME CAP ARGS...: fedbip speed at 512 px on the GPU, one JSON per call
     local name=$1 cap=$2

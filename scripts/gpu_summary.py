@@ -3,7 +3,8 @@
     python scripts/gpu_summary.py OUT_DIR
 
 Reads gpu_check.log (the stages and how each ended, the CUDA tests' result), sd_gpu_proof.json
-(the 512-px federation: status, wall time, phases, payload shapes) and every speed_*.json (the
+and sd_gpu_simulation.json (the 512-px federation deployed and simulated: status, wall time,
+phases, payload shapes) and every speed_*.json (the
 speed benchmark's own tables), so a lab sees in one page what its GPU did.
 """
 
@@ -37,6 +38,10 @@ def proof_section(proof: dict) -> list[str]:
     for phase, p in proof.get("phases", {}).items():
         if p:
             lines.append(f"| {phase} | {p['seconds']:.1f} | {p['peak_rss_mb']} |")
+    if not any(proof.get("phases", {}).values()):  # a simulation: one process tree, no windows
+        lines += [f"| {phase} | {seconds:.1f} | |" for phase, seconds in recorded_phases(proof.get("metrics", {}))]
+        rss = proof.get("processes", {}).get("superlink", {}).get("peak_rss_mb")
+        lines += ["", f"The whole simulation (SuperLink, Ray, the apps) peaked at {rss:,} MB RSS."] if rss else []
     gpu = [r["gpu_mb"] for r in proof.get("samples", []) if r.get("gpu_mb") is not None]
     if gpu:  # device-wide (nvidia-smi each second): the clients' phases overlap
         synthesis = proof.get("phases", {}).get("server: synthesis", {}).get("peak_gpu_mb_device")
@@ -49,15 +54,24 @@ def proof_section(proof: dict) -> list[str]:
     return lines
 
 
+def recorded_phases(metrics: dict) -> list[tuple[str, float]]:
+    """Each institution's time and the server's phases, as the run recorded them."""
+    found = [(f"{c['client_id']}: whole client step", c["metrics"]["seconds-total"])
+             for c in metrics.get("clients", []) if "seconds-total" in c.get("metrics", {})]  # fmt: skip
+    return found + [(f"server: {phase}", seconds) for phase, seconds in metrics.get("seconds", {}).items()]
+
+
 def summary(out: Path) -> str:
     log = (out / "gpu_check.log").read_text() if (out / "gpu_check.log").exists() else ""
     first = log.splitlines()[:3]
     lines = ["# GPU check", "", *(f"    {line}" for line in first), "", "## Stages", ""]
     lines += [f"- {s}" for s in stages(log)] or ["- none ran"]
     lines += ["", f"CUDA tests (`pytest -m cuda tests/test_cuda.py`): {tests_line(log)}.", ""]
-    proof = out / "sd_gpu_proof.json"
-    if proof.exists():
-        lines += ["## SD v1-4's architecture at 512 px through flwr", "", *proof_section(json.loads(proof.read_text())), ""]
+    for name, title in (("sd_gpu_proof.json", "through flwr, two SuperNodes"),
+                        ("sd_gpu_simulation.json", "in Flower's simulation (the README's one-GPU-box command)")):  # fmt: skip
+        proof = out / name
+        if proof.exists():
+            lines += [f"## SD v1-4's architecture at 512 px {title}", "", *proof_section(json.loads(proof.read_text())), ""]
     for path in sorted(out.glob("speed_*.json"), key=lambda p: (ORDER.index(p.stem) if p.stem in ORDER else 99, p.stem)):
         result = json.loads(path.read_text())
         command = "fedbip speed " + " ".join(f"--{k.replace('_', '-')}={v}" for k, v in result["settings"].items()

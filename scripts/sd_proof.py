@@ -30,16 +30,26 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import tomli_w
+import tomllib
 
 from fedbip_flwr import results
 from fedbip_flwr.results import RunResults, Seconds
-from fedbip_tools.simulation import free_port, stop_process_tree, wait_for_port
+from fedbip_tools.simulation import (
+    flwr_tool,
+    free_port,
+    run_simulation,
+    stop_local_superlink,
+    stop_process_tree,
+    superlink_processes,
+    wait_for_port,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 CLASSES = {"circle": "airplane", "square": "clock"}  # built-in shape folder -> DomainNet class
 INSTITUTIONS = ("quickdraw", "clipart")
 RUN_CONFIG = {
@@ -65,12 +75,6 @@ RUN_CONFIG = {
     "wait-for-clients-s": "600.0",
     "reply-timeout-s": "7200.0",
 }
-
-
-def tool(name: str) -> str:
-    """A Flower command beside this Python, else on PATH (e.g. installed with pip --target)."""
-    beside = BIN / name
-    return str(beside) if beside.exists() else shutil.which(name) or str(beside)
 
 
 def python_path() -> str:
@@ -103,6 +107,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.roles, self.samples, self.stop_flag = roles, [], threading.Event()
         self.started, self.gpu = time.time(), gpu
+        self.discover: Callable[[], dict[int, str]] = dict  # roots that appear while it runs
 
     @staticmethod
     def gpu_used_mb() -> int | None:
@@ -122,6 +127,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.stop_flag.wait(1.0):
             row = {"t": round(time.time() - self.started, 1), "load1": os.getloadavg()[0], "procs": {}}
+            self.roles.update(self.discover())
             for pid, role in list(self.roles.items()):
                 try:
                     root = psutil.Process(pid)
@@ -229,54 +235,37 @@ def server_windows(seconds: Seconds) -> dict[str, float]:
     return windows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("work", type=Path)
-    parser.add_argument("--model", type=Path, default=Path("/tmp/sd-v1-4-random"))
-    parser.add_argument("--shots", type=int, default=3, help="training images per class")
-    parser.add_argument("--test-per-class", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=7200)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    args = parser.parse_args(argv)
-    run_name = f"sd-{args.device}-proof"
-    work = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    if not (args.model / "build_info.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"),
-                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": python_path()})
-    home = work / "flwr-home"
-    home.mkdir(exist_ok=True)
+SIMULATION_CONF = ROOT / "conf" / "sd-v1-4-gpu.toml"
+SIMULATION_FEDERATION = "num-supernodes=3 client-resources-num-gpus=0.3"  # the README's
+SIMULATION_RUN_CONFIG = {  # over SIMULATION_CONF: a few minutes, random weights, offline
+    "concept-epochs": 1,
+    "num-inference-steps": 10,
+    "classifier-init": "random",  # ImageNet's weights cannot be downloaded offline
+    "classifier-epochs": 1,
+}
+
+
+def deploy(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, result: dict) -> Path:
+    """One SuperLink, two SuperNodes on their own folders, then ``flwr run``; the run folder."""
+    home, logs = Path(env["FLWR_HOME"]), work / "logs"
     link_port, api_ports = free_port(), [free_port(), free_port()]
-    env = {
-        **os.environ,
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FEDBIP_PROJECT_DIR": str(ROOT),
-        "FEDBIP_ALLOW_SD_ON_CPU": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": python_path(),
-    }
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "sd"\n\n[superlink.sd]\naddress = "127.0.0.1:{link_port}"\n'
         "insecure = true\n"
     )
-    logs = work / "logs"
-    logs.mkdir(exist_ok=True)
     procs: list[subprocess.Popen] = []
-    roles: dict[int, str] = {}
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen:
         out = open(logs / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append(proc)
-        roles[proc.pid] = name
+        sampler.roles[proc.pid] = name
         return proc
 
-    result: dict = {"run_config": RUN_CONFIG, "model": str(args.model), "device": args.device}
-    sampler = Sampler(roles, gpu=args.device == "cuda")
-    sampler.start()
+    run_name = f"sd-{args.device}-proof"
+    result["run_config"] = RUN_CONFIG
     try:
-        link = start("superlink", [tool("flower-superlink"), "--insecure", "--host",
+        link = start("superlink", [flwr_tool("flower-superlink"), "--insecure", "--host",
                                    "127.0.0.1", "--port", str(link_port),
                                    "--disable-runtime-dependency-installation"])
         wait_for_port(link_port, link, logs / "superlink.log", timeout=90)
@@ -286,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             node_config = (f'data-root="{data}" domain="{domain}" client-id="{domain}-0" '
                            f'output-dir="{work / "institutions" / domain}"')
             start(f"supernode-{domain}", [
-                tool("flower-supernode"), "--insecure", "--superlink",
+                flwr_tool("flower-supernode"), "--insecure", "--superlink",
                 f"127.0.0.1:{link_port}", "--port", str(api_ports[i]),
                 "--node-config", node_config])
         values = {**RUN_CONFIG, "model": f'"{args.model}"', "output-dir": f'"{work / "outputs"}"',
@@ -296,25 +285,104 @@ def main(argv: list[str] | None = None) -> int:
         started = time.time()
         result["run_started_t"] = round(started - sampler.started, 1)
         proc = subprocess.run(
-            [tool("flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
+            [flwr_tool("flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
         result["seconds_wall"] = round(time.time() - started, 1)
         (logs / "flwr-run.log").write_text(proc.stdout + proc.stderr)
         match = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
         if match:
             status = subprocess.run(
-                [tool("flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
+                [flwr_tool("flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
             try:
                 result["status"] = json.loads(status.stdout)["runs"][0]["status"]
             except (ValueError, KeyError, IndexError):
                 result["status"] = f"unknown: {status.stdout[-500:]}"
     finally:
-        sampler.stop_flag.set()
-        sampler.join()
         for proc in reversed(procs):
             stop_process_tree(proc.pid)
-    run = work / "outputs" / run_name
+    return work / "outputs" / run_name
+
+
+def simulate(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, result: dict) -> Path:
+    """The README's one-box command through Flower's simulation engine (Ray), its clients and
+    the ServerApp sharing the device: ``conf/sd-v1-4-gpu.toml`` with the model, the sizes and
+    the epochs changed (SIMULATION_RUN_CONFIG); the run folder. The SuperLink that ``flwr run``
+    starts is sampled as it appears, with all its children."""
+    home = Path(env["FLWR_HOME"])
+    run_name = f"sd-{args.device}-simulation"
+    changed = {**SIMULATION_RUN_CONFIG, "model": str(args.model), "device": args.device,
+               "shots-per-class": args.shots, "test-per-class": args.test_per_class,
+               "image-size": args.image_size, "classifier-image-size": args.image_size,
+               "output-dir": str(work / "outputs"), "run-name": run_name}  # fmt: skip
+    conf = work / SIMULATION_CONF.name  # Flower takes one TOML file or key=value pairs, not both
+    conf.write_text(tomli_w.dumps({**tomllib.loads(SIMULATION_CONF.read_text()), **changed}))
+    result["run_config"] = changed
+    result["command"] = ["flwr", "run", str(ROOT), "--stream", "--run-config", str(conf),
+                         "--federation-config", args.federation_config]  # fmt: skip
+    sampler.discover = lambda: {p.pid: "superlink" for p in superlink_processes(home)}
+    started = time.time()
+    result["run_started_t"] = round(started - sampler.started, 1)
+    try:
+        run_id, output = run_simulation(home, str(conf), 0, args.timeout, ROOT, env=env,
+                                        federation=args.federation_config)  # fmt: skip
+        (work / "logs" / "flwr-run.log").write_text(output)
+        result["status"] = simulation_status(home, run_id, env)
+    finally:
+        result["seconds_wall"] = round(time.time() - started, 1)
+        stop_local_superlink(home)
+    return work / "outputs" / run_name
+
+
+def simulation_status(home: Path, run_id: int, env: dict) -> str:
+    proc = subprocess.run([flwr_tool("flwr"), "ls", "--run-id", str(run_id), "--format", "json"],
+                          cwd=home, env=env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    try:
+        return json.loads(proc.stdout)["runs"][0]["status"]
+    except (ValueError, KeyError, IndexError):
+        return f"unknown: {proc.stdout[-500:]}{proc.stderr[-500:]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path)
+    parser.add_argument("--model", type=Path, default=Path("/tmp/sd-v1-4-random"))
+    parser.add_argument("--shots", type=int, default=3, help="training images per class")
+    parser.add_argument("--test-per-class", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=7200)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--engine", choices=("deployment", "simulation"), default="deployment",
+                        help="simulation: the README's one-box command (conf/sd-v1-4-gpu.toml, Ray)")
+    parser.add_argument("--federation-config", default=SIMULATION_FEDERATION,
+                        help="simulation only: flwr run's --federation-config")
+    parser.add_argument("--image-size", type=int, default=512, help="simulation only")
+    args = parser.parse_args(argv)
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(exist_ok=True)
+    if not (args.model / "build_info.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"),
+                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": python_path()})
+    home = work / "flwr-home"
+    home.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FEDBIP_PROJECT_DIR": str(ROOT),
+        "FEDBIP_ALLOW_SD_ON_CPU": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": python_path(),
+    }
+    result: dict = {"engine": args.engine, "model": str(args.model), "device": args.device}
+    sampler = Sampler({}, gpu=args.device == "cuda")
+    sampler.start()
+    try:
+        engine = simulate if args.engine == "simulation" else deploy
+        run = engine(args, work, env, sampler, result)
+    finally:
+        sampler.stop_flag.set()
+        sampler.join()
     record = results.read(run) if (run / results.FILE_NAME).exists() else None
     result.update(
         metrics=record.model_dump(exclude_none=True) if record else {},
