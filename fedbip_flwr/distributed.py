@@ -11,6 +11,7 @@ most the shards being written and a rerun makes only what is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -29,7 +30,7 @@ from . import dataset
 from .config import ConfigError, FedBiPConfig
 from .ldm import load_for_run, select_device
 from .methods import Method, ServerJob, Upload, one_shot_for
-from .server import RunFolder, ShardPending, WorkUnit, load_persisted, only_reuse
+from .server import RunFolder, ShardMode, ShardPending, WorkUnit, load_persisted
 
 log = logging.getLogger(__name__)
 POLL_S = 2.0  # how often a waiting ServerApp looks for new shards
@@ -56,14 +57,15 @@ class RunSynthesis:
     def units(self) -> list[WorkUnit]:
         return self.method.work_units(self.uploads, self.job)
 
-    def make(self, unit: WorkUnit) -> list[Path]:
-        return self.method.make_unit(unit, self.uploads, self.job, self.folder.shard_path)
+    def make(self, unit: WorkUnit, mode: ShardMode = ShardMode.MAKE) -> list[Path]:
+        """``unit``'s shards, made where missing, or (CHECK) :class:`ShardPending` instead."""
+        job = dataclasses.replace(self.job, shard_mode=mode)
+        return self.method.make_unit(unit, self.uploads, job, self.folder.shard_path)
 
     def ready(self, unit: WorkUnit) -> bool:
         """Every shard of ``unit`` is on disk under its key: the method's own code checks."""
         try:
-            with only_reuse():
-                self.make(unit)
+            self.make(unit, ShardMode.CHECK)
         except ShardPending:
             return False
         return True

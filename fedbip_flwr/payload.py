@@ -33,9 +33,11 @@ from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
     UploadMeta,
+    check_dtype,
+    check_finite,
     check_index,
     check_schema_version,
-    dtype_name,
+    check_shape,
     encode_tensors,
     meta_strings,
     meta_value,
@@ -50,6 +52,8 @@ TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
 CLUSTER_TENSOR = "latent_clusters"
 
 _LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_FIXED_DTYPES = {"labels": torch.int64, "domain_concept": torch.float32,
+                 "class_concepts": torch.float32, CLUSTER_TENSOR: torch.int64}  # fmt: skip
 
 
 class PayloadMeta(UploadMeta):
@@ -332,30 +336,23 @@ def check_payload(p: Payload) -> None:
     _check_dtypes(p)
     _check_shapes(p)
     for name in ("latents", "domain_concept", "class_concepts"):
-        if not bool(torch.isfinite(getattr(p, name)).all()):
-            raise PayloadError(f"{name} contain NaN or Inf")
+        check_finite(name, getattr(p, name))
     check_index("labels", p.labels, len(meta.class_names), "one per class name")
     if p.latent_clusters is not None:
         check_index("latent_clusters", p.latent_clusters, meta.class_clusters, "sub-clusters per class")
 
 
 def _check_dtypes(p: Payload) -> None:
-    latent_dtype = _LATENT_DTYPES[p.meta.latent_dtype]
-    if p.latents.dtype != latent_dtype:
-        raise PayloadError(
-            f"latents are {dtype_name(p.latents.dtype)} but metadata says latent_dtype "
-            f"'{p.meta.latent_dtype}' (latents must be float32 or float16, as declared)"
-        )
-    wanted = {"labels": torch.int64, "domain_concept": torch.float32,
-              "class_concepts": torch.float32, CLUSTER_TENSOR: torch.int64}
-    wanted = {name: dtype for name, dtype in wanted.items() if name in p.meta.tensor_names()}
-    for name, dtype in wanted.items():
-        got = getattr(p, name).dtype
-        if got != dtype:
-            raise PayloadError(f"{name} must be {dtype_name(dtype)}, got {dtype_name(got)}")
+    """Latents in the dtype the metadata declares (float16 halves an upload); the rest fixed."""
+    declared = p.meta.latent_dtype
+    dtypes = {"latents": _LATENT_DTYPES[declared], **_FIXED_DTYPES}
+    declaration = f"metadata says latent_dtype '{declared}'; float32 or float16 may be declared"
+    for name in p.meta.tensor_names():
+        check_dtype(name, getattr(p, name), dtypes[name], declaration if name == "latents" else "")
 
 
 def _check_shapes(p: Payload) -> None:
+    """Every shape follows from the metadata and the concept width d (read from S)."""
     meta = p.meta
     n, d = meta.num_examples, _concept_dim(p)
     shapes = {
@@ -365,16 +362,13 @@ def _check_shapes(p: Payload) -> None:
         "class_concepts": (len(meta.class_names) * meta.class_clusters, meta.n_v, d),
         CLUSTER_TENSOR: (n,),
     }
-    shapes = {name: shape for name, shape in shapes.items() if name in meta.tensor_names()}
-    for name, want in shapes.items():
-        got = tuple(getattr(p, name).shape)
-        if got != want:
-            raise PayloadError(
-                f"{name} has shape {list(got)}, expected {list(want)} from the metadata "
-                f"(num_examples={n}, latent_shape={meta.latent_shape}, n_s={meta.n_s}, "
-                f"n_v={meta.n_v}, {len(meta.class_names)} classes x {meta.class_clusters} "
-                f"concepts each, concept dim {d})"
-            )
+    why = (
+        f"from the metadata's num_examples={n}, latent_shape={meta.latent_shape}, n_s={meta.n_s}, "
+        f"n_v={meta.n_v}, {len(meta.class_names)} classes x {meta.class_clusters} concepts each, "
+        f"and concept dim {d} from domain_concept"
+    )
+    for name in meta.tensor_names():
+        check_shape(name, getattr(p, name), shapes[name], why)
 
 
 def _concept_dim(p: Payload) -> int:

@@ -10,14 +10,12 @@ client and pass), and a restart over the same folder resumes from what is there.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
+import enum
 import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,12 +33,8 @@ from .classifier import (
     save_classifier,
     train_classifier,
 )
-from .concepts import concept_scale, count_tokens
 from .config import FedBiPConfig
-from .ldm import LDM
-from .payload import Expectations, Plausibility, adam_step_bound
 from .storage import read_metadata, write_tensors_streamed
-from .synthesis import SynthesisSettings
 from .viz import image_grid, quantize
 
 log = logging.getLogger(__name__)
@@ -104,57 +98,6 @@ class RunFolder:
         return {p.stem: p for p in sorted(self.payloads.glob("*.safetensors"))}
 
 
-def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
-    """What every payload must agree with: the server's config and its base model, including
-    the statistics an honest upload has under that model (:class:`Plausibility`)."""
-    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
-    timestep = sampler.first_timestep(cfg.start_timestep)
-    return Expectations(
-        max_bytes=int(cfg.max_payload_mb * 2**20),
-        base_model=ldm.fingerprint,
-        latent_shape=ldm.latent_shape(cfg.image_size),
-        concept_dim=ldm.concept_dim,
-        timestep=timestep,
-        num_inference_steps=cfg.num_inference_steps,
-        scheduler=sampler.name,
-        n_s=cfg.n_s,
-        n_v=cfg.n_v,
-        concept_space=cfg.concept_space,
-        class_names=tuple(class_names),
-        prompt_template=cfg.prompt_template,
-        domains=tuple(cfg.domain_list),
-        phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
-        plausibility=plausibility(cfg, ldm, timestep),
-        class_clusters=cfg.class_clusters,
-    )
-
-
-def plausibility(cfg: FedBiPConfig, ldm: LDM, timestep: int) -> Plausibility:
-    """The noise level at T and the concept scale and learning budget, for the moment checks."""
-    scale = concept_scale(ldm, cfg.concept_space)
-    return Plausibility(
-        alpha_bar=float(ldm.scheduler.alphas_cumprod[timestep]),
-        concept_scale=scale,
-        concept_init_rms=concept_init_rms(ldm, cfg.concept_space) / scale,
-        concept_step=cfg.concept_lr * adam_step_bound(),
-        concept_epochs=cfg.concept_epochs,
-        concept_batch_size=cfg.concept_batch_size,
-        latents_per_image=cfg.latents_per_image,
-    )
-
-
-@torch.no_grad()
-def concept_init_rms(ldm: LDM, space: str) -> float:
-    """The largest RMS a concept's initial vector can have: a row of the token embedding table,
-    or (hidden) an output of the text encoder's final LayerNorm, gamma * xhat + beta with
-    RMS(xhat) = 1, so at most max|gamma| + RMS(beta)."""
-    if space == "token":
-        table = ldm.text_encoder.get_input_embeddings().weight.float()
-        return float(table.pow(2).mean(-1).sqrt().max())
-    norm = next(m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm"))
-    return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())
-
-
 @dataclass(frozen=True)
 class WorkUnit:
     """One piece of a run's training set that any process can make on its own.
@@ -168,23 +111,17 @@ class WorkUnit:
     images: int  # how many images it writes: what a split over processes balances
 
 
+class ShardMode(enum.Enum):
+    """What :func:`keyed_shard` does with a shard that is not on disk under its key."""
+
+    MAKE = "make"  # compute and write it
+    # Raise ShardPending: a method's own shard-making code run in this mode checks that every
+    # shard it would write is on disk under its key, without a second implementation of any key.
+    CHECK = "check"
+
+
 class ShardPending(Exception):
-    """A shard that :func:`only_reuse` found missing (or made under another key)."""
-
-
-_ONLY_REUSE = contextvars.ContextVar("fedbip_only_reuse", default=False)
-
-
-@contextlib.contextmanager
-def only_reuse() -> Iterator[None]:
-    """Within the block, :func:`keyed_shard` raises :class:`ShardPending` instead of making a
-    shard. Running a method's own shard-making code under it checks that every shard it would
-    write is on disk under its key, without a second implementation of any key."""
-    token = _ONLY_REUSE.set(True)
-    try:
-        yield
-    finally:
-        _ONLY_REUSE.reset(token)
+    """A shard that :attr:`ShardMode.CHECK` found missing (or made under another key)."""
 
 
 def keyed_shard(
@@ -192,6 +129,8 @@ def keyed_shard(
     key: str,
     labels: torch.Tensor,
     batches: Callable[[], Iterable[torch.Tensor]],
+    *,
+    mode: ShardMode,
     on_reuse: Callable[[int], None] | None = None,
 ) -> Path:
     """A training-set shard: reused when the file on disk was made under ``key``, else written
@@ -199,16 +138,17 @@ def keyed_shard(
 
     ``key`` digests everything the pixels depend on, so a restart with another seed or setting
     recomputes instead of silently mixing two configurations. Every method's training set goes
-    through here.
+    through here. Under :attr:`ShardMode.CHECK` nothing is written or reported:
+    :class:`ShardPending` where the shard would be made.
     """
     if read_metadata(path).get(SHARD_KEY) == key:
-        if _ONLY_REUSE.get():
+        if mode is ShardMode.CHECK:
             return path
         log.info("%s reused", path.name)
         if on_reuse is not None:
             on_reuse(len(labels))
         return path
-    if _ONLY_REUSE.get():
+    if mode is ShardMode.CHECK:
         raise ShardPending(path)
     if path.exists():
         log.warning("%s was made under other settings; redoing it", path)

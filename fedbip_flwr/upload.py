@@ -9,8 +9,9 @@ Every method's upload (FedBiP's payload, a peer's) goes through here before its 
   floats, and ``fedbip.*`` metadata parsed into the method's pydantic model, version first.
 
 Every rejection is a :class:`PayloadError` whose message says what is wrong and what to change.
-:func:`check_dtype_shape` and :func:`check_index` are the checks every method's schema is written in
-(FedBiP's contract is :mod:`fedbip_flwr.payload`).
+:func:`check_dtype` and :func:`check_shape` (together :func:`check_dtype_shape`),
+:func:`check_finite` and :func:`check_index` are the checks every method's schema is written
+in, FedBiP's contract (:mod:`fedbip_flwr.payload`) too.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def read_tensors(
     _check_layout(entries, len(blob) - 8 - _header_len(blob), tuple(names))
     tensors = _load_tensors(blob)
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise PayloadError(f"{name} contain NaN or Inf")
+        if tensor.is_floating_point():
+            check_finite(name, tensor)
     return tensors, metadata
 
 
@@ -402,13 +403,44 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "number")
 
 
-def check_dtype_shape(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """``tensor`` with exactly this dtype and shape, or :class:`PayloadError` naming ``name``."""
+def check_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype, why: str = "") -> torch.Tensor:
+    """``tensor`` if it is ``dtype``, or :class:`PayloadError` naming ``name`` and ``why`` that
+    dtype (where the schema takes it from, when not fixed)."""
     if tensor.dtype != dtype:
-        raise PayloadError(f"{name} must be {dtype_name(dtype)}, got {dtype_name(tensor.dtype)}")
-    if tuple(tensor.shape) != tuple(shape):
-        raise PayloadError(f"{name} has shape {list(tensor.shape)}, expected {list(shape)}")
+        raise PayloadError(
+            f"{name} must be {dtype_name(dtype)}, got {dtype_name(tensor.dtype)}{_because(why)}"
+        )
     return tensor
+
+
+def check_shape(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], why: str = ""
+) -> torch.Tensor:
+    """``tensor`` if it has exactly ``shape``, or :class:`PayloadError` naming ``name`` and
+    ``why`` that shape (the metadata or settings it follows from)."""
+    if tuple(tensor.shape) != tuple(shape):
+        raise PayloadError(
+            f"{name} has shape {list(tensor.shape)}, expected {list(shape)}{_because(why)}"
+        )
+    return tensor
+
+
+def check_dtype_shape(
+    name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], why: str = ""
+) -> torch.Tensor:
+    """``tensor`` with exactly this dtype and shape, or :class:`PayloadError` naming ``name``."""
+    return check_shape(name, check_dtype(name, tensor, dtype, why), shape, why)
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` if every value is finite: NaN or Inf would poison whatever is made from it."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise PayloadError(f"{name} contain NaN or Inf")
+    return tensor
+
+
+def _because(why: str) -> str:
+    return f" ({why})" if why else ""
 
 
 def check_index(name: str, tensor: torch.Tensor, count: int, what: str) -> torch.Tensor:

@@ -212,9 +212,9 @@ def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, t
     """An institution computes and audits its upload offline, through the ClientApp's own path."""
     from fedbip_flwr import shapes
     from fedbip_flwr.config import FedBiPConfig
+    from fedbip_flwr.expectations import expectations
     from fedbip_flwr.ldm import load_ldm
     from fedbip_flwr.payload import decode_payload
-    from fedbip_flwr.server import expectations
 
     data = shapes.write_image_folder(tmp_path / "data", "quickdraw", 2, 1, size=32)
     run_config = (f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '

@@ -2,7 +2,7 @@
 
 Honest payloads come from the real client code (:func:`fedbip_flwr.methods.fedbip.personalize`) on the
 tiny test model and are checked against the server's own expectations
-(:func:`fedbip_flwr.server.expectations`), exactly as ``FedBiP.accept`` checks an upload.
+(:func:`fedbip_flwr.expectations.expectations`), exactly as ``FedBiP.accept`` checks an upload.
 The bounds themselves are in docs/payload.md, "Plausibility".
 """
 
@@ -18,11 +18,11 @@ import torch
 
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.expectations import expectations
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.methods.base import ServerJob
 from fedbip_flwr.methods.fedbip import FedBiP, personalize
 from fedbip_flwr.payload import LATENT_RMS, Payload, decode_payload, encode_payload, latent_bounds
-from fedbip_flwr.server import expectations
 from fedbip_flwr.upload import PayloadError
 
 CLASSES = ["circle", "square", "star"]

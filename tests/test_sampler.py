@@ -11,12 +11,12 @@ import torch
 from diffusers import PNDMScheduler
 
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.expectations import expectations
 from fedbip_flwr.instance import forward_noise
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import decode_payload, encode_payload
 from fedbip_flwr.sampler import Sampler, SchedulerName
-from fedbip_flwr.server import expectations
 from fedbip_flwr.synthesis import ZSampling, denoise, zigzag_schedulers, zigzag_step
 from fedbip_flwr.upload import PayloadError
 

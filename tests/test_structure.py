@@ -43,6 +43,14 @@ def test_what_nodes_run_never_imports_the_tools():
             assert not tools, f"{path.relative_to(ROOT)} imports {sorted(tools)}, which nodes lack"
 
 
+def test_no_shipped_module_has_a_hidden_mode():
+    """What a call does is in its arguments: no module switches behaviour through a context
+    variable set somewhere up the stack."""
+    for package in SHIPPED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            assert "contextvars" not in imported_modules(path), f"{path.relative_to(ROOT)} uses contextvars"
+
+
 DATA_LAYER = ("dataset.py", "folders.py", "partitions.py", "shapes.py", "images.py", "specs.py")
 
 

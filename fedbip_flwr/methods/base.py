@@ -44,7 +44,7 @@ from ..ldm import LDM
 from ..mixture import LatentMixture, draw
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
-from ..server import RunFolder, WorkUnit, keyed_shard, shard_key
+from ..server import RunFolder, ShardMode, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, ZSampling, iter_denoised, iter_from_noise
 from ..upload import (
     SCHEMA_VERSION,
@@ -86,6 +86,9 @@ class ServerJob:
     class_names: list[str]
     ldm: Callable[[], LDM]  # loaded once, on first call (central and local never load it)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # What making the training set does with a missing shard: make it, or (CHECK) only find
+    # out whether every shard is on disk (fedbip_flwr.distributed)
+    shard_mode: ShardMode = ShardMode.MAKE
 
     @property
     def max_bytes(self) -> int:
@@ -308,9 +311,12 @@ def common_meta(job: ClientJob) -> dict[str, Any]:
     }
 
 
-def check_tensor(upload: Upload, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """One of an upload's tensors with exactly this dtype and shape, or :class:`PayloadError`."""
-    return check_dtype_shape(name, upload.tensors[name], dtype, shape)
+def check_tensor(
+    upload: Upload, name: str, dtype: torch.dtype, shape: tuple[int, ...], why: str = ""
+) -> torch.Tensor:
+    """One of an upload's tensors with exactly this dtype and shape, or :class:`PayloadError`
+    saying ``why`` (:func:`~fedbip_flwr.upload.check_dtype_shape`)."""
+    return check_dtype_shape(name, upload.tensors[name], dtype, shape, why)
 
 
 def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
@@ -381,7 +387,7 @@ def fresh_noise_set(
     batches = functools.partial(
         iter_from_noise, server.ldm(), cond_table, labels, settings, torch.Generator().manual_seed(seed), conditions
     )
-    return keyed_shard(path, key, labels, batches)
+    return keyed_shard(path, key, labels, batches, mode=server.shard_mode)
 
 
 def mixture_set(
@@ -410,4 +416,4 @@ def mixture_set(
         start = functools.partial(draw, mixture, generator=generator)
         return iter_denoised(server.ldm(), cond_table, labels, settings, timestep, start, conditions, zigzag)
 
-    return keyed_shard(path, key, labels, batches)
+    return keyed_shard(path, key, labels, batches, mode=server.shard_mode)

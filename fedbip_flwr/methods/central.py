@@ -54,6 +54,6 @@ class Central(Method):
         for client_id, upload in sorted(uploads.items()):
             images, labels = upload.tensors["images"], upload.tensors["labels"]
             key = shard_key((self.name,), images, labels)
-            path = keyed_shard(shard_path(client_id, 0), key, labels, lambda i=images: [dequantize(i)])
-            out[client_id] = [path]
+            out[client_id] = [keyed_shard(shard_path(client_id, 0), key, labels,
+                                          lambda i=images: [dequantize(i)], mode=server.shard_mode)]
         return out

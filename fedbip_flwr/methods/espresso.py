@@ -38,11 +38,11 @@ from tqdm.auto import tqdm
 from ..clusters import cluster_images, condition_rows, public_encoder
 from ..concepts import concept_scale
 from ..conditions import SPACE, initial_conditions, learn_conditions
+from ..expectations import expectations
 from ..instance import personalize_instances
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import ROUNDING, adam_step_bound, refuse_mismatch
 from ..seeds import client_seed
-from ..server import expectations
 from ..synthesis import ZSampling
 from ..upload import PayloadError
 from .base import (

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..clusters import cluster_images, public_encoder
 from ..concepts import learn_concepts, prompt_layout
 from ..config import FedBiPConfig
+from ..expectations import expectations
 from ..instance import personalize_instances
 from ..ldm import LDM
 from ..payload import (
@@ -34,7 +35,7 @@ from ..payload import (
     encode_payload,
 )
 from ..seeds import client_seed
-from ..server import WorkUnit, expectations, keyed_shard, shard_key
+from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
 from ..upload import SCHEMA_VERSION
 from .base import ClientJob, Method, ServerJob, Upload, check_image_count, fresh_noise_set, register
@@ -205,7 +206,7 @@ class FedBiP(Method):
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
         if server.cfg.synthesis_start == "fresh-noise":
             return concept_only(payloads, server, shard_path)
-        return synthesize_all(server.ldm(), payloads, server.cfg, shard_path)
+        return synthesize_all(server.ldm(), payloads, server.cfg, shard_path, server.shard_mode)
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """One per (client, pass): the shards :meth:`train_set` writes, one by one."""
@@ -222,7 +223,8 @@ class FedBiP(Method):
         payload = uploads[unit.client_id].content
         if server.cfg.synthesis_start == "fresh-noise":
             return [concept_only_unit(payload, server, unit, shard_path)]
-        return [synthesize_unit(server.ldm(), payload, server.cfg, unit, shard_path)]
+        mode = server.shard_mode
+        return [synthesize_unit(server.ldm(), payload, server.cfg, unit, shard_path, mode)]
 
 
 def concept_only(
@@ -282,6 +284,7 @@ def synthesize_all(
     payloads: Mapping[str, Payload],
     cfg: FedBiPConfig,
     shard_path: Callable[[str, int], Path],
+    mode: ShardMode = ShardMode.MAKE,
 ) -> dict[str, list[Path]]:
     """FedBiP's synthetic shards per client, in pass order; shards on disk are reused.
 
@@ -290,13 +293,15 @@ def synthesize_all(
     reads the shards back (:class:`ShardImages`), so a resumed run trains on exactly the bytes
     an uninterrupted one would. Every shard depends only on its own payload, pass and seed,
     never on which shards were made before it, which is what lets `fedbip synthesize` make
-    them in other processes (:func:`synthesis_units`).
+    them in other processes (:func:`synthesis_units`). Under ``mode`` CHECK none is made
+    (:class:`~fedbip_flwr.server.ShardMode`).
     """
     units = synthesis_units(payloads, cfg.multiplier)
     out: dict[str, list[Path]] = {}
     with tqdm(total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5) as bar:
         for unit in units:
-            path = synthesize_unit(ldm, payloads[unit.client_id], cfg, unit, shard_path, bar.update)
+            payload = payloads[unit.client_id]
+            path = synthesize_unit(ldm, payload, cfg, unit, shard_path, mode, bar.update)
             out.setdefault(unit.client_id, []).append(path)
     return out
 
@@ -307,6 +312,7 @@ def synthesize_unit(
     cfg: FedBiPConfig,
     unit: WorkUnit,
     shard_path: Callable[[str, int], Path],
+    mode: ShardMode,
     on_images: Callable[[int], None] | None = None,
 ) -> Path:
     """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
@@ -317,5 +323,6 @@ def synthesize_unit(
         shard_key((payload_digest(payload), *settings.sampling_knobs()), eta),
         payload.labels,
         functools.partial(iter_pass, ldm, payload, settings, eta, on_images),
+        mode=mode,
         on_reuse=on_images,
     )

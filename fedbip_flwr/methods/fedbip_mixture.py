@@ -27,10 +27,11 @@ from pydantic import Field
 
 from ..clusters import condition_rows
 from ..config import MAX_CLASS_CLUSTERS
+from ..expectations import expectations
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import Expectations, Payload, PayloadMeta, check_concept_scale, check_expectations
 from ..seeds import client_seed
-from ..server import WorkUnit, expectations
+from ..server import WorkUnit
 from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
 from .base import (
     ClientJob,

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..concepts import plain_prompt
 from ..config import FedBiPConfig, MethodSettings
 from ..dp import dp_gaussian_estimate
+from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, draw, fit_mixture, from_tensors
@@ -45,7 +46,6 @@ from ..payload import (
     sampling_checks,
 )
 from ..seeds import client_seed
-from ..server import expectations
 from ..synthesis import SynthesisSettings, encode_texts
 from ..upload import PayloadError, UploadMeta
 from .base import (
@@ -145,7 +145,7 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
 
 def check_mixture_upload(upload: Upload, server: ServerJob, components: int, expect: Expectations) -> LatentMixture:
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
-    run config (``expect``, :func:`fedbip_flwr.server.expectations`), and for plausibility:
+    run config (``expect``, :func:`fedbip_flwr.expectations.expectations`), and for plausibility:
     draws from every held class must look like z(T) at T. Its class counts, which decide how
     many images the server makes, are held to run config max-images-per-client, and so is
     num_examples, their sum."""

@@ -449,8 +449,9 @@ class FedLMG(Method):
                     torch.Generator().manual_seed(seed), bar.update, cfg.vae_batch_size,
                 )  # fmt: skip
                 key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
-                out[client_id] = [keyed_shard(shard_path(client_id, 0), key, labels[client_id],
-                                              batches, on_reuse=bar.update)]  # fmt: skip
+                path = keyed_shard(shard_path(client_id, 0), key, labels[client_id], batches,
+                                   mode=server.shard_mode, on_reuse=bar.update)  # fmt: skip
+                out[client_id] = [path]
         return out
 
     def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Distillation | None:

@@ -18,8 +18,17 @@ from torch import nn
 from ..classifier import build_classifier, train_classifier
 from ..config import MethodSettings
 from ..server import train_settings
-from ..upload import PayloadError, UploadMeta
-from .base import ClientJob, Method, ServerJob, Upload, common_meta, encode_upload, register
+from ..upload import UploadMeta
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Upload,
+    check_tensor,
+    common_meta,
+    encode_upload,
+    register,
+)
 
 
 class LocalMeta(UploadMeta):
@@ -49,12 +58,7 @@ def check_classifier(upload: Upload, prefix: str = "") -> nn.Module:
     name, shape and dtype must be the architecture's own, or :class:`PayloadError`."""
     model = build_classifier(len(upload.meta.class_names), "random")
     for name, want in model.state_dict().items():
-        got = upload.tensors[prefix + name]
-        if got.dtype != want.dtype or got.shape != want.shape:
-            raise PayloadError(
-                f"{prefix}{name} is {got.dtype} {list(got.shape)}; the classifier's is "
-                f"{want.dtype} {list(want.shape)}".replace("torch.", "")
-            )
+        check_tensor(upload, prefix + name, want.dtype, tuple(want.shape), "the architecture's")
     model.load_state_dict({name: upload.tensors[prefix + name] for name in model.state_dict()})
     return model.eval()
 

@@ -1,0 +1,70 @@
+"""What the server expects of an upload of z(T) and concepts, from its run config and base model.
+
+FedBiP's payload contract (:mod:`fedbip_flwr.payload`) checks an upload against an
+:class:`~fedbip_flwr.payload.Expectations`; this builds it from the server's own side, including
+what honest numbers look like under its model (:class:`~fedbip_flwr.payload.Plausibility`).
+The mixture methods check their uploads against the same expectations.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .concepts import concept_scale, count_tokens
+from .config import FedBiPConfig
+from .ldm import LDM
+from .payload import Expectations, Plausibility, adam_step_bound
+from .synthesis import SynthesisSettings
+
+
+def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
+    """What every payload must agree with: the server's config and its base model, including
+    the statistics an honest upload has under that model (:class:`Plausibility`)."""
+    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
+    timestep = sampler.first_timestep(cfg.start_timestep)
+    return Expectations(
+        max_bytes=int(cfg.max_payload_mb * 2**20),
+        base_model=ldm.fingerprint,
+        latent_shape=ldm.latent_shape(cfg.image_size),
+        concept_dim=ldm.concept_dim,
+        timestep=timestep,
+        num_inference_steps=cfg.num_inference_steps,
+        scheduler=sampler.name,
+        n_s=cfg.n_s,
+        n_v=cfg.n_v,
+        concept_space=cfg.concept_space,
+        class_names=tuple(class_names),
+        prompt_template=cfg.prompt_template,
+        domains=tuple(cfg.domain_list),
+        phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
+        plausibility=plausibility(cfg, ldm, timestep),
+        class_clusters=cfg.class_clusters,
+    )
+
+
+def plausibility(cfg: FedBiPConfig, ldm: LDM, timestep: int) -> Plausibility:
+    """The noise level at T and the concept scale and learning budget, for the moment checks."""
+    scale = concept_scale(ldm, cfg.concept_space)
+    return Plausibility(
+        alpha_bar=float(ldm.scheduler.alphas_cumprod[timestep]),
+        concept_scale=scale,
+        concept_init_rms=concept_init_rms(ldm, cfg.concept_space) / scale,
+        concept_step=cfg.concept_lr * adam_step_bound(),
+        concept_epochs=cfg.concept_epochs,
+        concept_batch_size=cfg.concept_batch_size,
+        latents_per_image=cfg.latents_per_image,
+    )
+
+
+@torch.no_grad()
+def concept_init_rms(ldm: LDM, space: str) -> float:
+    """The largest RMS a concept's initial vector can have: a row of the token embedding table,
+    or (hidden) an output of the text encoder's final LayerNorm, gamma * xhat + beta with
+    RMS(xhat) = 1, so at most max|gamma| + RMS(beta)."""
+    if space == "token":
+        table = ldm.text_encoder.get_input_embeddings().weight.float()
+        return float(table.pow(2).mean(-1).sqrt().max())
+    norm = next(m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm"))
+    return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())
