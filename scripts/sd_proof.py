@@ -314,7 +314,8 @@ def simulate(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, 
     changed = {**SIMULATION_RUN_CONFIG, "model": str(args.model), "device": args.device,
                "shots-per-class": args.shots, "test-per-class": args.test_per_class,
                "image-size": args.image_size, "classifier-image-size": args.image_size,
-               "output-dir": str(work / "outputs"), "run-name": run_name}  # fmt: skip
+               "output-dir": str(work / "outputs"), "run-name": run_name,
+               **dict(toml_pair(pair) for pair in args.set)}  # fmt: skip
     conf = work / SIMULATION_CONF.name  # Flower takes one TOML file or key=value pairs, not both
     conf.write_text(tomli_w.dumps({**tomllib.loads(SIMULATION_CONF.read_text()), **changed}))
     result["run_config"] = changed
@@ -332,6 +333,14 @@ def simulate(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, 
         result["seconds_wall"] = round(time.time() - started, 1)
         stop_local_superlink(home)
     return work / "outputs" / run_name
+
+
+def toml_pair(pair: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with the value read as TOML (``compile-unet=true``)."""
+    key, sep, value = pair.partition("=")
+    if not sep:
+        raise SystemExit(f"--set takes KEY=VALUE, got {pair!r}")
+    return key.strip(), tomllib.loads(f"v = {value}")["v"]
 
 
 def simulation_status(home: Path, run_id: int, env: dict) -> str:
@@ -356,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--federation-config", default=SIMULATION_FEDERATION,
                         help="simulation only: flwr run's --federation-config")
     parser.add_argument("--image-size", type=int, default=512, help="simulation only")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="simulation only: one more run-config value, e.g. compile-unet=true")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

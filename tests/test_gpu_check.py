@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh and its summary, without a GPU: the stage selection and time budget,
-and summary.md read from real results (the H200 run's record and a CPU speed run)."""
+and summary.md read from real results (the H200 and H100 runs' records and a CPU speed run)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ def test_the_summary_shows_the_tests_the_federation_and_the_speed_tables(tmp_pat
         "7 passed in 23.86s\n== sd-proof: exit 0 after 92s\n"
     )
     shutil.copy(ROOT / "benchmarks" / "sd_gpu_proof.json", tmp_path / "sd_gpu_proof.json")
+    shutil.copy(ROOT / "benchmarks" / "sd_gpu_simulation_h100.json", tmp_path / "sd_gpu_simulation.json")
     args = speed.parse([f"--model={tiny_model_dir}", "--cases=matmul", "--repeats=1", "--threads=1"])
     (tmp_path / "speed_float32.json").write_text(json.dumps(speed.measure(args), default=str))
     text = gpu_summary.summary(tmp_path)
@@ -51,4 +52,7 @@ def test_the_summary_shows_the_tests_the_federation_and_the_speed_tables(tmp_pat
     assert "Status `finished:completed` in 79.0 s" in text
     assert "| server: synthesis | 5.4 |" in text and "latents [12, 4, 64, 64]" in text
     assert "peaked at 8,899 MB over the run" in text
+    simulated = text.split("in Flower's simulation", 1)[1]  # the Ray run: phases as recorded
+    assert "Status `finished:completed` in 103.0 s" in simulated and "| server: synthesis | 17.1 | |" in simulated
+    assert "| sketch-0: whole client step | 12.7 | |" in simulated and "peaked at 39,966 MB" in simulated
     assert "## Speed (speed_float32)" in text and "Matmul peak here (2048 x 2048)" in text
