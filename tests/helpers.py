@@ -7,6 +7,7 @@ catalogue of malformed blobs."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import re
 import shutil
@@ -14,6 +15,7 @@ import socket
 import struct
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -47,7 +49,7 @@ __all__ = [
     "client_job", "completed_metrics", "edit_header", "federation", "flwr_env", "free_port",
     "free_port_block", "make_expectations", "make_meta", "make_payload", "make_wrapper_app",
     "meta_strings", "method_config", "processes_mentioning", "raw_blob", "received",
-    "relative_error", "reported_client", "run_folder", "run_simulation", "run_status",
+    "relative_error", "reported_client", "run_folder", "run_simulation", "run_status", "script",
     "run_to_end", "s_gradient", "server_job", "split_blob", "stop_local_superlink",
     "stop_process_tree", "tampered", "wait_for_port", "with_header",
 ]  # fmt: skip
@@ -61,6 +63,20 @@ CHECKOUT = {"FEDBIP_PROJECT_DIR": str(ROOT)}
 # cores, so a second actor would only add its start-up (importing torch and diffusers) to every
 # `flwr run`; what the tests check does not depend on two clients personalizing at once.
 ACTORS = 1
+
+
+def script(name: str) -> ModuleType:
+    """``scripts/NAME.py`` as a module, loaded from its file (scripts are not a package, and
+    no test edits ``sys.path``); loaded once, so every test shares its module state."""
+    if name not in _SCRIPTS:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _SCRIPTS[name] = module
+    return _SCRIPTS[name]
+
+
+_SCRIPTS: dict[str, ModuleType] = {}
 
 
 def federation(supernodes: int) -> str:

@@ -5,7 +5,6 @@ test image."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from fedbip_flwr.classifier import (
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.viz import quantize
+from tests.helpers import script
 
 
 def test_missing_imagenet_weights_fail_at_once_with_one_sentence(tmp_path, monkeypatch):
@@ -51,14 +51,6 @@ def test_cached_imagenet_weights_pass(tmp_path, monkeypatch):
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    """scripts/pretrain_backbone.py as a module: the tests use its own corpus and save functions."""
-    spec = importlib.util.spec_from_file_location("pretrain_backbone", ROOT / "scripts" / "pretrain_backbone.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _hashes(images: torch.Tensor) -> set[str]:
     """One sha256 per image of its uint8 pixels ([-1, 1] floats quantized first: exact for
     the shapes world, whose floats are uint8 / 127.5 - 1)."""
@@ -78,13 +70,13 @@ def test_backbone_corpus_shares_no_image_with_any_client_or_test_image():
     key, so a smaller corpus is exactly a subset of the real one, which the first assertion
     checks at a tiny size.
     """
-    script = _script()
-    per_class, seed = script.ldm_corpus_args()
+    pretrain = script("pretrain_backbone")
+    per_class, seed = pretrain.ldm_corpus_args()
     assert (per_class, seed) == (500, 0)  # what the LDM was pretrained on (its log)
-    small, large = _hashes(script.labelled_corpus(3, seed)[0]), _hashes(script.labelled_corpus(6, seed)[0])
+    small, large = _hashes(pretrain.labelled_corpus(3, seed)[0]), _hashes(pretrain.labelled_corpus(6, seed)[0])
     assert small < large
 
-    images, labels, domains = script.labelled_corpus(100, seed)
+    images, labels, domains = pretrain.labelled_corpus(100, seed)
     corpus = _hashes(images)
     assert len(corpus) == len(images) == 3 * 600 + 2 * 30  # distinct images, rare domains a sliver
     assert labels.bincount().tolist() == [310] * 6
@@ -110,7 +102,7 @@ def _tiny_backbone(folder: Path) -> dict[str, torch.Tensor]:
     net = build_classifier(6, "random")
     with torch.no_grad():
         net.bn1.running_mean.uniform_(-1, 1)  # not an init value: loading must carry statistics
-    _script().save_backbone(net, folder / BACKBONE_DIR)
+    script("pretrain_backbone").save_backbone(net, folder / BACKBONE_DIR)
     return {name: t.half().float() if t.is_floating_point() else t for name, t in net.state_dict().items()}
 
 

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from fedbip_tools import speed
+from tests.helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_summary  # noqa: E402
+gpu_summary = script("gpu_summary")
 
 
 def test_only_the_named_stages_run_and_a_summary_is_written(tmp_path):

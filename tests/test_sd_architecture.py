@@ -18,6 +18,7 @@ from accelerate import init_empty_weights
 
 from fedbip_flwr.results import RunResults
 from fedbip_tools.sd_architecture import PUBLISHED_PARAMETERS, build_modules, parameter_counts
+from tests.helpers import script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +62,7 @@ def test_the_proof_places_each_phase_where_it_ran(monkeypatch):
     """Server phases from the ServerApp's own clock in the order they ran, whatever order the
     record lists them in; a client's phases end with its train process, not its later evaluate
     one."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import sd_proof
+    sd_proof = script("sd_proof")
 
     mb = 2**20
     samples = [{"t": float(t), "load1": 1.0,
@@ -88,8 +88,7 @@ def test_sd_v1_4_architecture_federation_at_512px_on_cpu(tmp_path, monkeypatch):
 
     The model folder is FEDBIP_SD_MODEL (default /tmp/sd-v1-4-random), built first if missing.
     """
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import sd_proof
+    sd_proof = script("sd_proof")
 
     model = Path(os.environ.get("FEDBIP_SD_MODEL", "/tmp/sd-v1-4-random"))
     monkeypatch.setenv("FEDBIP_ALLOW_SD_ON_CPU", "1")

@@ -69,3 +69,14 @@ def test_no_test_module_imports_another():
             assert not any(p.startswith("test_") or p == "conftest" for p in parts[:2]), (
                 f"{path.name} imports {name}: shared helpers belong in tests/helpers.py")
             assert parts[0] != "helpers", f"{path.name}: import it as tests.helpers"
+
+
+def test_tests_load_scripts_one_way():
+    """Scripts are modules only through tests.helpers.script: no test edits ``sys.path`` or
+    builds its own loader, so no test's imports depend on another having run first."""
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        if path.name == "test_structure.py":  # this test names the spellings it forbids
+            continue
+        source = path.read_text()
+        for spelling in ("sys.path", "syspath_prepend", "spec_from_file_location"):
+            assert spelling not in source, f"{path.name} loads code with {spelling}: use tests.helpers.script"
