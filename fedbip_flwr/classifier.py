@@ -443,6 +443,7 @@ class Evaluation:
     mean_loss: float  # cross-entropy: the membership-inference gap compares this
     mean_entropy: float  # prediction entropy: likewise
     predictions: torch.Tensor
+    losses: torch.Tensor  # per example: what a loss-threshold membership attack thresholds
 
 
 @torch.no_grad()
@@ -462,11 +463,13 @@ def evaluate(
     )
     log_p = logits.log_softmax(-1)
     predictions = logits.argmax(-1)
+    losses = F.nll_loss(log_p, labels, reduction="none")
     return Evaluation(
         accuracy=float((predictions == labels).float().mean()),
-        mean_loss=float(F.nll_loss(log_p, labels)),
+        mean_loss=float(losses.mean()),
         mean_entropy=float(-(log_p.exp() * log_p).sum(-1).mean()),
         predictions=predictions,
+        losses=losses,
     )
 
 

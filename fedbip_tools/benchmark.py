@@ -57,7 +57,13 @@ from fedbip_flwr.storage import write_json
 from fedbip_flwr.viz import image_grid
 
 from .judges import Judges, load_judges
-from .privacy import Features, backbone_features, dcr_membership
+from .privacy import (
+    Features,
+    backbone_features,
+    dcr_membership,
+    loss_membership_inference,
+    reconstruction_score,
+)
 from .simulation import SimulationError, run_simulation, run_status, stop_local_superlink
 
 log = logging.getLogger(__name__)
@@ -294,9 +300,15 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
             result["fidelity"][domain] = judges.fidelity(images, labels, domain)
             result["nearest_real"][domain] = nearest_real_distance(images, clients[client_id].images)
             result["dcr"][domain] = distance_membership(images, clients[client_id], cfg, features)
+        if reconstructs_images(cfg):
+            result["reconstruction"] = {
+                clients[c].domain: reconstruction(
+                    ShardImages(folder_paths(folder, names), cfg.image_size), clients[c], cfg)
+                for c, names in sorted(shards.items())
+            }  # fmt: skip
     if folder.classifier.exists():
         model = load_classifier(folder, cfg)
-        result["mia_gap"] = mia_gaps(model, cfg, clients, settings.mia_per_domain)
+        result["mia_gap"], result["mia"] = membership_inference(model, cfg, clients, settings.mia_per_domain)
     return result
 
 
@@ -353,13 +365,20 @@ def balanced(labels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([torch.nonzero(labels == c).flatten()[:per_class] for c in classes])
 
 
-def mia_gaps(
+def membership_inference(
     model: torch.nn.Module, cfg: FedBiPConfig, clients: Mapping[str, dataset.ClientSet], n: int
-) -> dict[str, float]:
-    """Non-member minus member mean loss / entropy of the classifier (paper Sec. 5.5), averaged
-    over clients: about 0 means it does not tell the clients' training images from unseen ones."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Does the global classifier tell the clients' private images from unseen ones?
+
+    Members: up to ``n`` class-balanced private images per client; non-members: as many unseen
+    test images of each client's domain. First, non-member minus member mean loss / entropy
+    (paper Sec. 5.5), averaged over clients (about 0: nothing told apart). Second, a
+    loss-threshold attack on all clients' members and non-members pooled (hundreds per side,
+    one model): AUC with its standard error and the true-positive rate at 1% false positives.
+    """
     tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
     gaps: dict[str, list[float]] = {"loss": [], "entropy": []}
+    member_losses, other_losses = [], []
     for data in clients.values():
         test = tests[data.domain]
         inside, outside = balanced(data.labels, n), balanced(test.labels, n)
@@ -367,7 +386,36 @@ def mia_gaps(
         other = evaluate(model, test.images[outside], test.labels[outside], cfg.classifier_image_size)
         gaps["loss"].append(other.mean_loss - member.mean_loss)
         gaps["entropy"].append(other.mean_entropy - member.mean_entropy)
-    return {k: statistics.fmean(v) for k, v in gaps.items()}
+        member_losses.append(member.losses)
+        other_losses.append(other.losses)
+    members, others = torch.cat(member_losses), torch.cat(other_losses)
+    attack = loss_membership_inference(members, others)
+    pooled = {"auc": attack.auc, "auc_stderr": attack.auc_stderr, "tpr_at_low_fpr": attack.tpr_at_max_fpr,
+              "low_fpr": attack.max_fpr, "members": len(members), "non_members": len(others)}  # fmt: skip
+    return {k: statistics.fmean(v) for k, v in gaps.items()}, pooled
+
+
+def reconstructs_images(cfg: FedBiPConfig) -> bool:
+    """Whether the server's synthetic rows are its reconstructions of given private images:
+    FedBiP denoising uploaded z(T), whose row k * N + i comes from private image i."""
+    return cfg.method == "fedbip" and cfg.synthesis_start == "uploaded"
+
+
+def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConfig) -> dict[str, float]:
+    """The server's reconstruction of each of the client's N private images (its first N
+    synthetic rows: the first z(T) of image i, first pass) scored by PSNR and SSIM against
+    that image and, as the baseline of knowing only the class, against an image of the same
+    class no client holds (the shapes world's NON_MEMBER_CLIENT, in the same class order)."""
+    n = len(client.images)
+    own, _ = data[torch.arange(n)]
+    own = own.float() / 127.5 - 1.0 if own.dtype == torch.uint8 else own.float()
+    size = client.images.shape[-1]
+    if own.shape[-1] != size:
+        own = F.interpolate(own, size=(size, size), mode="bilinear", antialias=True)
+    unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+    if not torch.equal(unrelated.labels, client.labels):
+        raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
+    return asdict(reconstruction_score(own, client.images, unrelated.images))
 
 
 # ---------------------------------------------------------------------------------- seeds
@@ -452,6 +500,8 @@ def summarize(runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
             entry[key] = _average([r.get(key) for r in rows])
         if "mia_gap" in rows[0]:
             entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in rows[0]["mia_gap"]}
+        if all("mia" in r for r in rows):
+            entry["mia_auc_std"] = _std([r["mia"]["auc"] for r in rows])
         out[v.name] = entry
     return out
 
@@ -503,8 +553,10 @@ def fidelity_table(summary: Mapping[str, Any]) -> str:
 
 
 def privacy_table(summary: Mapping[str, Any]) -> str:
-    lines = ["| method | MIA loss gap | MIA entropy gap | nearest real (RMS) | DCR AUC, pixels | "
-             "DCR AUC, features | members nearer than every non-member (pixels) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| method | MIA loss gap | MIA entropy gap | MIA AUC, pooled | TPR at 1% FPR | nearest real (RMS) | "
+             "DCR AUC, pixels | DCR AUC, features | members nearer than every non-member (pixels) | "
+             "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, e in summary.items():
         if "mia_gap" not in e:
             continue
@@ -516,8 +568,26 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
         cells = [f"{statistics.fmean(d[k] for d in dcr.values()):.3f}" if dcr and all(k in d for d in dcr.values())
                  else "–" for k in ("pixel_auc", "feature_auc", "pixel_share")]  # fmt: skip
         lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
-                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {near} | {' | '.join(cells)} |")  # fmt: skip
+                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {' | '.join(attack_cells(e))} | {near} | "
+                     f"{' | '.join(cells)} | {' | '.join(reconstruction_cells(e.get('reconstruction')))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def attack_cells(entry: Mapping[str, Any]) -> list[str]:
+    """The pooled loss attack's AUC (mean ± std over seeds) and TPR at its low FPR."""
+    mia = entry.get("mia")
+    if mia is None:
+        return ["–", "–"]
+    return [f"{mia['auc']:.3f} ± {entry['mia_auc_std']:.3f}", f"{mia['tpr_at_low_fpr']:.3f}"]
+
+
+def reconstruction_cells(per_domain: Mapping[str, Mapping[str, float]] | None) -> list[str]:
+    """PSNR and SSIM of the server's reconstructions against the images and against the
+    same-class baseline, means over clients; dashes where the server holds no per-image latent."""
+    if not per_domain:
+        return ["–", "–"]
+    mean = {k: statistics.fmean(d[k] for d in per_domain.values()) for k in next(iter(per_domain.values()))}
+    return [f"{mean['psnr']:.2f} / {mean['baseline_psnr']:.2f}", f"{mean['ssim']:.3f} / {mean['baseline_ssim']:.3f}"]
 
 
 PUBLISHED = """\

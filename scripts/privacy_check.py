@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from fedbip_flwr import dataset, results, shapes
+from fedbip_flwr import dataset, results
 from fedbip_flwr.classifier import ShardImages
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
-from fedbip_tools.benchmark import NON_MEMBER_CLIENT, distance_membership
-from fedbip_tools.privacy import backbone_features, reconstruction_score
+from fedbip_tools.benchmark import distance_membership, reconstruction, reconstructs_images
+from fedbip_tools.privacy import backbone_features
 
 
 def check(run_dir: Path) -> dict:
@@ -38,14 +38,8 @@ def check(run_dir: Path) -> dict:
         synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic
         client = clients[client_id]
         entry = {"dcr": distance_membership(synthetic, client, cfg, features)}
-        if cfg.method == "fedbip":
-            n = len(client.images)
-            own = synthetic[:n]  # row i: the first z(T) of private image i, first pass
-            unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT,
-                                                cfg.seed, cfg.image_size)  # fmt: skip
-            assert torch.equal(unrelated.labels, client.labels), "row i of both: the same class"
-            score = reconstruction_score(own, client.images, unrelated.images)
-            entry["reconstruction"] = {k: float(v) for k, v in vars(score).items()}
+        if reconstructs_images(cfg):
+            entry["reconstruction"] = reconstruction(data, client, cfg)
         out["clients"][client_id] = entry
     return out
 

@@ -110,6 +110,16 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     # the tiny model ships a (random) backbone: membership by distance in pixels and in its features
     keys = {"pixel_auc", "pixel_share", "feature_auc", "feature_share"}
     assert all(set(d) == keys and 0 <= d["pixel_auc"] <= 1 and 0 <= d["feature_auc"] <= 1 for d in small["dcr"].values())
+    # the pooled loss attack: 6 class-balanced members per client (mia_per_domain) against as
+    # many unseen test images of its domain, both clients in one set
+    attack = small["mia"]
+    assert (attack["members"], attack["non_members"], attack["low_fpr"]) == (12, 12, 0.01)
+    assert 0 <= attack["auc"] <= 1 and 0 <= attack["tpr_at_low_fpr"] <= 1 and attack["auc_stderr"] > 0
+    # FedBiP's rows are the server's reconstructions of each private image, scored per client
+    assert set(small["reconstruction"]) == {"sketch", "quickdraw"}
+    for score in small["reconstruction"].values():
+        assert set(score) == {"psnr", "ssim", "baseline_psnr", "baseline_ssim"}
+        assert all(math.isfinite(v) for v in score.values())
     cached = json.loads(bench.cache(0).read_text())
     assert cached["settings"] == bench.settings.digest() and set(cached["results"]) == set(results)
 
@@ -136,6 +146,7 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     summary = benchmark.report(bench, "fedbip benchmark --seeds 0", md)
     text = md.read_text()
     assert "| FedBiP-S |" in text and "| FedBiP-L |" in text
+    assert "| MIA AUC, pooled | TPR at 1% FPR |" in text and "reconstruction PSNR (dB), own / same-class" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
     assert (bench.results / "pictures" / "methods-sketch.png").exists()
     saved = json.loads((bench.results / "methods.json").read_text())
