@@ -190,6 +190,20 @@ def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(own_f
     assert metrics["unreadable-files-skipped"] == 3 and metrics["num-examples"] == 3 * 6
 
 
+def test_an_institution_above_the_image_cap_fails_before_any_model_loads(own_folder: Path) -> None:
+    """The cap the server holds every upload to (max-images-per-client) is known to the
+    client too: it stops before its work instead of uploading what the server would refuse."""
+    cfg = FedBiPConfig(method="fedbip", dataset="imagefolder", classes=",".join(CLASSES),
+                       data_root=str(own_folder), image_size=SIZE, max_images_per_client=3 * 6 - 1)  # fmt: skip
+
+    def no_model():
+        raise AssertionError("the model was loaded before the image count was checked")
+
+    node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
+    with pytest.raises(DataError, match="inst holds 18 private images, above the run's max-images-per-client 17"):
+        institution_upload(cfg, node, no_model)
+
+
 def test_report_counts_the_files_each_institution_left_out(tmp_path: Path) -> None:
     clients = [
         {"node_id": 1, "client_id": "a", "domain": "sketch", "status": "accepted", "payload_bytes": 10,

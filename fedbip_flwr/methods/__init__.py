@@ -18,6 +18,7 @@ import torch
 from .. import dataset
 from ..config import FedBiPConfig, NodeConfig
 from ..ldm import LDM
+from ..partitions import DataError
 from ..seeds import client_generator
 from ..upload import PayloadError, upload_method
 from . import (
@@ -83,6 +84,12 @@ def institution_upload(
     this, so what an institution computes and audits offline is exactly what it would upload."""
     started = time.perf_counter()
     data = dataset.institution_data(cfg.data, node)
+    if len(data) > cfg.max_images_per_client:  # the server would refuse the upload: fail before the work
+        raise DataError(
+            f"{data.client_id} holds {len(data)} private images, above the run's max-images-per-client "
+            f"{cfg.max_images_per_client}: the server refuses an upload that stands for more (ask its "
+            "operator to raise it, or hold fewer images)"
+        )
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
