@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from diffusers import PNDMScheduler
 from transformers import CLIPTokenizer
 
 from .config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
+from .dp import clip_rows
 from .ldm import LDM
 
 log = logging.getLogger(__name__)
@@ -193,11 +194,16 @@ def encode_prompts(
     """tau(S, V_y) for each y in ``class_idx``: (B, L, d) text-encoder states for the UNet.
 
     ``s`` is (n_s, d) shared by the batch; ``v`` is (C, n_v, d), indexed by ``class_idx``.
-    Gradients flow into ``s`` and ``v``, never into the frozen encoder.
+    Gradients flow into ``s`` and ``v``, never into the frozen encoder. Each example may have
+    its own copy instead, ``s`` (B, n_s, d) and ``v`` (B, C, n_v, d): then the gradient with
+    respect to copy b is example b's alone (DP-SGD's per-example gradients).
     """
     ids = layout.input_ids[class_idx].to(ldm.device)
-    s_b = s.unsqueeze(0).expand(len(class_idx), -1, -1).to(ldm.device)
-    v_b = v[class_idx].to(ldm.device)
+    if s.dim() == 3:  # one copy per example
+        s_b, v_b = s.to(ldm.device), v[torch.arange(len(class_idx)), class_idx].to(ldm.device)
+    else:
+        s_b = s.unsqueeze(0).expand(len(class_idx), -1, -1).to(ldm.device)
+        v_b = v[class_idx].to(ldm.device)
     encoder = ldm.text_encoder
     if space == "hidden":
         return _place(encoder(ids).last_hidden_state, layout, class_idx, s_b, v_b)
@@ -333,28 +339,57 @@ def learn_concepts(
     lr: float,
     generator: torch.Generator,
     on_epoch: Callable[[int, float], None] | None = None,
+    privacy: DPSGD | None = None,
 ) -> LearnedConcepts:
     """Optimise S and V with Adam (betas 0.9/0.999) on the diffusion loss; t ~ U{1..T}.
 
     S = S0 + scale * u_S and V = V0 + scale * u_V (see :func:`concept_scale`); Adam updates
     the u, in float32 whatever the LDM's dtype. ``z0`` are the cached VAE latents of the
-    client's images: nothing is re-encoded here.
+    client's images: nothing is re-encoded here. With ``privacy``, by DP-SGD
+    (:func:`optimise_embeddings`), noise only on the rows of V the prompts use.
     """
     s0, v0 = initial_concepts(ldm, layout, space)
-
-    def batch_loss(shifts: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        s, v = shifts
-        return diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
-
+    if privacy is not None:
+        privacy = replace(privacy, trainable=(None, layout.v_mask.unsqueeze(-1)))
     (s, v), losses = optimise_embeddings(
-        ldm, [s0, v0], batch_loss, z0.shape, max_timestep, concept_scale(ldm, space),
-        epochs=epochs, batch_size=batch_size, lr=lr, generator=generator, on_epoch=on_epoch,
+        ldm, [s0, v0], concept_batch_loss(ldm, layout, space, z0, labels), z0.shape, max_timestep,
+        concept_scale(ldm, space), epochs=epochs, batch_size=batch_size, lr=lr, generator=generator,
+        on_epoch=on_epoch, privacy=privacy,
     )  # fmt: skip
     return _result(s, v, s0, v0, losses)
 
 
 # (the embeddings as they stand, batch indices, t, noise) -> the batch's mean loss
 BatchLoss = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def concept_batch_loss(
+    ldm: LDM, layout: PromptLayout, space: str, z0: torch.Tensor, labels: torch.Tensor
+) -> BatchLoss:
+    """Eq. 4 on the images ``batch`` of ``z0``, for the embeddings [S, V]."""
+
+    def batch_loss(shifts: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        s, v = shifts
+        return diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
+
+    return batch_loss
+
+
+@dataclass(frozen=True)
+class DPSGD:
+    """DP-SGD (Abadi et al. 2016) on the shifts u: every step takes each image with probability
+    ``sample_rate`` (Poisson sampling; ``steps_per_epoch`` steps an epoch), clips each image's
+    gradient with respect to all the u together to L2 norm ``clip``, and adds Gaussian noise of
+    std ``noise_multiplier`` x ``clip`` to the sum, on the coordinates ``trainable`` marks (one
+    mask per embedding, broadcast to its shape; None: all). Coordinates no image's gradient
+    ever reaches (V's rows past a class's tokens) get no noise, which costs no privacy.
+    Accounted by :func:`fedbip_flwr.dp.dp_sgd_event`."""
+
+    sample_rate: float
+    steps_per_epoch: int
+    noise_multiplier: float
+    clip: float
+    trainable: tuple[torch.Tensor | None, ...] = ()
 
 
 def optimise_embeddings(
@@ -370,12 +405,19 @@ def optimise_embeddings(
     lr: float,
     generator: torch.Generator,
     on_epoch: Callable[[int, float], None] | None = None,
+    privacy: DPSGD | None = None,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """Adam (betas 0.9/0.999) on embeddings ``c0 + scale * u``, everything else frozen, over
     batches of the ``latent_rows[0]`` cached latents with t ~ U{1..T} and fresh noise.
 
     Adam updates the u, in float32 whatever the LDM's dtype. Returns the final embeddings
     (CPU, float32) and the mean loss per epoch.
+
+    With ``privacy``, every step is a DP-SGD step (:class:`DPSGD`, :func:`private_gradient`):
+    a Poisson-sampled batch, run ``batch_size`` images at a time, and ``batch_loss`` is given
+    one copy of each embedding per image (a leading batch dimension), so that each image's
+    gradient is its own. Adam steps on the noisy sum over ``batch_size`` (a constant: dividing
+    by the batch's real size would depend on which images it holds).
     """
     count = latent_rows[0]
     starts = [c.to(ldm.device) for c in starts]
@@ -385,7 +427,8 @@ def optimise_embeddings(
     optimizer = torch.optim.Adam(shifts, lr=lr, betas=(0.9, 0.999), eps=1e-8 * scale)
     scaler = loss_scaler(ldm)
     losses: list[float] = []
-    for epoch in range(epochs):
+
+    def epoch_of_batches() -> float:
         order = torch.randperm(count, generator=generator)
         total = 0.0
         for batch in order.split(batch_size):
@@ -397,10 +440,106 @@ def optimise_embeddings(
             scaler.step(optimizer)
             scaler.update()
             total += loss.item() * len(batch)
-        losses.append(total / count)
+        return total / count
+
+    for epoch in range(epochs):
+        if privacy is None:
+            losses.append(epoch_of_batches())
+        else:
+            losses.append(_private_epoch(
+                optimizer, batch_loss, starts, shifts, latent_rows, max_timestep, scale,
+                batch_size, privacy, generator, _private_loss_scale(ldm),
+            ))  # fmt: skip
         if on_epoch is not None:
             on_epoch(epoch, losses[-1])
     return [(c + scale * u).detach().float().cpu() for c, u in zip(starts, shifts, strict=True)], losses
+
+
+def _private_loss_scale(ldm: LDM) -> float:
+    """A fixed loss scale for DP-SGD in fp16 (:func:`loss_scaler`'s first): a dynamic one would
+    change with whether some image's gradient overflowed, which the accounting does not cover."""
+    scaler = loss_scaler(ldm)
+    return float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+
+
+def _private_epoch(
+    optimizer: torch.optim.Optimizer,
+    batch_loss: BatchLoss,
+    starts: list[torch.Tensor],
+    shifts: list[torch.Tensor],
+    latent_rows: torch.Size,
+    max_timestep: int,
+    scale: float,
+    batch_size: int,
+    privacy: DPSGD,
+    generator: torch.Generator,
+    loss_scale: float,
+) -> float:
+    """One epoch of DP-SGD steps; returns the mean loss over the images its batches held."""
+    total, seen = 0.0, 0
+    for _ in range(privacy.steps_per_epoch):
+        batch = (torch.rand(latent_rows[0], generator=generator) < privacy.sample_rate).nonzero().flatten()
+        noise = torch.randn((len(batch), *latent_rows[1:]), generator=generator)
+        t = torch.randint(1, max_timestep + 1, (len(batch),), generator=generator)
+        summed, loss = private_gradient(
+            batch_loss, starts, shifts, scale, batch, t, noise, privacy.clip, batch_size, loss_scale
+        )
+        noisy = add_gradient_noise(summed, privacy, generator)
+        for u, g in zip(shifts, noisy, strict=True):
+            u.grad = g / batch_size
+        optimizer.step()
+        total, seen = total + loss, seen + len(batch)
+    return total / max(seen, 1)
+
+
+def private_gradient(
+    batch_loss: BatchLoss,
+    starts: list[torch.Tensor],
+    shifts: list[torch.Tensor],
+    scale: float,
+    batch: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+    clip: float,
+    chunk: int,
+    loss_scale: float = 1.0,
+) -> tuple[list[torch.Tensor], float]:
+    """The sum over ``batch`` of each image's gradient with respect to the shifts u, clipped to
+    L2 norm ``clip`` (all the u together), no noise; and the batch's summed loss.
+
+    Each image's gradient comes from its own copy of the u in one backward pass per ``chunk``
+    images (the UNet and the text encoder treat the examples of a batch independently: no
+    batch norm, attention within an example only), as exact as a batch of one. A gradient that
+    is not finite (an fp16 overflow at ``loss_scale``) counts as zero: still bounded by the clip.
+    """
+    flat = torch.zeros(sum(u.numel() for u in shifts), device=shifts[0].device)
+    loss_sum = 0.0
+    for part in torch.arange(len(batch)).split(chunk) if len(batch) else ():  # a sample can be empty
+        copies = [u.detach().unsqueeze(0).repeat(len(part), *([1] * u.dim())).requires_grad_(True) for u in shifts]
+        loss = batch_loss([c + scale * u for c, u in zip(starts, copies, strict=True)], batch[part], t[part], noise[part])
+        grads = torch.autograd.grad(loss * loss_scale, copies, allow_unused=True)
+        rows = torch.cat([
+            (g if g is not None else torch.zeros_like(u)).flatten(1).float() for g, u in zip(grads, copies, strict=True)
+        ], 1) * (len(part) / loss_scale)  # the batch's mean loss: each image's own loss has len(part) x its gradient
+        rows = torch.where(rows.isfinite().all(1, keepdim=True), rows, torch.zeros_like(rows))
+        flat += clip_rows(rows, clip).sum(0)
+        loss_sum += loss.item() * len(part)
+    parts = flat.split([u.numel() for u in shifts])
+    return [g.view_as(u) for g, u in zip(parts, shifts, strict=True)], loss_sum
+
+
+def add_gradient_noise(
+    summed: list[torch.Tensor], privacy: DPSGD, generator: torch.Generator
+) -> list[torch.Tensor]:
+    """``summed`` (one per shift, as :func:`private_gradient` gives them) plus
+    N(0, (sigma C)^2) on each trainable coordinate."""
+    out = []
+    for g, mask in zip(summed, privacy.trainable or (None,) * len(summed), strict=True):
+        noise = torch.randn(g.shape, generator=generator) * (privacy.noise_multiplier * privacy.clip)
+        if mask is not None:
+            noise = noise * mask.to(noise.dtype)
+        out.append(g + noise.to(g.device))
+    return out
 
 
 def _result(

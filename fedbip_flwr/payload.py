@@ -183,7 +183,8 @@ class Plausibility:
     :func:`fedbip_flwr.concepts.concept_scale` in the run's concept space. A concept starts at
     most ``concept_init_rms`` s large and each optimizer step moves each coordinate by at most
     ``concept_step`` s (lr times :func:`adam_step_bound`); ``concept_epochs``,
-    ``concept_batch_size`` and ``latents_per_image`` (the run config's) give the step count.
+    ``concept_batch_size`` and ``latents_per_image`` (the run config's) give the step count,
+    unless ``concept_steps`` states it (a DP upload's DP-SGD, whose steps the server checked).
     """
 
     alpha_bar: float
@@ -196,12 +197,13 @@ class Plausibility:
     latent_rms: float = LATENT_RMS
     sigmas: float = SIGMAS
     concept_floor: float = CONCEPT_FLOOR
+    concept_steps: int | None = None
 
     def concept_range(self, num_examples: int) -> tuple[float, float]:
         """Allowed RMS of a used concept vector: [s / floor, s (init + step x steps)], the
         steps those of learn_concepts over the client's images."""
         images = -(-num_examples // self.latents_per_image)
-        steps = self.concept_epochs * -(-images // self.concept_batch_size)
+        steps = self.concept_steps or self.concept_epochs * -(-images // self.concept_batch_size)
         ceiling = self.concept_init_rms + self.concept_step * steps
         s = self.concept_scale
         return s / self.concept_floor * (1 - ROUNDING), s * ceiling * (1 + ROUNDING)

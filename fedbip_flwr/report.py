@@ -146,8 +146,11 @@ def _what_left(run_dir: Path) -> list[str]:
             continue
         tensors = ", ".join(f"`{name}` {list(t.shape)}" for name, t in upload.tensors.items())
         dp = getattr(upload.meta, "dp", None)
+        sgd = getattr(dp, "concepts", None)  # fedbip-mixture's: S and V by DP-SGD
         guarantee = (
             f"({dp.epsilon:g}, {dp.delta:g})-DP per {dp.unit}, for {', '.join(dp.covers)}"
+            + (f"; {', '.join(sgd.covers)} by DP-SGD (q {sgd.sample_rate:g}, {sgd.steps} steps, "
+               f"sigma {sgd.noise_multiplier:.3g}, clip {sgd.clip:g})" if sgd else "")
             + ("; void: the run lets the server replay client noise" if dp.replayable_noise else "")
             if dp else "none"
         )  # fmt: skip

@@ -154,6 +154,13 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedLD-DP epsilon 16", {"method": "fedld", "fedld.dp-epsilon": 16.0}),
     Variant("FedLD-DP epsilon 4", {"method": "fedld", "fedld.dp-epsilon": 4.0}),
     Variant("FedLD-DP epsilon 1", {"method": "fedld", "fedld.dp-epsilon": 1.0}),
+    # as the FedBiP-mixture row (2 z(T) per image: as many images per client), under one budget
+    Variant("FedBiP-mixture-DP epsilon 16", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
+                                             "fedbip-mixture.dp-epsilon": 16.0}),
+    Variant("FedBiP-mixture-DP epsilon 4", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
+                                            "fedbip-mixture.dp-epsilon": 4.0}),
+    Variant("FedBiP-mixture-DP epsilon 1", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
+                                            "fedbip-mixture.dp-epsilon": 1.0}),
     Variant("FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
     Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),

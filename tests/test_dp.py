@@ -2,7 +2,9 @@
 
 The accountant is checked against the exact privacy profile of the Gaussian mechanism (Balle &
 Wang 2018, Theorem 8), the noise against the std it must have, and the estimate against the
-clipped moments it converges to when noise vanishes.
+clipped moments it converges to when noise vanishes. DP-SGD (fedbip_flwr.concepts.DPSGD):
+its accounting against the exact profile of one Poisson-sampled Gaussian step and against
+dp-accounting's RDP accountant over many, its per-image clipping and noise on the tiny model.
 """
 
 from __future__ import annotations
@@ -13,13 +15,27 @@ import pytest
 import torch
 from scipy.stats import norm
 
+from fedbip_flwr.concepts import (
+    DPSGD,
+    add_gradient_noise,
+    concept_batch_loss,
+    concept_scale,
+    initial_concepts,
+    private_gradient,
+    prompt_layout,
+)
 from fedbip_flwr.dp import (
     ADJACENCY,
     VARIANCE_FLOOR,
     clip_rows,
+    composed_epsilon,
     dp_gaussian_estimate,
+    dp_sgd_event,
+    dp_sgd_steps_per_epoch,
     epsilon_for,
+    gaussian_releases,
     noise_multiplier_for,
+    split_budget,
 )
 
 DELTA = 1e-5
@@ -150,3 +166,158 @@ def test_a_mean_only_release_composes_two_mechanisms_and_has_no_variance():
     assert estimate.guarantee.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 2))
     with pytest.raises(ValueError, match="no sum of squares"):
         estimate.variance()
+
+
+# --- DP-SGD: accounting -----------------------------------------------------------------------
+
+
+def poisson_gaussian_delta(epsilon: float, q: float, sigma: float) -> float:
+    """delta(eps) of one Poisson-sampled Gaussian step, sensitivity 1, noise std sigma, under
+    add/remove one: the larger hockey-stick divergence of P = (1-q) N(0, s^2) + q N(1, s^2)
+    (with the example) and Q = N(0, s^2) (without), in either order. p/q rises in x, so each
+    divergence is an integral over a half-line, in closed form."""
+    e = math.exp(epsilon)
+
+    def mixture_tail(x: float) -> float:  # P(X > x) under P
+        return (1 - q) * norm.sf(x / sigma) + q * norm.sf((x - 1) / sigma)
+
+    x_high = sigma**2 * math.log((e - (1 - q)) / q) + 0.5  # p/q > e^eps above it
+    remove = mixture_tail(x_high) - e * norm.sf(x_high / sigma)
+    add = 0.0
+    if math.exp(-epsilon) > 1 - q:  # q/p > e^eps below x_low
+        x_low = sigma**2 * math.log((math.exp(-epsilon) - (1 - q)) / q) + 0.5
+        add = norm.cdf(x_low / sigma) - e * (1 - mixture_tail(x_low))
+    return max(remove, add)
+
+
+@pytest.mark.parametrize(("q", "sigma", "epsilon"), [(0.08, 1.0, 0.5), (0.01, 0.8, 1.0), (0.5, 2.0, 0.3)])
+def test_one_dp_sgd_step_matches_the_exact_profile_of_the_poisson_sampled_gaussian(q, sigma, epsilon) -> None:
+    delta = poisson_gaussian_delta(epsilon, q, sigma)
+    assert 1e-12 < delta < 0.5
+    # the accountant's epsilon is a pessimistic bound: at or a hair above the exact one
+    assert composed_epsilon(delta, dp_sgd_event(q, sigma, 1)) == pytest.approx(epsilon, rel=1e-2, abs=2e-3)
+    assert composed_epsilon(delta, dp_sgd_event(q, sigma, 1)) >= epsilon * (1 - 1e-3)
+
+
+def test_full_batch_dp_sgd_is_composed_gaussians() -> None:
+    """q = 1 takes every image every step: k steps are k Gaussian mechanisms, that is one of
+    noise multiplier sigma / sqrt(k) (closed form above)."""
+    sigma, steps, epsilon = 4.0, 16, 1.0
+    delta = balle_wang_delta(epsilon, sigma / math.sqrt(steps))
+    assert composed_epsilon(delta, dp_sgd_event(1.0, sigma, steps)) == pytest.approx(epsilon, rel=1e-3)
+
+
+def test_dp_sgd_over_many_steps_is_below_rdp_and_abadi_et_al() -> None:
+    """Abadi et al. (2016): q = 0.01, sigma = 4, 10,000 steps give epsilon 1.26 at delta 1e-5
+    with their moments accountant; dp-accounting's RDP accountant (finer orders) says 1.04. The
+    PLD accountant is near exact (0.96 here): never above RDP's bound, and not far below it."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    event = dp_sgd_event(0.01, 4.0, 10_000)
+    rdp = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    rdp_epsilon = rdp.compose(event).get_epsilon(1e-5)
+    pld_epsilon = composed_epsilon(1e-5, event)
+    assert rdp_epsilon == pytest.approx(1.04, abs=0.01)
+    assert 0.85 * rdp_epsilon < pld_epsilon <= rdp_epsilon < 1.26
+    assert pld_epsilon == pytest.approx(0.96, abs=0.01)
+
+
+def test_steps_per_epoch_take_each_image_once_in_expectation() -> None:
+    assert [dp_sgd_steps_per_epoch(q) for q in (1.0, 0.5, 0.1, 0.08, 1 / 3)] == [1, 2, 10, 13, 3]
+    with pytest.raises(ValueError, match="sample_rate"):
+        dp_sgd_steps_per_epoch(0.0)
+
+
+@pytest.mark.parametrize("epsilon", [16.0, 4.0, 1.0])
+def test_one_budget_for_dp_sgd_and_the_statistics_is_met_by_their_composition(epsilon) -> None:
+    budget = split_budget(epsilon, DELTA, 0.5, 0.08, 130, 2)
+    recomputed = composed_epsilon(
+        DELTA, dp_sgd_event(0.08, budget.sgd_noise_multiplier, 130), gaussian_releases(budget.stats_noise_multiplier, 2)
+    )  # fmt: skip
+    assert budget.epsilon == recomputed
+    assert epsilon * (1 - 1e-3) < budget.epsilon <= epsilon  # all of it spent, never more
+    # each part alone is cheaper than the whole, and composing beats adding halves
+    assert composed_epsilon(DELTA, budget.events()[0]) < epsilon
+    assert composed_epsilon(DELTA, budget.events()[1]) < epsilon
+    assert budget.stats_noise_multiplier < noise_multiplier_for(epsilon / 2, DELTA, 2)
+
+
+def test_a_larger_concept_share_gives_dp_sgd_less_noise_and_the_statistics_more() -> None:
+    low, high = split_budget(4.0, DELTA, 0.3, 0.08, 130, 2), split_budget(4.0, DELTA, 0.7, 0.08, 130, 2)
+    assert high.sgd_noise_multiplier < low.sgd_noise_multiplier
+    assert high.stats_noise_multiplier > low.stats_noise_multiplier
+    with pytest.raises(ValueError, match="sgd_share"):
+        split_budget(4.0, DELTA, 1.0, 0.08, 130, 2)
+    with pytest.raises(ValueError, match="steps"):
+        split_budget(4.0, DELTA, 0.5, 0.08, 0, 2)
+
+
+# --- DP-SGD: per-image clipping and noise on the tiny model --------------------------------------
+
+
+@pytest.fixture()
+def concept_problem(tiny_ldm):
+    """Learn_concepts' loss on 4 random latents of 3 classes, with each image's t and noise."""
+    layout = prompt_layout(tiny_ldm.tokenizer, "a {S} of a {V}", 1, 1, "sketch", ["circle", "zebra", "star"])
+    s0, v0 = initial_concepts(tiny_ldm, layout, "token")
+    g = torch.Generator().manual_seed(0)
+    z0 = torch.randn(4, *tiny_ldm.latent_shape(16), generator=g)
+    labels = torch.tensor([0, 1, 2, 1])
+    t, noise = torch.randint(1, 1000, (4,), generator=g), torch.randn(z0.shape, generator=g)
+    shifts = [torch.zeros_like(s0), torch.zeros_like(v0)]
+    loss = concept_batch_loss(tiny_ldm, layout, "token", z0, labels)
+    return loss, [s0, v0], shifts, concept_scale(tiny_ldm, "token"), t, noise, layout
+
+
+def clipped_sum(problem, images: list[int], clip: float) -> torch.Tensor:
+    """private_gradient's sum over ``images``, two at a time, flat."""
+    loss, starts, shifts, scale, t, noise, _ = problem
+    batch = torch.tensor(images)
+    grads, _ = private_gradient(loss, starts, shifts, scale, batch, t[batch], noise[batch], clip, chunk=2)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def test_each_images_gradient_is_its_own_as_in_a_batch_of_one(concept_problem) -> None:
+    """With a clip no gradient reaches, the sum of per-image gradients (chunks of 2, one copy of
+    the shifts per image) is the sum of four single-image backward passes."""
+    loss, starts, shifts, scale, t, noise, _ = concept_problem
+    alone = []
+    for i in range(4):
+        copies = [u.clone().requires_grad_(True) for u in shifts]
+        value = loss([c + scale * u for c, u in zip(starts, copies, strict=True)], torch.tensor([i]), t[i:i + 1], noise[i:i + 1])
+        alone.append(torch.cat([g.flatten() for g in torch.autograd.grad(value, copies)]))
+    torch.testing.assert_close(clipped_sum(concept_problem, [0, 1, 2, 3], clip=1e6), torch.stack(alone).sum(0),
+                               rtol=1e-5, atol=1e-9)  # fmt: skip
+
+
+def test_removing_one_image_moves_the_clipped_sum_by_at_most_the_clip(concept_problem) -> None:
+    """Noise off: leaving out one image moves the sum by its clipped gradient, of norm the
+    clip (the tiny model's per-image norms are about 1e-3); unclipped, by more."""
+    clip = 1e-5
+    everyone = clipped_sum(concept_problem, [0, 1, 2, 3], clip)
+    for i in (0, 3):  # a class held once and one held twice
+        others = [j for j in range(4) if j != i]
+        assert (everyone - clipped_sum(concept_problem, others, clip)).norm().item() == pytest.approx(clip, rel=1e-3)
+        unclipped = clipped_sum(concept_problem, [i], clip=1e6).norm().item()
+        assert unclipped > 10 * clip, "without the clip one image would move it further"
+
+
+def test_dp_sgd_noise_has_std_sigma_times_clip_on_the_trainable_coordinates(concept_problem) -> None:
+    """An empty Poisson sample: the gradient is the noise alone. V's rows past a class's tokens
+    (zebra spells 5 tokens here, circle and star 1) get none."""
+    loss, starts, shifts, scale, t, noise, layout = concept_problem
+    empty = torch.tensor([], dtype=torch.int64)
+    zero, loss_sum = private_gradient(loss, starts, shifts, scale, empty, t[empty], noise[empty], 0.5, 2)
+    assert loss_sum == 0 and all(not g.any() for g in zero)
+    privacy = DPSGD(0.1, 10, noise_multiplier=1.5, clip=0.5, trainable=(None, layout.v_mask.unsqueeze(-1)))
+    generator = torch.Generator().manual_seed(0)
+    draws = [add_gradient_noise(zero, privacy, generator) for _ in range(200)]
+    s_noise = torch.stack([d[0] for d in draws])
+    v_noise = torch.stack([d[1] for d in draws])
+    used = layout.v_mask.unsqueeze(-1).expand_as(v_noise[0])
+    # 200 x 18 x 32 = 115,200 draws of S and V's used rows: std within 1.5 % is 7 standard errors
+    both = torch.cat([s_noise.flatten(), v_noise[:, used].flatten()])
+    assert both.std().item() == pytest.approx(1.5 * 0.5, rel=0.015)
+    assert both.mean().abs().item() < 0.02
+    assert not v_noise[:, ~used].any()

@@ -204,6 +204,19 @@ def test_an_institution_above_the_image_cap_fails_before_any_model_loads(own_fol
         institution_upload(cfg, node, no_model)
 
 
+def test_a_dp_upload_sends_its_epsilon_and_nothing_its_guarantee_hides(own_folder: Path, tiny_ldm) -> None:
+    """Beside a DP upload the reply carries no exact image count, skipped-file count or timing:
+    each would tell the server what the noisy counts inside the upload hide."""
+    values = {"method": "fedld", "dataset": "imagefolder", "classes": ",".join(CLASSES),
+              "data-root": str(own_folder), "image-size": SIZE}  # fmt: skip
+    node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
+    plain = institution_upload(FedBiPConfig.from_flat(values), node, lambda: tiny_ldm)[1]
+    assert plain["num-examples"] == 3 * 6 and "seconds-total" in plain
+    private = FedBiPConfig.from_flat({**values, "fedld.dp-epsilon": 4.0})
+    _, metrics = institution_upload(private, node, lambda: tiny_ldm)
+    assert set(metrics) == {"dp-epsilon"} and 0 < metrics["dp-epsilon"] <= 4.0
+
+
 def test_report_counts_the_files_each_institution_left_out(tmp_path: Path) -> None:
     clients = [
         {"node_id": 1, "client_id": "a", "domain": "sketch", "status": "accepted", "payload_bytes": 10,

@@ -144,6 +144,125 @@ def test_fedbip_inspect_and_report_show_the_guarantee(tiny_ldm, tmp_path, capsys
     assert "(4, 1e-05)-DP per one private image" in row and "`mixture_means` [6, 4, 1024]" in row
 
 
+# --- FedBiP's mixture mode under one DP budget --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def private_mixture(tiny_model_dir):
+    """One (4, 1e-5)-DP fedbip-mixture upload on the tiny model (13 DP-SGD steps), its run
+    config and the model, made once for the module."""
+    from fedbip_flwr.ldm import load_ldm
+
+    ldm = load_ldm(tiny_model_dir)
+    cfg, blob, metrics = upload_of("fedbip-mixture", ldm, **{"fedbip-mixture.dp-epsilon": 4.0})
+    return cfg, blob, metrics, ldm
+
+
+def test_a_private_fedbip_mixture_upload_states_one_guarantee_for_all_it_holds(private_mixture):
+    from fedbip_flwr.concepts import initial_concepts, prompt_layout
+    from fedbip_flwr.dp import composed_epsilon, dp_sgd_event, gaussian_releases
+    from fedbip_flwr.methods.fedbip_mixture import FedBiPMixture
+
+    cfg, blob, metrics, ldm = private_mixture
+    release = audit_upload(blob, 2**30).meta.dp
+    assert release.covers == list(FedBiPMixture.tensor_names)
+    sgd = release.concepts
+    assert (sgd.sample_rate, sgd.steps, sgd.clip, sgd.covers) == (0.08, 13, 1e-3, ["domain_concept", "class_concepts"])
+    assert release.releases == 2 and release.delta == 1e-5
+    # the accountant's epsilon for every release made, composed: all of the budget, never more
+    assert 4.0 * (1 - 1e-3) < release.epsilon <= 4.0
+    assert release.epsilon == composed_epsilon(1e-5, dp_sgd_event(0.08, sgd.noise_multiplier, 13),
+                                               gaussian_releases(release.noise_multiplier, 2))  # fmt: skip
+    assert metrics == {"dp-epsilon": release.epsilon}, "no loss curve or timing of the private images"
+    upload = create_for(cfg).accept(blob, server_job(cfg, ldm))
+    mixture, concepts = upload.content.mixture, upload.content.concepts
+    assert torch.equal(mixture.variances, torch.ones_like(mixture.variances))
+    assert mixture.weights[:, 0].eq(1).all() and mixture.weights[:, 1:].eq(0).all()
+    meta = concepts.meta
+    layout = prompt_layout(ldm.tokenizer, meta.prompt_template, meta.n_s, meta.n_v, upload.domain,
+                           meta.class_names, warn=False)  # fmt: skip
+    s0, v0 = initial_concepts(ldm, layout, cfg.concept_space)
+    assert not torch.equal(concepts.domain_concept, s0) and not torch.equal(concepts.class_concepts, v0)
+
+
+def test_a_non_private_fedbip_mixture_header_is_as_before_and_a_dp_run_refuses_it(tiny_ldm, private_mixture):
+    from fedbip_flwr.upload import read_header
+
+    cfg, blob, _ = upload_of("fedbip-mixture", tiny_ldm)
+    assert "fedbip.dp" not in read_header(blob)[1], "a non-DP header gains no key"
+    private_cfg = private_mixture[0]
+    with pytest.raises(PayloadError, match=r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee"):
+        create_for(private_cfg).accept(blob, server_job(private_cfg, tiny_ldm))
+
+
+def _dp(change):
+    """A lie about the header's guarantee: ``change`` edits its JSON object."""
+
+    def edit(_tensors, meta):
+        dp = json.loads(meta["fedbip.dp"])
+        change(dp)
+        meta["fedbip.dp"] = json.dumps(dp)
+
+    return edit
+
+
+GUARANTEE_LIES = {
+    "epsilon understated": (_dp(lambda d: d.update(epsilon=d["epsilon"] / 2)), "claims epsilon 2"),
+    "epsilon above the run's": (_dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5)), "weaker than the run's"),
+    "statistics' noise overstated": (
+        _dp(lambda d: d.update(noise_multiplier=d["noise_multiplier"] * 2)), "claims epsilon .* give"),
+    "DP-SGD's noise overstated": (
+        _dp(lambda d: d["concepts"].update(noise_multiplier=d["concepts"]["noise_multiplier"] * 2)), "claims epsilon"),
+    "fewer steps": (_dp(lambda d: d["concepts"].update(steps=1)), "DP-SGD steps 1 does not match the server's 13"),
+    "another sample rate": (_dp(lambda d: d["concepts"].update(sample_rate=0.04)), "DP-SGD sample rate 0.04"),
+    "a tensor left uncovered": (
+        _dp(lambda d: d["covers"].remove("class_concepts")), r"does not cover \['class_concepts'\]"),
+    "DP-SGD's parameters missing": (_dp(lambda d: d.pop("concepts")), "fedbip.dp.concepts' is invalid: Field required"),
+    "epsilon missing": (_dp(lambda d: d.pop("epsilon")), "fedbip.dp.epsilon' is invalid: Field required"),
+    "a noise multiplier too small to account": (
+        _dp(lambda d: d["concepts"].update(noise_multiplier=0.01)), "greater than or equal to 0.05"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lie", sorted(GUARANTEE_LIES))
+def test_a_tampered_guarantee_is_refused(lie, private_mixture):
+    cfg, blob, _, ldm = private_mixture
+    change, message = GUARANTEE_LIES[lie]
+    with pytest.raises(PayloadError, match=message):
+        create_for(cfg).accept(tampered(blob, "fedbip-mixture", cfg, change), server_job(cfg, ldm))
+
+
+def test_a_server_without_a_dp_budget_still_refuses_an_overstated_epsilon(private_mixture):
+    """A claim larger than the parameters give is refused too: the header says what they give."""
+    _, blob, _, ldm = private_mixture
+    plain = method_config("fedbip-mixture")
+    create_for(plain).accept(blob, server_job(plain, ldm))  # the honest one is taken
+    lie = tampered(blob, "fedbip-mixture", plain, _dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5)))
+    with pytest.raises(PayloadError, match="claims epsilon 6, .* give 4 at"):
+        create_for(plain).accept(lie, server_job(plain, ldm))
+
+
+def test_fedbip_inspect_and_report_show_the_mixture_guarantee(private_mixture, tmp_path, capsys):
+    from fedbip_flwr.report import _what_left
+    from fedbip_tools.cli import main
+
+    _, blob, _, _ = private_mixture
+    path = RunFolder(tmp_path).payloads / "sketch-0.safetensors"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(blob)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert '"sample_rate": 0.08' in out and '"steps": 13' in out
+    (row,) = [line for line in _what_left(tmp_path) if line.startswith("| sketch-0")]
+    assert "-DP per one private image" in row and "domain_concept, class_concepts by DP-SGD (q 0.08, 13 steps" in row
+
+
+def test_private_concepts_need_one_concept_per_class(tiny_ldm):
+    cfg = method_config("fedbip-mixture", **{"fedbip-mixture.dp-epsilon": 4.0, "class-clusters": 2})
+    with pytest.raises(ValueError, match="needs class-clusters = 1"):
+        create_for(cfg).upload(client_job(cfg, tiny_ldm))
+
+
 # --- Espresso: per-sub-cluster conditions and Z-Sampling -------------------------------------------
 
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import dataset
 from ..config import FedBiPConfig, NodeConfig
+from ..dp import EPSILON_METRIC
 from ..ldm import LDM
 from ..partitions import DataError
 from ..seeds import client_generator
@@ -94,6 +95,8 @@ def institution_upload(
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = one_shot_for(cfg).upload(job)
+    if EPSILON_METRIC in metrics:  # a DP upload: nothing beside it that its guarantee does not cover
+        return blob, {EPSILON_METRIC: metrics[EPSILON_METRIC]}
     return blob, {
         "num-examples": len(data),
         "unreadable-files-skipped": data.skipped_files,

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..clusters import cluster_images, public_encoder
-from ..concepts import learn_concepts, prompt_layout
+from ..concepts import DPSGD, LearnedConcepts, PromptLayout, learn_concepts, prompt_layout
 from ..config import FedBiPConfig
 from ..expectations import expectations
 from ..instance import personalize_instances
@@ -94,31 +94,10 @@ def personalize(
     started = time.perf_counter()
     clusters = cfg.class_clusters
     sub = sub_clusters(images, labels, cfg, ldm.device)
-    concept_names = [name for name in class_names for _ in range(clusters)]
-    layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
-    )
-
-    def on_epoch(epoch: int, loss: float) -> None:
-        bar.set_postfix(loss=f"{loss:.4f}")
-        bar.update()
-        log.info("[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss)
-
-    with tqdm(total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch",
-              mininterval=5) as bar:
-        concepts = learn_concepts(
-            ldm,
-            layout,
-            cfg.concept_space,
-            instances.z0,
-            instances.labels * clusters + sub,
-            timestep,
-            epochs=cfg.concept_epochs,
-            batch_size=cfg.concept_batch_size,
-            lr=cfg.concept_lr,
-            generator=generator,
-            on_epoch=on_epoch,
-        )
+    layout, concepts = client_concepts(
+        ldm, instances.z0, instances.labels * clusters + sub, class_names, domain, client_id, cfg,
+        timestep, generator,
+    )  # fmt: skip
     report.seconds["concept"] = time.perf_counter() - started
     report.concept_losses = concepts.losses
     report.concept_drift = {"s": concepts.domain_drift, "v": concepts.class_drift}
@@ -151,6 +130,51 @@ def personalize(
         latent_clusters=sub.repeat(cfg.latents_per_image) if clusters > 1 else None,
     )
     return payload, report
+
+
+def client_concepts(
+    ldm: LDM,
+    z0: torch.Tensor,
+    concept_labels: torch.Tensor,
+    class_names: list[str],
+    domain: str,
+    client_id: str,
+    cfg: FedBiPConfig,
+    timestep: int,
+    generator: torch.Generator,
+    privacy: DPSGD | None = None,
+) -> tuple[PromptLayout, LearnedConcepts]:
+    """FedBiP's concept level on the client's latents ``z0``: S and V (one V per class and
+    sub-cluster, ``concept_labels`` = label x class-clusters + sub-cluster) learned with the
+    run config's budget, by DP-SGD with ``privacy``."""
+    clusters = cfg.class_clusters
+    concept_names = [name for name in class_names for _ in range(clusters)]
+    layout = prompt_layout(
+        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
+    )
+
+    def on_epoch(epoch: int, loss: float) -> None:
+        bar.set_postfix(loss=f"{loss:.4f}")
+        bar.update()
+        log.info("[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss)
+
+    with tqdm(total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch",
+              mininterval=5) as bar:
+        concepts = learn_concepts(
+            ldm,
+            layout,
+            cfg.concept_space,
+            z0,
+            concept_labels,
+            timestep,
+            epochs=cfg.concept_epochs,
+            batch_size=cfg.concept_batch_size,
+            lr=cfg.concept_lr,
+            generator=generator,
+            on_epoch=on_epoch,
+            privacy=privacy,
+        )
+    return layout, concepts
 
 
 def sub_clusters(images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device) -> torch.Tensor:

@@ -13,26 +13,56 @@ the client id and k), so a pass makes as many images as FedBiP's.
 
 Checks: FedBiP's concept contract (shapes, the server's model, n-s, n-v, template, the concept
 scale) and FedLD's mixture checks (:func:`fedbip_flwr.methods.fedld.check_mixture_upload`).
+
+DP (``fedbip-mixture.dp-epsilon`` > 0, :meth:`FedBiPMixture.private_upload`): one
+(epsilon, delta) per private image for everything the upload derives from the images. The
+mixture is FedLD's DP release (one z(T) per image, unmixed, clipped; per class a noisy sum and
+a noisy count), S and V are learned by DP-SGD (:class:`fedbip_flwr.concepts.DPSGD`), and
+:func:`fedbip_flwr.dp.split_budget` calibrates the two so that their composition meets the
+budget; the header states every parameter, and the server recomputes the epsilon from them
+(:func:`check_private_release`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..clusters import condition_rows
-from ..config import MAX_CLASS_CLUSTERS
+from ..concepts import DPSGD
+from ..config import MAX_CLASS_CLUSTERS, FedBiPConfig
+from ..dp import (
+    EPSILON_METRIC,
+    DPGuarantee,
+    composed_epsilon,
+    dp_sgd_event,
+    dp_sgd_steps_per_epoch,
+    gaussian_releases,
+    noisy_estimate,
+    split_budget,
+)
 from ..expectations import expectations
+from ..instance import encode_images, forward_noise
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
-from ..payload import Expectations, Payload, PayloadMeta, check_concept_scale, check_expectations
+from ..payload import (
+    Expectations,
+    Payload,
+    PayloadMeta,
+    check_concept_scale,
+    check_expectations,
+    refuse_mismatch,
+)
 from ..seeds import client_seed
 from ..server import WorkUnit
 from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
+from ..upload import PayloadError
 from .base import (
     ClientJob,
     Method,
@@ -44,16 +74,83 @@ from .base import (
     mixture_set,
     register,
 )
-from .fedbip import personalize
-from .fedld import MixtureMeta, MixtureSettings, check_mixture_upload, mixture_meta, mixture_metrics
+from .fedbip import client_concepts, personalize
+from .fedld import (
+    DPRelease,
+    MixtureMeta,
+    MixtureSettings,
+    check_mixture_upload,
+    first_timestep,
+    mixture_meta,
+    mixture_metrics,
+    mixture_of_estimates,
+)
 
+log = logging.getLogger(__name__)
 CONCEPTS = ("domain_concept", "class_concepts")
+
+
+# Per class a noisy sum of the clipped z(T) and a noisy count: two Gaussian mechanisms.
+STATS_RELEASES = 2
+# A header's noise multipliers must be at least this: the server recomputes the epsilon they
+# give, and the accountant's grid grows as 1 / sigma^2 (0.05 takes seconds). The defaults at
+# dp-epsilon's cap of 100 give 0.36 (DP-SGD) and 0.19 (statistics); a client whose settings
+# would go below is refused when it builds its header.
+MIN_NOISE_MULTIPLIER = 0.05
+# How far a header's epsilon may lie from the server's recomputation of it (the same
+# accountant on another machine may round a grid point the other way).
+EPSILON_TOLERANCE = 1e-3
 
 
 class FedBiPMixtureSettings(MixtureSettings):
     """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``)."""
 
     WHAT: ClassVar[str] = "fedbip-mixture settings"
+
+    dp_epsilon: float = Field(
+        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private image "
+        "(docs/methods.md) covering S, V, the mixture and the counts: S and V by DP-SGD, per class "
+        "one Gaussian from the noisy mean of the clipped z(T) (one per image, unmixed), noisy "
+        "counts. 0: off. At most 100, as fedld.dp-epsilon."
+    )  # fmt: skip
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
+    dp_clip: float = Field(1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D).")
+    dp_grad_clip: float = Field(
+        1e-3, gt=0.0, description="DP-SGD's clip: the L2 norm of each image's gradient with respect "
+        "to the concept shifts u (S and V's together). Depends on the model: 1e-3 is about the "
+        "miniature's median per-image norm in token space (7.5e-4)."
+    )  # fmt: skip
+    dp_sample_rate: float = Field(
+        0.08, gt=0.0, le=1.0, description="DP-SGD's Poisson sampling rate q: each step takes each "
+        "image with probability q, ceil(1 / q) steps an epoch. A setting, not concept-batch-size / N, "
+        "so that the header does not give away N (0.08: about 8 of the miniature's 96 images)."
+    )  # fmt: skip
+    dp_concept_share: float = Field(
+        0.5, gt=0.0, lt=1.0, description="The concepts' part of epsilon when each release is "
+        "calibrated on its own; both noise multipliers are then scaled by one factor so that "
+        "the two composed are exactly (epsilon, dp-delta)-DP."
+    )  # fmt: skip
+
+
+class ConceptDPRelease(BaseModel):
+    """DP-SGD's parameters, as a DP upload's header states them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sample_rate: float = Field(gt=0, le=1)  # q, Poisson sampling
+    steps: int = Field(ge=1)
+    noise_multiplier: float = Field(ge=MIN_NOISE_MULTIPLIER)  # noise std / clip
+    clip: float = Field(gt=0)  # L2 norm of one image's gradient w.r.t. the concept shifts
+    covers: list[str]
+
+
+class MixtureDPRelease(DPRelease):
+    """A DP fedbip-mixture upload's guarantee: (``epsilon``, ``delta``) for all ``covers``,
+    the accountant's epsilon for the statistics' ``releases`` Gaussian mechanisms
+    (``noise_multiplier``, ``clip`` on z(T)) composed with the ``concepts``' DP-SGD."""
+
+    noise_multiplier: float = Field(ge=MIN_NOISE_MULTIPLIER)
+    concepts: ConceptDPRelease
 
 
 class FedBiPMixtureMeta(MixtureMeta):
@@ -63,6 +160,8 @@ class FedBiPMixtureMeta(MixtureMeta):
     concept_space: Literal["token", "hidden"]
     prompt_template: str
     class_clusters: int = Field(ge=1, le=MAX_CLASS_CLUSTERS)
+    # absent from a non-DP upload's header, which stays as it was before DP existed
+    dp: MixtureDPRelease | None = Field(None, exclude_if=lambda value: value is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +183,8 @@ class FedBiPMixture(Method):
     tensor_names = ("class_counts", *CONCEPTS, *MIXTURE_TENSOR_NAMES)
 
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        if self.settings.dp_epsilon:
+            return self.private_upload(job)
         own, data, ldm = self.settings, job.data, job.ldm()
         payload, report = personalize(
             ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id,
@@ -109,7 +210,58 @@ class FedBiPMixture(Method):
             **mixture_metrics(mixture, len(payload.latents)),
         }
 
+    def private_upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
+        """The (dp-epsilon, dp-delta)-DP upload: the mixture from FedLD's DP release on one
+        unmixed z(T) per image, S and V by DP-SGD on the images' latents, both calibrated
+        together (:func:`fedbip_flwr.dp.split_budget`). Its metrics say nothing about the images."""
+        own, data, ldm, cfg, generator = self.settings, job.data, job.ldm(), job.cfg, job.generator
+        if cfg.class_clusters != 1:
+            raise ValueError(
+                "fedbip-mixture.dp-epsilon needs class-clusters = 1: sub-clusters come from all of a "
+                "class's images together, so one image can move every other image's sub-cluster"
+            )
+        if cfg.concept_epochs < 1:
+            raise ValueError("fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)")
+        per_epoch = dp_sgd_steps_per_epoch(own.dp_sample_rate)
+        budget = split_budget(own.dp_epsilon, own.dp_delta, own.dp_concept_share, own.dp_sample_rate,
+                              cfg.concept_epochs * per_epoch, STATS_RELEASES)  # fmt: skip
+        timestep = first_timestep(cfg, ldm)
+        z0 = encode_images(ldm.vae, data.images, cfg.vae_batch_size)
+        z_t = forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=generator))
+        clip = own.dp_clip * math.sqrt(z0[0].numel())
+        stats = DPGuarantee(budget.epsilon, budget.delta, budget.stats_noise_multiplier, clip, STATS_RELEASES,
+                            ("sum", "count"))  # fmt: skip
+        estimates = [noisy_estimate(z_t[data.labels == c], stats, generator) for c in range(len(data.classes))]
+        alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
+        mixture, counts = mixture_of_estimates(estimates, own.components, alpha_bar, tuple(z0.shape[1:]))
+        privacy = DPSGD(own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip)
+        layout, concepts = client_concepts(ldm, z0, data.labels, list(data.classes), data.domain, data.client_id,
+                                           cfg, timestep, generator, privacy)  # fmt: skip
+        if cfg.replayable_client_noise:
+            log.warning("replayable-client-noise is on: a server that replays it removes the DP noise")
+        release = MixtureDPRelease(
+            epsilon=budget.epsilon, delta=budget.delta, noise_multiplier=stats.noise_multiplier, clip=clip,
+            releases=STATS_RELEASES, covers=list(self.tensor_names), unit=f"one private image ({stats.adjacency})",
+            replayable_noise=cfg.replayable_client_noise,
+            concepts=ConceptDPRelease(sample_rate=own.dp_sample_rate, steps=budget.steps,
+                                      noise_multiplier=budget.sgd_noise_multiplier, clip=own.dp_grad_clip,
+                                      covers=list(CONCEPTS)),
+        )  # fmt: skip
+        meta = FedBiPMixtureMeta(
+            **{**mixture_meta(job, ldm, timestep, own.components), "num_examples": max(1, int(counts.sum()))},
+            n_s=layout.n_s, n_v=layout.n_v, concept_space=cfg.concept_space, prompt_template=cfg.prompt_template,
+            class_clusters=1, dp=release,
+        )  # fmt: skip
+        tensors = {
+            "class_counts": counts,
+            "domain_concept": concepts.domain,
+            "class_concepts": concepts.classes,
+            **mixture.to_tensors(),
+        }
+        return encode_upload(meta, tensors), {EPSILON_METRIC: release.epsilon}
+
     def check(self, upload: Upload, server: ServerJob) -> Upload:
+        check_private_release(upload.meta, self.settings, server.cfg)
         expect = expectations(server.cfg, server.ldm(), server.class_names)
         mixture = check_mixture_upload(upload, server, self.settings.components, expect)
         concepts = concept_payload(upload, server, expect)
@@ -149,9 +301,52 @@ def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(per_class)), per_class)
 
 
+def check_private_release(meta: FedBiPMixtureMeta, own: FedBiPMixtureSettings, cfg: FedBiPConfig) -> None:
+    """Refuse an upload without a guarantee where the run asks for one (or with a weaker one),
+    and a guarantee that leaves a tensor uncovered, was not made with the run's DP-SGD schedule
+    (sample rate, and the steps concept-epochs make of it) or whose epsilon is not what the
+    accountant gives for its noise multipliers."""
+    release = meta.dp
+    if release is None:
+        if own.dp_epsilon:
+            raise PayloadError(
+                f"the run asks for ({own.dp_epsilon:g}, {own.dp_delta:g})-DP uploads "
+                "(fedbip-mixture.dp-epsilon) and this one states no guarantee"
+            )
+        return
+    if own.dp_epsilon and (release.epsilon > own.dp_epsilon or release.delta > own.dp_delta):
+        raise PayloadError(
+            f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the run's "
+            f"({own.dp_epsilon:g}, {own.dp_delta:g}) (fedbip-mixture.dp-epsilon, dp-delta)"
+        )
+    if uncovered := sorted(set(FedBiPMixture.tensor_names) - set(release.covers)):
+        raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
+    sgd = release.concepts
+    q, steps = sgd.sample_rate, cfg.concept_epochs * dp_sgd_steps_per_epoch(sgd.sample_rate)
+    refuse_mismatch([
+        ("DP-SGD covers", sorted(sgd.covers), sorted(CONCEPTS), "S and V are what DP-SGD learns"),
+        ("statistics releases", release.releases, STATS_RELEASES, "per class a noisy sum and a noisy count"),
+        ("DP-SGD sample rate", q, own.dp_sample_rate, "clients and server must share fedbip-mixture.dp-sample-rate"),
+        ("DP-SGD steps", sgd.steps, steps, f"concept-epochs {cfg.concept_epochs} x ceil(1 / sample rate)"),
+    ])  # fmt: skip
+    epsilon = composed_epsilon(
+        release.delta, dp_sgd_event(q, sgd.noise_multiplier, steps), gaussian_releases(release.noise_multiplier, release.releases)
+    )  # fmt: skip
+    if not math.isclose(release.epsilon, epsilon, rel_tol=EPSILON_TOLERANCE):
+        raise PayloadError(
+            f"its guarantee claims epsilon {release.epsilon:.6g}, but its noise multipliers "
+            f"({release.noise_multiplier:.6g} on the statistics, {sgd.noise_multiplier:.6g} over {steps} "
+            f"DP-SGD steps at sample rate {q:g}) give {epsilon:.6g} at delta {release.delta:g}"
+        )
+
+
 def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> Payload:
-    """S and V checked by FedBiP's concept contract (``expect``), as a payload without latents."""
+    """S and V checked by FedBiP's concept contract (``expect``), as a payload without latents;
+    a DP upload's concepts within the reach of its DP-SGD's steps (checked before)."""
     meta, ldm = upload.meta, server.ldm()
+    if meta.dp is not None and expect.plausibility is not None:
+        plausibility = dataclasses.replace(expect.plausibility, concept_steps=meta.dp.concepts.steps)
+        expect = dataclasses.replace(expect, plausibility=plausibility)
     n_s, n_v = expect.concept_sizes(meta.domain)
     d, classes = ldm.concept_dim, len(meta.class_names)
     concepts = {

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..concepts import plain_prompt
 from ..config import FedBiPConfig, MethodSettings
-from ..dp import dp_gaussian_estimate
+from ..dp import EPSILON_METRIC, DPGaussianEstimate, dp_gaussian_estimate
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
@@ -199,7 +199,7 @@ class FedLD(Method):
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
-            return encode_upload(FedLDMeta(**meta, dp=release), tensors), {"dp-epsilon": release.epsilon}
+            return encode_upload(FedLDMeta(**meta, dp=release), tensors), {EPSILON_METRIC: release.epsilon}
         mixture = fit_mixture(z_t, labels, classes, own.components, job.generator,
                               rows_per_component=own.rows_per_component)  # fmt: skip
         tensors = {"class_counts": class_counts(data.labels, classes), **mixture.to_tensors()}
@@ -239,24 +239,12 @@ def private_mixture(
     sqrt(1 - abar_T) eps of unit-variance latents has variance 1 per coordinate. Then, as
     post-processing (which keeps the guarantee), each mean is shrunk to the RMS the mean of
     z(T) can have, sqrt(abar_T) times the latents' largest plausible RMS."""
-    dim = z_t[0].numel()
-    clip = own.dp_clip * math.sqrt(dim)
+    clip = own.dp_clip * math.sqrt(z_t[0].numel())
     estimates = [
         dp_gaussian_estimate(z_t[labels == c], clip, own.dp_epsilon, own.dp_delta, generator, squares=False)
         for c in range(classes)
     ]  # fmt: skip
-    means = torch.stack([e.mean() for e in estimates])
-    largest = math.sqrt(alpha_bar) * LATENT_RMS * math.sqrt(dim)
-    means = means * (largest / means.norm(dim=1, keepdim=True)).clamp(max=1.0)
-    weights = torch.zeros(classes, own.components)
-    weights[:, 0] = 1.0
-    mixture = LatentMixture(
-        weights=weights,
-        means=means.unsqueeze(1).repeat(1, own.components, 1).contiguous(),
-        variances=torch.ones(classes, own.components, dim),
-        latent_shape=tuple(z_t.shape[1:]),
-    )
-    counts = torch.tensor([max(0, round(e.count)) for e in estimates], dtype=torch.int64)
+    mixture, counts = mixture_of_estimates(estimates, own.components, alpha_bar, tuple(z_t.shape[1:]))
     guarantee = estimates[0].guarantee
     if replayable:
         log.warning("replayable-client-noise is on: a server that replays it removes the DP noise")
@@ -266,6 +254,28 @@ def private_mixture(
         unit=f"one private image ({guarantee.adjacency})", replayable_noise=replayable,
     )  # fmt: skip
     return mixture, counts, release
+
+
+def mixture_of_estimates(
+    estimates: list[DPGaussianEstimate], components: int, alpha_bar: float, latent_shape: tuple[int, ...]
+) -> tuple[LatentMixture, torch.Tensor]:
+    """Per class (one estimate each, of its z(T) at abar_T = ``alpha_bar``) one Gaussian: the
+    noisy mean shrunk to the RMS a mean of z(T) can have, variance 1 (as :func:`private_mixture`
+    says), in the first of ``components``; and the rounded noisy counts. Post-processing only."""
+    dim, classes = math.prod(latent_shape), len(estimates)
+    means = torch.stack([e.mean() for e in estimates])
+    largest = math.sqrt(alpha_bar) * LATENT_RMS * math.sqrt(dim)
+    means = means * (largest / means.norm(dim=1, keepdim=True)).clamp(max=1.0)
+    weights = torch.zeros(classes, components)
+    weights[:, 0] = 1.0
+    mixture = LatentMixture(
+        weights=weights,
+        means=means.unsqueeze(1).repeat(1, components, 1).contiguous(),
+        variances=torch.ones(classes, components, dim),
+        latent_shape=latent_shape,
+    )
+    counts = torch.tensor([max(0, round(e.count)) for e in estimates], dtype=torch.int64)
+    return mixture, counts
 
 
 def mixture_metrics(mixture: LatentMixture, rows: int) -> dict[str, Any]:
