@@ -649,8 +649,17 @@ Central's row judges the real images it trained on.
 
 Gaps are non-member minus member mean loss / entropy of the global classifier
 ({s.mia_per_domain} class-balanced images per client each), mean ± std over seeds; 0 = members
-look like unseen images. Nearest real: mean RMS pixel distance (images in [-1, 1]) from each
-synthetic image to its client's closest real image.
+look like unseen images. MIA AUC, pooled: a loss-threshold attack on every client's members
+against as many unseen test images of their domains, all in one set ({s.mia_per_domain} per
+client per side), mean ± std over seeds (0.5 = nothing told apart; standard error about 0.024
+at 288 per side), and its true-positive rate at 1% false positives. Nearest real: mean RMS
+pixel distance (images in [-1, 1]) from each synthetic image to its client's closest real
+image. DCR: each member's and non-member's distance to the nearest synthetic image of its
+client, as a membership AUC and the share of members nearer than every non-member.
+Reconstruction: where the server's synthetic image i is denoised from private image i's z(T)
+(FedBiP), its PSNR and SSIM against image i and against an image of the same class no client
+holds (what knowing the class alone gives). A dash: not measured for that row (rows cached
+before the column existed), or no such thing to measure.
 
 {privacy_table(summary)}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
