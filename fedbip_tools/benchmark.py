@@ -581,9 +581,10 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
 
 
 def attack_cells(entry: Mapping[str, Any]) -> list[str]:
-    """The pooled loss attack's AUC (mean ± std over seeds) and TPR at its low FPR."""
+    """The pooled loss attack's AUC (mean ± std over seeds) and TPR at its low FPR; dashes
+    unless every seed of the row measured it."""
     mia = entry.get("mia")
-    if mia is None:
+    if mia is None or "mia_auc_std" not in entry:
         return ["–", "–"]
     return [f"{mia['auc']:.3f} ± {entry['mia_auc_std']:.3f}", f"{mia['tpr_at_low_fpr']:.3f}"]
 
