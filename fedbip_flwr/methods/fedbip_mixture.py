@@ -76,9 +76,9 @@ from .base import (
 )
 from .fedbip import client_concepts, personalize
 from .fedld import (
+    DPMixtureSettings,
     DPRelease,
     MixtureMeta,
-    MixtureSettings,
     check_mixture_upload,
     first_timestep,
     mixture_meta,
@@ -102,19 +102,13 @@ MIN_NOISE_MULTIPLIER = 0.05
 EPSILON_TOLERANCE = 1e-3
 
 
-class FedBiPMixtureSettings(MixtureSettings):
-    """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``)."""
+class FedBiPMixtureSettings(DPMixtureSettings):
+    """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``). Its DP upload
+    covers S and V too, learned by DP-SGD (the dp-grad-clip, dp-sample-rate and
+    dp-concept-share below), and its mixture is fitted to one unmixed z(T) per image."""
 
     WHAT: ClassVar[str] = "fedbip-mixture settings"
 
-    dp_epsilon: float = Field(
-        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private image "
-        "(docs/methods.md) covering S, V, the mixture and the counts: S and V by DP-SGD, per class "
-        "one Gaussian from the noisy mean of the clipped z(T) (one per image, unmixed), noisy "
-        "counts. 0: off. At most 100, as fedld.dp-epsilon."
-    )  # fmt: skip
-    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
-    dp_clip: float = Field(1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D).")
     dp_grad_clip: float = Field(
         1e-3, gt=0.0, description="DP-SGD's clip: the L2 norm of each image's gradient with respect "
         "to the concept shifts u (S and V's together). Depends on the model: 1e-3 is about the "

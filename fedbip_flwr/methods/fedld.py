@@ -76,12 +76,10 @@ class MixtureSettings(MethodSettings):
     )  # fmt: skip
 
 
-class FedLDSettings(MixtureSettings):
-    """FedLD's own run-config keys (table ``fedld``)."""
+class DPMixtureSettings(MixtureSettings):
+    """The opt-in DP upload of a mixture's class statistics (docs/methods.md says, per method,
+    which tensors its guarantee covers)."""
 
-    WHAT: ClassVar[str] = "fedld settings"
-
-    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
     dp_epsilon: float = Field(
         0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private image "
         "(docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped z(T) "
@@ -93,6 +91,14 @@ class FedLDSettings(MixtureSettings):
         1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
         "(an honest z(T) at T near 1000 has norm about sqrt(D))."
     )  # fmt: skip
+
+
+class FedLDSettings(DPMixtureSettings):
+    """FedLD's own run-config keys (table ``fedld``)."""
+
+    WHAT: ClassVar[str] = "fedld settings"
+
+    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
 
 
 class DPRelease(BaseModel):
