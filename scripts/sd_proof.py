@@ -40,9 +40,11 @@ import tomllib
 from fedbip_flwr import results
 from fedbip_flwr.results import RunResults, Seconds
 from fedbip_tools.simulation import (
+    SimulationError,
     flwr_tool,
     free_port,
     run_simulation,
+    run_status,
     stop_local_superlink,
     stop_process_tree,
     superlink_processes,
@@ -328,7 +330,10 @@ def simulate(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, 
         run_id, output = run_simulation(home, str(conf), 0, args.timeout, ROOT, env=env,
                                         federation=args.federation_config)  # fmt: skip
         (work / "logs" / "flwr-run.log").write_text(output)
-        result["status"] = simulation_status(home, run_id, env)
+        try:
+            result["status"] = run_status(home, run_id)
+        except SimulationError as err:
+            result["status"] = f"unknown: {err}"[:1000]
     finally:
         result["seconds_wall"] = round(time.time() - started, 1)
         stop_local_superlink(home)
@@ -341,15 +346,6 @@ def toml_pair(pair: str) -> tuple[str, object]:
     if not sep:
         raise SystemExit(f"--set takes KEY=VALUE, got {pair!r}")
     return key.strip(), tomllib.loads(f"v = {value}")["v"]
-
-
-def simulation_status(home: Path, run_id: int, env: dict) -> str:
-    proc = subprocess.run([flwr_tool("flwr"), "ls", "--run-id", str(run_id), "--format", "json"],
-                          cwd=home, env=env, capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    try:
-        return json.loads(proc.stdout)["runs"][0]["status"]
-    except (ValueError, KeyError, IndexError):
-        return f"unknown: {proc.stdout[-500:]}{proc.stderr[-500:]}"
 
 
 def main(argv: list[str] | None = None) -> int:
