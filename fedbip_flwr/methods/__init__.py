@@ -96,6 +96,9 @@ def institution_upload(
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = one_shot_for(cfg).upload(job)
     if EPSILON_METRIC in metrics:  # a DP upload: nothing beside it that its guarantee does not cover
+        if cfg.replayable_client_noise:
+            log.warning("[%s] replayable-client-noise is on: a server that replays it removes the DP noise",
+                        data.client_id)  # fmt: skip
         return blob, {EPSILON_METRIC: metrics[EPSILON_METRIC]}
     return blob, {
         "num-examples": len(data),

@@ -231,8 +231,6 @@ class FedBiPMixture(Method):
         privacy = DPSGD(own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip)
         layout, concepts = client_concepts(ldm, z0, data.labels, list(data.classes), data.domain, data.client_id,
                                            cfg, timestep, generator, privacy)  # fmt: skip
-        if cfg.replayable_client_noise:
-            log.warning("replayable-client-noise is on: a server that replays it removes the DP noise")
         release = MixtureDPRelease(
             epsilon=budget.epsilon, delta=budget.delta, noise_multiplier=stats.noise_multiplier, clip=clip,
             releases=STATS_RELEASES, covers=list(self.tensor_names), unit=f"one private image ({stats.adjacency})",

@@ -252,8 +252,6 @@ def private_mixture(
     ]  # fmt: skip
     mixture, counts = mixture_of_estimates(estimates, own.components, alpha_bar, tuple(z_t.shape[1:]))
     guarantee = estimates[0].guarantee
-    if replayable:
-        log.warning("replayable-client-noise is on: a server that replays it removes the DP noise")
     release = DPRelease(
         epsilon=guarantee.epsilon, delta=guarantee.delta, noise_multiplier=guarantee.noise_multiplier,
         clip=clip, releases=guarantee.releases, covers=["class_counts", *MIXTURE_TENSOR_NAMES],
