@@ -25,7 +25,7 @@ from fedbip_flwr.classifier import load_classifier_bytes
 from fedbip_flwr.client import kept_classifier_path, score_classifier
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.folders import UnreadableImages
-from fedbip_flwr.ldm import LDM, load_for_run, select_device
+from fedbip_flwr.ldm import LDM, load_for_run, release_cached_memory, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import MultiRound, institution_upload
 from fedbip_flwr.storage import atomic_write
@@ -81,7 +81,12 @@ def train(msg: Message, context: Context) -> Message:
     ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
     log.info("[%s] computing its upload (%s) with %d torch threads", client_id, cfg.method,
              torch.get_num_threads())  # fmt: skip
-    blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
+    device = select_device(cfg.device)
+    blob, metrics = institution_upload(cfg, node, ldm, device)
+    if (released := release_cached_memory(device)) is not None:
+        log.info("[%s] CUDA memory reserved after the step: %.0f MiB, %.0f MiB once the cache was "
+                 "released (%.0f MiB allocated)", client_id, released[0] / 2**20, released[1] / 2**20,
+                 torch.cuda.memory_allocated(device) / 2**20)  # fmt: skip
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
     return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
 

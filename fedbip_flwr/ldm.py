@@ -8,6 +8,7 @@ layout, so tests exercise exactly the path that real weights take.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -339,6 +340,23 @@ def select_device(choice: str) -> torch.device:
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
+
+
+def release_cached_memory(device: torch.device) -> tuple[int, int] | None:
+    """Hand PyTorch's cached but unused CUDA blocks back to the card: CUDA bytes reserved
+    before and after, or None off CUDA.
+
+    A client's step leaves the activations and optimiser state of concept learning in the
+    caching allocator's pool; a Ray actor of a one-GPU-box simulation lives on after its step,
+    so without this the pool stays reserved while the ServerApp synthesizes on the same card.
+    What is still referenced (the actor's frozen LDM, kept for its next client) stays.
+    """
+    if device.type != "cuda":
+        return None
+    before = torch.cuda.memory_reserved(device)
+    gc.collect()  # reference cycles can hold tensors past their last use
+    torch.cuda.empty_cache()
+    return before, torch.cuda.memory_reserved(device)
 
 
 def cpu_has_bf16() -> bool:

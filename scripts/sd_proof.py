@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="simulation only: one more run-config value, e.g. compile-unet=true")
     args = parser.parse_args(argv)
     work = args.work.resolve()
+    # a proof measures a whole round: an earlier proof's run folder would let the ServerApp
+    # resume from its uploads, and its clients would never run
+    shutil.rmtree(work / "outputs", ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
     if not (args.model / "build_info.json").exists():

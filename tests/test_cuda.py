@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbip_flwr.ldm import TINY, build_ldm, load_for_run
+from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, release_cached_memory
 from fedbip_flwr.methods import create
 from fedbip_flwr.server import RunFolder, train_global
 from fedbip_flwr.storage import read_tensors
@@ -104,3 +104,15 @@ def test_fp16_concept_gradients_on_the_gpu_match_fp32():
     print(f"S gradient relative error on the GPU: {errors}")
     assert errors["scaled"] < 0.01 and errors["bf16"] < 0.05
     assert errors["raw"] > 3 * errors["scaled"]
+
+
+def test_releasing_the_cache_returns_unused_blocks_and_keeps_live_tensors():
+    """What a client's actor gives back after its step (client_app.train): the caching
+    allocator's free blocks, never a tensor still referenced (its frozen LDM)."""
+    device = torch.device("cuda")
+    kept = torch.ones(64, 2**20, device=device)  # 256 MiB still referenced
+    scratch = torch.ones(128, 2**20, device=device)  # 512 MiB freed, still cached
+    del scratch
+    before, after = release_cached_memory(device)
+    assert before - after >= 512 * 2**20, (before, after)
+    assert after >= kept.numel() * kept.element_size() and bool(kept.eq(1).all())

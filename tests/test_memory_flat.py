@@ -233,3 +233,8 @@ def test_shard_dataset_rejects_float_shards(tmp_path):
                          {"images": torch.zeros(2, 3, 4, 4), "labels": torch.zeros(2).long()})  # fmt: skip
     with pytest.raises(ValueError, match="uint8"):
         ShardImages([path], 4)
+
+
+def test_releasing_cached_memory_leaves_a_cpu_run_alone():
+    """Off CUDA there is no caching allocator to empty: the ClientApp logs nothing about it."""
+    assert ldm_module.release_cached_memory(torch.device("cpu")) is None
