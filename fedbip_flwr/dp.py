@@ -227,18 +227,11 @@ def _noise(shape: tuple[int, ...], std: float, generator: torch.Generator) -> to
     return torch.randn(shape, generator=generator, device=generator.device) * std
 
 
-def dp_gaussian_estimate(
-    rows: torch.Tensor,
-    clip: float,
-    epsilon: float,
-    delta: float,
-    generator: torch.Generator,
-    *,
-    noise_count: bool = True,
-    squares: bool = True,
-) -> DPGaussianEstimate:
-    """A (``epsilon``, ``delta``)-DP diagonal Gaussian of one class's per-example ``rows``
-    ((n, ...), each flattened to D values), noise drawn from the client's ``generator``.
+def gaussian_guarantee(
+    clip: float, epsilon: float, delta: float, *, noise_count: bool = True, squares: bool = True
+) -> DPGuarantee:
+    """The guarantee under which :func:`noisy_estimate` makes an (``epsilon``, ``delta``)-DP
+    diagonal Gaussian of one class's per-example rows, its releases alone.
 
     Rows are clipped to L2 norm ``clip`` (C). Under add/remove one image the sum of rows has L2
     sensitivity C, the sum of elementwise squares C^2 (||x * x||_2 <= ||x||_2^2 <= C^2) and the
@@ -248,11 +241,10 @@ def dp_gaussian_estimate(
     it where the second moment's noise (sigma C^2 / n per coordinate) would bury the variance.
     """
     _check_positive("clip", clip)
-    _check_rows(rows)
     wanted: tuple[tuple[Statistic, bool], ...] = (("sum", True), ("sum of squares", squares), ("count", noise_count))
     covers = tuple(name for name, on in wanted if on)
     sigma = noise_multiplier_for(epsilon, delta, len(covers))
-    return noisy_estimate(rows, DPGuarantee(epsilon, delta, sigma, clip, len(covers), covers), generator)
+    return DPGuarantee(epsilon, delta, sigma, clip, len(covers), covers)
 
 
 def _check_rows(rows: torch.Tensor) -> None:
@@ -261,10 +253,11 @@ def _check_rows(rows: torch.Tensor) -> None:
 
 
 def noisy_estimate(rows: torch.Tensor, guarantee: DPGuarantee, generator: torch.Generator) -> DPGaussianEstimate:
-    """The statistics ``guarantee.covers`` of ``rows`` clipped to ``guarantee.clip``, each with
-    Gaussian noise of std ``guarantee.noise_multiplier`` times its sensitivity: the release of
-    :func:`dp_gaussian_estimate` at a noise multiplier calibrated elsewhere (with other
-    releases: :func:`split_budget`), whose guarantee the caller states."""
+    """A diagonal Gaussian of one class's per-example ``rows`` ((n, ...), each flattened to D
+    values): the statistics ``guarantee.covers`` of the rows clipped to ``guarantee.clip``, each
+    with Gaussian noise of std ``guarantee.noise_multiplier`` times its sensitivity, drawn from
+    the client's ``generator``. The noise multiplier is calibrated by the caller, for these
+    releases alone (:func:`gaussian_guarantee`) or with others (:func:`split_budget`)."""
     _check_positive("clip", guarantee.clip)
     _check_rows(rows)
     sigma, clip, covers = guarantee.noise_multiplier, guarantee.clip, guarantee.covers

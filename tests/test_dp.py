@@ -29,12 +29,13 @@ from fedbip_flwr.dp import (
     VARIANCE_FLOOR,
     clip_rows,
     composed_epsilon,
-    dp_gaussian_estimate,
     dp_sgd_event,
     dp_sgd_steps_per_epoch,
     epsilon_for,
+    gaussian_guarantee,
     gaussian_releases,
     noise_multiplier_for,
+    noisy_estimate,
     split_budget,
 )
 
@@ -91,7 +92,7 @@ def test_noise_std_follows_the_clip_and_the_budget() -> None:
     clip, epsilon, width, draws = 2.0, 3.0, 4000, 5  # C^2 != C tells the two sums' noise apart
     rows = clip_rows(torch.randn(6, width, generator=torch.Generator().manual_seed(0)), clip)
     generator = torch.Generator().manual_seed(1)
-    estimates = [dp_gaussian_estimate(rows, clip, epsilon, DELTA, generator) for _ in range(draws)]
+    estimates = [noisy_estimate(rows, gaussian_guarantee(clip, epsilon, DELTA), generator) for _ in range(draws)]
     sigma = noise_multiplier_for(epsilon, DELTA, 3)
     guarantee = estimates[0].guarantee
     assert (guarantee.noise_multiplier, guarantee.releases, guarantee.clip) == (sigma, 3, clip)
@@ -105,13 +106,13 @@ def test_noise_std_follows_the_clip_and_the_budget() -> None:
     assert square_noise.std().item() == pytest.approx(sigma * clip**2, rel=0.03)
     # the count's noise, one draw per release: 2,000 draws, 1.6 % per standard error, 5 % is 3
     few = rows[:, :1]
-    counts = torch.tensor([dp_gaussian_estimate(few, clip, epsilon, DELTA, generator).count for _ in range(2000)])
+    counts = torch.tensor([noisy_estimate(few, gaussian_guarantee(clip, epsilon, DELTA), generator).count for _ in range(2000)])
     assert (counts - len(rows)).std().item() == pytest.approx(sigma, rel=0.05)
 
 
 def test_exact_count_is_left_out_of_the_guarantee() -> None:
     rows = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
-    estimate = dp_gaussian_estimate(rows, 1.0, 3.0, DELTA, torch.Generator().manual_seed(1), noise_count=False)
+    estimate = noisy_estimate(rows, gaussian_guarantee(1.0, 3.0, DELTA, noise_count=False), torch.Generator().manual_seed(1))
     assert estimate.count == 6.0
     assert estimate.guarantee.covers == ("sum", "sum of squares")
     assert estimate.guarantee.releases == 2
@@ -122,7 +123,7 @@ def test_huge_epsilon_gives_the_clipped_moments() -> None:
     clip = 1.0
     rows = 0.5 * torch.randn(4000, 8, generator=torch.Generator().manual_seed(0))  # norms ~1.4: most clipped
     clipped = clip_rows(rows, clip)
-    estimate = dp_gaussian_estimate(rows, clip, 20.0, DELTA, torch.Generator().manual_seed(1))
+    estimate = noisy_estimate(rows, gaussian_guarantee(clip, 20.0, DELTA), torch.Generator().manual_seed(1))
     # noise on the mean and on E[x^2]: sigma * C / n and sigma * C^2 / n, about 1.3e-4 here
     tolerance = 2e-3
     assert (estimate.mean() - clipped.mean(0)).abs().max() < tolerance
@@ -133,7 +134,7 @@ def test_huge_epsilon_gives_the_clipped_moments() -> None:
 
 def test_variance_is_floored_where_noise_makes_it_negative() -> None:
     rows = torch.full((4, 500), 0.1)  # true variance 0: noise sends about half the coordinates below
-    variance = dp_gaussian_estimate(rows, 1.0, 1.0, DELTA, torch.Generator().manual_seed(0)).variance()
+    variance = noisy_estimate(rows, gaussian_guarantee(1.0, 1.0, DELTA), torch.Generator().manual_seed(0)).variance()
     assert (variance >= VARIANCE_FLOOR).all()
     assert (variance == VARIANCE_FLOOR).any()
 
@@ -145,7 +146,7 @@ def test_variance_is_floored_where_noise_makes_it_negative() -> None:
 )  # fmt: skip
 def test_bad_arguments_raise(clip: float, epsilon: float, delta: float) -> None:
     with pytest.raises(ValueError, match="must"):
-        dp_gaussian_estimate(torch.ones(2, 3), clip, epsilon, delta, torch.Generator())
+        noisy_estimate(torch.ones(2, 3), gaussian_guarantee(clip, epsilon, delta), torch.Generator())
 
 
 def test_bad_accounting_arguments_raise() -> None:
@@ -156,12 +157,12 @@ def test_bad_accounting_arguments_raise() -> None:
     with pytest.raises(ValueError, match="max_norm"):
         clip_rows(torch.ones(2, 3), 0.0)
     with pytest.raises(ValueError, match="rows"):
-        dp_gaussian_estimate(torch.ones(3), 1.0, 1.0, DELTA, torch.Generator())
+        noisy_estimate(torch.ones(3), gaussian_guarantee(1.0, 1.0, DELTA), torch.Generator())
 
 
 def test_a_mean_only_release_composes_two_mechanisms_and_has_no_variance():
     rows = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
-    estimate = dp_gaussian_estimate(rows, 2.0, 4.0, 1e-5, torch.Generator().manual_seed(1), squares=False)
+    estimate = noisy_estimate(rows, gaussian_guarantee(2.0, 4.0, 1e-5, squares=False), torch.Generator().manual_seed(1))
     assert estimate.sum_squares is None and estimate.guarantee.covers == ("sum", "count")
     assert estimate.guarantee.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 2))
     with pytest.raises(ValueError, match="no sum of squares"):

@@ -111,14 +111,23 @@ def test_a_dp_upload_says_what_it_guarantees_and_releases_noisy_class_means(tiny
 def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibrated_scale():
     """Many rows per class, so the noise on a mean (sigma C / n) is small against the
     tolerance; alpha_bar large, so no mean is shrunk; two classes only, the third absent."""
-    from fedbip_flwr.methods.fedld import FedLDSettings, private_mixture
+    from fedbip_flwr.dp import noise_multiplier_for
+    from fedbip_flwr.methods.fedld import (
+        STATS_RELEASES,
+        FedLDSettings,
+        private_mixture,
+        stats_guarantee,
+    )
 
     generator = torch.Generator().manual_seed(0)
     n, dim = 4000, 16
     z_t = torch.randn(2 * n, 1, 4, 4, generator=generator) * 0.5 + torch.arange(2 * n).ge(n).view(-1, 1, 1, 1)
     labels = torch.arange(2 * n).ge(n).long()
     own = FedLDSettings(dp_epsilon=4.0, dp_clip=1.25)
-    mixture, counts, release = private_mixture(z_t, labels, 3, own, 0.5, generator, replayable=False)
+    sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
+    guarantee = stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, dim)
+    mixture, counts, release = private_mixture(z_t, labels, 3, guarantee, own.components, 0.5, generator,
+                                               replayable=False)  # fmt: skip
     clip = 1.25 * dim**0.5
     assert release.clip == clip and not release.replayable_noise
     tolerance = 6 * release.noise_multiplier * clip / n  # 6 standard deviations of the mean's noise

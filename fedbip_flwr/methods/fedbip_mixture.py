@@ -40,12 +40,10 @@ from ..concepts import DPSGD
 from ..config import MAX_CLASS_CLUSTERS, FedBiPConfig
 from ..dp import (
     EPSILON_METRIC,
-    DPGuarantee,
     composed_epsilon,
     dp_sgd_event,
     dp_sgd_steps_per_epoch,
     gaussian_releases,
-    noisy_estimate,
     split_budget,
 )
 from ..expectations import expectations
@@ -76,6 +74,7 @@ from .base import (
 )
 from .fedbip import client_concepts, personalize
 from .fedld import (
+    STATS_RELEASES,
     DPMixtureSettings,
     DPRelease,
     MixtureMeta,
@@ -83,15 +82,14 @@ from .fedld import (
     first_timestep,
     mixture_meta,
     mixture_metrics,
-    mixture_of_estimates,
+    private_mixture,
+    stats_guarantee,
 )
 
 log = logging.getLogger(__name__)
 CONCEPTS = ("domain_concept", "class_concepts")
 
 
-# Per class a noisy sum of the clipped z(T) and a noisy count: two Gaussian mechanisms.
-STATS_RELEASES = 2
 # A header's noise multipliers must be at least this: the server recomputes the epsilon they
 # give, and the accountant's grid grows as 1 / sigma^2 (0.05 takes seconds). The defaults at
 # dp-epsilon's cap of 100 give 0.36 (DP-SGD) and 0.19 (statistics); a client whose settings
@@ -222,19 +220,15 @@ class FedBiPMixture(Method):
         timestep = first_timestep(cfg, ldm)
         z0 = encode_images(ldm.vae, data.images, cfg.vae_batch_size)
         z_t = forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=generator))
-        clip = own.dp_clip * math.sqrt(z0[0].numel())
-        stats = DPGuarantee(budget.epsilon, budget.delta, budget.stats_noise_multiplier, clip, STATS_RELEASES,
-                            ("sum", "count"))  # fmt: skip
-        estimates = [noisy_estimate(z_t[data.labels == c], stats, generator) for c in range(len(data.classes))]
+        stats = stats_guarantee(own, budget.epsilon, budget.delta, budget.stats_noise_multiplier, z0[0].numel())
         alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
-        mixture, counts = mixture_of_estimates(estimates, own.components, alpha_bar, tuple(z0.shape[1:]))
+        mixture, counts, statistics = private_mixture(z_t, data.labels, len(data.classes), stats, own.components,
+                                                      alpha_bar, generator, cfg.replayable_client_noise)  # fmt: skip
         privacy = DPSGD(own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip)
         layout, concepts = client_concepts(ldm, z0, data.labels, list(data.classes), data.domain, data.client_id,
                                            cfg, timestep, generator, privacy)  # fmt: skip
         release = MixtureDPRelease(
-            epsilon=budget.epsilon, delta=budget.delta, noise_multiplier=stats.noise_multiplier, clip=clip,
-            releases=STATS_RELEASES, covers=list(self.tensor_names), unit=f"one private image ({stats.adjacency})",
-            replayable_noise=cfg.replayable_client_noise,
+            **{**statistics.model_dump(), "covers": list(self.tensor_names)},
             concepts=ConceptDPRelease(sample_rate=own.dp_sample_rate, steps=budget.steps,
                                       noise_multiplier=budget.sgd_noise_multiplier, clip=own.dp_grad_clip,
                                       covers=list(CONCEPTS)),

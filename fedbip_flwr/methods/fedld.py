@@ -33,7 +33,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..concepts import plain_prompt
 from ..config import FedBiPConfig, MethodSettings
-from ..dp import EPSILON_METRIC, DPGaussianEstimate, dp_gaussian_estimate
+from ..dp import (
+    EPSILON_METRIC,
+    DPGaussianEstimate,
+    DPGuarantee,
+    noise_multiplier_for,
+    noisy_estimate,
+)
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
@@ -200,8 +206,10 @@ class FedLD(Method):
         meta = mixture_meta(job, ldm, timestep, own.components)
         if own.dp_epsilon:
             alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
+            sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
+            guarantee = stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, z_t[0].numel())
             mixture, counts, release = private_mixture(
-                z_t, labels, classes, own, alpha_bar, job.generator, job.cfg.replayable_client_noise
+                z_t, labels, classes, guarantee, own.components, alpha_bar, job.generator, job.cfg.replayable_client_noise
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
@@ -229,32 +237,41 @@ class FedLD(Method):
         return out
 
 
+# Per class a noisy sum of the clipped z(T) and a noisy count: two Gaussian mechanisms.
+STATS_RELEASES = 2
+
+
+def stats_guarantee(own: DPMixtureSettings, epsilon: float, delta: float, noise_multiplier: float,
+                    latent_numel: int) -> DPGuarantee:  # fmt: skip
+    """The class statistics' guarantee at ``noise_multiplier`` (calibrated to (``epsilon``,
+    ``delta``) for these releases alone, or with others: :func:`fedbip_flwr.dp.split_budget`),
+    rows clipped to ``dp-clip`` sqrt(D) for latents of D = ``latent_numel`` values."""
+    clip = own.dp_clip * math.sqrt(latent_numel)
+    return DPGuarantee(epsilon, delta, noise_multiplier, clip, STATS_RELEASES, ("sum", "count"))
+
+
 def private_mixture(
     z_t: torch.Tensor,
     labels: torch.Tensor,
     classes: int,
-    own: FedLDSettings,
+    guarantee: DPGuarantee,
+    components: int,
     alpha_bar: float,
     generator: torch.Generator,
     replayable: bool,
 ) -> tuple[LatentMixture, torch.Tensor, DPRelease]:
-    """Per class one Gaussian from an (epsilon, delta)-DP release (:func:`fedbip_flwr.dp.dp_gaussian_estimate`
-    without second moments): the noisy mean of the class's z(T) clipped to ``dp-clip`` sqrt(D),
-    and the noisy count, for every class (a class the client lacks too: which classes it holds
-    is protected as well). The variance is not released: z(T) = sqrt(abar_T) z(0) +
-    sqrt(1 - abar_T) eps of unit-variance latents has variance 1 per coordinate. Then, as
-    post-processing (which keeps the guarantee), each mean is shrunk to the RMS the mean of
-    z(T) can have, sqrt(abar_T) times the latents' largest plausible RMS."""
-    clip = own.dp_clip * math.sqrt(z_t[0].numel())
-    estimates = [
-        dp_gaussian_estimate(z_t[labels == c], clip, own.dp_epsilon, own.dp_delta, generator, squares=False)
-        for c in range(classes)
-    ]  # fmt: skip
-    mixture, counts = mixture_of_estimates(estimates, own.components, alpha_bar, tuple(z_t.shape[1:]))
-    guarantee = estimates[0].guarantee
+    """Per class one Gaussian from a DP release (:func:`fedbip_flwr.dp.noisy_estimate` under
+    ``guarantee``, without second moments): the noisy sum of the class's z(T) clipped to the
+    guarantee's clip, and the noisy count, for every class (a class the client lacks too: which
+    classes it holds is protected as well). The variance is not released: z(T) =
+    sqrt(abar_T) z(0) + sqrt(1 - abar_T) eps of unit-variance latents has variance 1 per
+    coordinate. Then, as post-processing (which keeps the guarantee), each mean is shrunk to the
+    RMS the mean of z(T) can have, sqrt(abar_T) times the latents' largest plausible RMS."""
+    estimates = [noisy_estimate(z_t[labels == c], guarantee, generator) for c in range(classes)]
+    mixture, counts = mixture_of_estimates(estimates, components, alpha_bar, tuple(z_t.shape[1:]))
     release = DPRelease(
         epsilon=guarantee.epsilon, delta=guarantee.delta, noise_multiplier=guarantee.noise_multiplier,
-        clip=clip, releases=guarantee.releases, covers=["class_counts", *MIXTURE_TENSOR_NAMES],
+        clip=guarantee.clip, releases=guarantee.releases, covers=["class_counts", *MIXTURE_TENSOR_NAMES],
         unit=f"one private image ({guarantee.adjacency})", replayable_noise=replayable,
     )  # fmt: skip
     return mixture, counts, release
