@@ -426,8 +426,12 @@ def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConf
 
 
 # ---------------------------------------------------------------------------------- seeds
-def run_seed(bench: Bench, seed: int, names: Sequence[str], judges: Judges) -> dict[str, Any]:
-    """Every named variant for one seed (reused ones after their source), cached as it goes."""
+def run_seed(
+    bench: Bench, seed: int, names: Sequence[str], judges: Judges, *, remeasure: bool = False
+) -> dict[str, Any]:
+    """Every named variant for one seed (reused ones after their source), cached as it goes.
+    ``remeasure``: a cached row whose run folder is still here is measured again from it (new
+    columns without a new run); a row whose folder is gone stays as cached."""
     cache = bench.cache(seed)
     stored = json.loads(cache.read_text()) if cache.exists() else {}
     if stored.get("settings") != bench.settings.digest():
@@ -435,6 +439,9 @@ def run_seed(bench: Bench, seed: int, names: Sequence[str], judges: Judges) -> d
     results = stored["results"]
     for v in ordered(available(names)):
         if v.name in results:
+            if remeasure and (measured := measure_again(bench, seed, v.name, results[v.name], judges)):
+                results[v.name] = measured
+                write_json(cache, stored)
             continue
         started, load = time.perf_counter(), os.getloadavg()[0]
         folder = run_variant(bench, v, seed)
@@ -446,6 +453,22 @@ def run_seed(bench: Bench, seed: int, names: Sequence[str], judges: Judges) -> d
         write_json(cache, stored)
         log.info("seed %d: %s mean accuracy %.3f", seed, v.name, results[v.name]["mean"])
     return results
+
+
+def measure_again(bench: Bench, seed: int, name: str, cached: dict[str, Any], judges: Judges) -> dict[str, Any] | None:
+    """The cached row with every measurement taken again from its run folder, or None where the
+    folder is gone or holds another run (its accuracy is not the row's)."""
+    folder = run_folder(bench, seed, name)
+    if not folder.metrics.exists():
+        log.info("seed %d: %s has no run folder here; kept as cached", seed, name)
+        return None
+    measured = measure(folder, judges, bench.settings)
+    if measured["per_domain"] != cached["per_domain"]:
+        log.warning("seed %d: %s's run folder holds another run (accuracy %s, cached %s); kept as cached",
+                    seed, name, measured["per_domain"], cached["per_domain"])  # fmt: skip
+        return None
+    log.info("seed %d: %s measured again from its run folder", seed, name)
+    return {**cached, **measured}
 
 
 def ordered(chosen: Sequence[Variant]) -> list[Variant]:
@@ -740,8 +763,8 @@ def judges_record(bench: Bench) -> Path:
     return bench.results / "methods" / "judges.json"
 
 
-def run(bench: Bench, seeds: Sequence[int], names: Sequence[str]) -> None:
+def run(bench: Bench, seeds: Sequence[int], names: Sequence[str], *, remeasure: bool = False) -> None:
     judges = load_judges(bench.work / "judges.safetensors")
     write_json(judges_record(bench), judges.on_real())
     for seed in seeds:
-        run_seed(bench, seed, names, judges)
+        run_seed(bench, seed, names, judges, remeasure=remeasure)

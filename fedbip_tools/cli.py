@@ -311,6 +311,8 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
                        help="run folders (large: synthetic shards)")  # fmt: skip
     bench.add_argument("--out", type=Path, default=Path("benchmarks"), help="methods.json and pictures")
     bench.add_argument("--report-only", action="store_true")
+    bench.add_argument("--remeasure", action="store_true",
+                       help="measure cached rows again from their run folders (new columns, no new run)")  # fmt: skip
     bench.set_defaults(func=_run_benchmark)
 
 
@@ -327,7 +329,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         v.name for v in benchmark.VARIANTS
     ]
     if not args.report_only:
-        benchmark.run(bench, args.seeds, names)
+        benchmark.run(bench, args.seeds, names, remeasure=args.remeasure)
     command = shlex.join(["fedbip", "benchmark", *sys.argv[2:]])  # quoted: row names have spaces
     summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
     for name, entry in summary.items():

@@ -139,6 +139,27 @@ def test_a_reusing_variant_resumes_from_its_sources_shards(one_seed):
         sorted(p.name for p in large.payloads.iterdir())  # fmt: skip
 
 
+def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_runs_row(one_seed):
+    """New columns without new runs: a row whose folder is here is measured again; a row whose
+    accuracy its folder does not reproduce (another run's folder) stays as cached."""
+    bench, results = one_seed
+    judges = load_judges(bench.work.parent / "judges.safetensors", size=32, per_class=2, epochs=1)
+    stored = json.loads(bench.cache(0).read_text())
+    small = stored["results"]["FedBiP-S"]
+    stripped = {k: v for k, v in small.items() if k not in ("mia", "reconstruction")}
+    other = {**stored["results"]["FedBiP-L"], "per_domain": {"sketch": 0.0, "quickdraw": 0.0}}
+    stored["results"].update({"FedBiP-S": stripped, "FedBiP-L": other})
+    benchmark.write_json(bench.cache(0), stored)
+    try:
+        again = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges, remeasure=True)
+        assert again["FedBiP-S"]["mia"] == small["mia"] and again["FedBiP-S"]["reconstruction"] == small["reconstruction"]
+        assert again["FedBiP-S"]["wall_seconds"] == small["wall_seconds"], "the run's own record stays"
+        assert again["FedBiP-L"] == other, "not this folder's run: kept as cached"
+    finally:
+        stored["results"].update(results)
+        benchmark.write_json(bench.cache(0), stored)
+
+
 def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     bench, _ = one_seed
     benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
