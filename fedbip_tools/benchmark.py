@@ -462,11 +462,12 @@ def measure_again(bench: Bench, seed: int, name: str, cached: dict[str, Any], ju
     if not folder.metrics.exists():
         log.info("seed %d: %s has no run folder here; kept as cached", seed, name)
         return None
-    measured = measure(folder, judges, bench.settings)
-    if measured["per_domain"] != cached["per_domain"]:
+    found = read_results(folder.metrics).accuracy.per_domain  # before the costly measurements
+    if found != cached["per_domain"]:
         log.warning("seed %d: %s's run folder holds another run (accuracy %s, cached %s); kept as cached",
-                    seed, name, measured["per_domain"], cached["per_domain"])  # fmt: skip
+                    seed, name, found, cached["per_domain"])  # fmt: skip
         return None
+    measured = measure(folder, judges, bench.settings)
     log.info("seed %d: %s measured again from its run folder", seed, name)
     return {**cached, **measured}
 
