@@ -59,6 +59,7 @@ from fedbip_flwr.viz import image_grid
 from .judges import Judges, load_judges
 from .privacy import (
     Features,
+    averaged_reconstructions,
     backbone_features,
     dcr_membership,
     loss_membership_inference,
@@ -409,20 +410,31 @@ def reconstructs_images(cfg: FedBiPConfig) -> bool:
 
 
 def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConfig) -> dict[str, float]:
-    """The server's reconstruction of each of the client's N private images (its first N
-    synthetic rows: the first z(T) of image i, first pass) scored by PSNR and SSIM against
-    that image and, as the baseline of knowing only the class, against an image of the same
-    class no client holds (the shapes world's NON_MEMBER_CLIENT, in the same class order)."""
+    """The server's reconstructions of each of the client's N private images scored by PSNR and
+    SSIM against that image and, as the baseline of knowing only the class, against an image of
+    the same class no client holds (the shapes world's NON_MEMBER_CLIENT, in the same class
+    order). Two reconstructions: one image (its first N synthetic rows: the first z(T) of image
+    i, first pass), and the mean of all ``images_averaged`` images made from image i (keys
+    ``averaged_*``), which is what a server holding several z(T) or passes of an image can do."""
     n = len(client.images)
-    own, _ = data[torch.arange(n)]
-    own = own.float() / 127.5 - 1.0 if own.dtype == torch.uint8 else own.float()
     size = client.images.shape[-1]
-    if own.shape[-1] != size:
-        own = F.interpolate(own, size=(size, size), mode="bilinear", antialias=True)
     unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
     if not torch.equal(unrelated.labels, client.labels):
         raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
-    return asdict(reconstruction_score(own, client.images, unrelated.images))
+    every = pixels_like(data[torch.arange(len(data))][0], client.images)
+    averaged = reconstruction_score(averaged_reconstructions(every, n), client.images, unrelated.images)
+    return {
+        **asdict(reconstruction_score(every[:n], client.images, unrelated.images)),
+        **{f"averaged_{k}": v for k, v in asdict(averaged).items()},
+        "images_averaged": len(data) // n,
+    }
+
+
+def pixels_like(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Synthetic rows as float in [-1, 1] at the reference images' size."""
+    out = images.float() / 127.5 - 1.0 if images.dtype == torch.uint8 else images.float()
+    size = reference.shape[-1]
+    return out if out.shape[-1] == size else F.interpolate(out, size=(size, size), mode="bilinear", antialias=True)
 
 
 # ---------------------------------------------------------------------------------- seeds
@@ -500,12 +512,14 @@ def _std(values: list[float]) -> float:
 
 
 def _average(values: list[Any]) -> Any:
-    """Mean over seeds of numbers, or of (nested) dicts of numbers, key by key."""
-    values = [v for v in values if v is not None]
-    if not values:
+    """Mean over seeds of numbers, or of (nested) dicts of numbers, key by key; None (a dash in
+    the tables) for whatever some seed did not measure, so that no mean is of fewer seeds than
+    the row's accuracy."""
+    if not values or any(v is None for v in values):
         return None
     if isinstance(values[0], dict):
-        return {k: _average([v.get(k) for v in values]) for k in values[0]}
+        shared = [k for k in values[0] if all(k in v for v in values)]
+        return {k: _average([v[k] for v in values]) for k in shared} or None
     return statistics.fmean(values)
 
 
@@ -527,10 +541,10 @@ def summarize(runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
             "mean": statistics.fmean(means),
             "std": _std(means),
         }
-        for key in rows[0].keys() - entry.keys() - {"per_domain", "mean"}:
+        for key in set().union(*rows) - entry.keys() - {"per_domain", "mean"}:
             entry[key] = _average([r.get(key) for r in rows])
-        if "mia_gap" in rows[0]:
-            entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in rows[0]["mia_gap"]}
+        if entry.get("mia_gap"):
+            entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in entry["mia_gap"]}
         if all("mia" in r for r in rows):
             entry["mia_auc_std"] = _std([r["mia"]["auc"] for r in rows])
         out[v.name] = entry
@@ -586,10 +600,11 @@ def fidelity_table(summary: Mapping[str, Any]) -> str:
 def privacy_table(summary: Mapping[str, Any]) -> str:
     lines = ["| method | MIA loss gap | MIA entropy gap | MIA AUC, pooled | TPR at 1% FPR | nearest real (RMS) | "
              "DCR AUC, pixels | DCR AUC, features | members nearer than every non-member (pixels) | "
-             "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class | "
+             "mean of an image's reconstructions, PSNR (dB) own / same-class |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, e in summary.items():
-        if "mia_gap" not in e:
+        if not e.get("mia_gap"):
             continue
         gap = e["mia_gap"]
         std = e["mia_gap_std"]
@@ -615,11 +630,17 @@ def attack_cells(entry: Mapping[str, Any]) -> list[str]:
 
 def reconstruction_cells(per_domain: Mapping[str, Mapping[str, float]] | None) -> list[str]:
     """PSNR and SSIM of the server's reconstructions against the images and against the
-    same-class baseline, means over clients; dashes where the server holds no per-image latent."""
+    same-class baseline, means over clients, one image and then the mean of all of an image's
+    (with how many); dashes where the server holds no per-image latent or a row predates the
+    averaged column."""
     if not per_domain:
-        return ["–", "–"]
+        return ["–", "–", "–"]
     mean = {k: statistics.fmean(d[k] for d in per_domain.values()) for k in next(iter(per_domain.values()))}
-    return [f"{mean['psnr']:.2f} / {mean['baseline_psnr']:.2f}", f"{mean['ssim']:.3f} / {mean['baseline_ssim']:.3f}"]
+    cells = [f"{mean['psnr']:.2f} / {mean['baseline_psnr']:.2f}", f"{mean['ssim']:.3f} / {mean['baseline_ssim']:.3f}"]
+    if "images_averaged" not in mean:
+        return [*cells, "–"]
+    return [*cells, f"{mean['averaged_psnr']:.2f} / {mean['averaged_baseline_psnr']:.2f} "
+                    f"(mean of {mean['images_averaged']:.0f})"]  # fmt: skip
 
 
 PUBLISHED = """\
@@ -683,8 +704,10 @@ image. DCR: each member's and non-member's distance to the nearest synthetic ima
 client, as a membership AUC and the share of members nearer than every non-member.
 Reconstruction: where the server's synthetic image i is denoised from private image i's z(T)
 (FedBiP), its PSNR and SSIM against image i and against an image of the same class no client
-holds (what knowing the class alone gives). A dash: not measured for that row (rows cached
-before the column existed), or no such thing to measure.
+holds (what knowing the class alone gives); then the same for the mean of all the server's
+images of image i (every z(T) of it, every pass), which averages out what differs between them
+(partner, gamma, noise, concept shift) and keeps what they share. A dash: not measured on every
+seed of that row (rows cached before the column existed), or no such thing to measure.
 
 {privacy_table(summary)}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).

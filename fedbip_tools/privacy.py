@@ -223,6 +223,16 @@ def reconstruction_score(
     )
 
 
+def averaged_reconstructions(images: torch.Tensor, n: int) -> torch.Tensor:
+    """The mean of the server's images of each of ``n`` private images, where row ``j * n + i``
+    of ``images`` comes from private image i (every z(T) of it, every pass): what differs
+    between them (the partner, gamma, the noise, the pass's concept shift) averages out,
+    what they share (image i) does not."""
+    if n < 1 or len(images) % n:
+        raise ValueError(f"{len(images)} images are not whole sets of {n} private images")
+    return images.reshape(len(images) // n, n, *images.shape[1:]).float().mean(0)
+
+
 # --------------------------------------------------------------------------------------------
 # membership inference on a classifier
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,21 @@ def test_summary_is_mean_and_sample_std_over_seeds():
     assert entry["mia_gap_std"]["loss"] == pytest.approx(statistics.stdev([0.2, 0.4, 0.9]))
 
 
+def test_summary_leaves_out_what_some_seed_did_not_measure():
+    """A column measured on one seed of three is a dash, not that seed's value as the row's."""
+    score = {"psnr": 12.0, "baseline_psnr": 11.0, "ssim": 0.3, "baseline_ssim": 0.2}
+    runs = {seed: {"X": {"per_domain": {"a": 0.5}, "mean": 0.5, "upload_bytes": {"c": 1}}} for seed in range(3)}
+    runs[0]["X"]["mia"] = {"auc": 0.6}
+    for seed in range(3):
+        runs[seed]["X"]["reconstruction"] = {"a": dict(score)}
+    runs[2]["X"]["reconstruction"]["a"].update(averaged_psnr=13.0, images_averaged=2)
+    entry = benchmark.summarize({s: {"FedBiP-S": r["X"]} for s, r in runs.items()})["FedBiP-S"]
+    assert entry["mia"] is None and "mia_auc_std" not in entry
+    assert entry["reconstruction"] == {"a": pytest.approx(score)}, "the averaged keys of one seed are left out"
+    assert benchmark.reconstruction_cells(entry["reconstruction"])[2] == "–"
+    assert entry["upload_bytes"] == {"c": 1.0}
+
+
 def test_report_section_is_replaced_in_place(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nbefore\n")
@@ -118,8 +133,11 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     # FedBiP's rows are the server's reconstructions of each private image, scored per client
     assert set(small["reconstruction"]) == {"sketch", "quickdraw"}
     for score in small["reconstruction"].values():
-        assert set(score) == {"psnr", "ssim", "baseline_psnr", "baseline_ssim"}
+        one = {"psnr", "ssim", "baseline_psnr", "baseline_ssim"}
+        assert set(score) == one | {f"averaged_{k}" for k in one} | {"images_averaged"}
         assert all(math.isfinite(v) for v in score.values())
+        assert score["images_averaged"] == 2, "multiplier 2: two passes of each z(T)"
+    assert all(s["images_averaged"] == 10 for s in large["reconstruction"].values())
     cached = json.loads(bench.cache(0).read_text())
     assert cached["settings"] == bench.settings.digest() and set(cached["results"]) == set(results)
 
