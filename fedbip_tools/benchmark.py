@@ -167,6 +167,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),
 )
 # The paper's Table 1 shape: references, peers, ablations, FedBiP.
+# sees no client image: the DCR AUC the member and non-member images give by themselves
+NO_DATA_CONTROL = "Prompts-only"
 SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
 
 
@@ -610,13 +612,28 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
         std = e["mia_gap_std"]
         near = e.get("nearest_real")
         near = f"{statistics.fmean(near.values()):.3f}" if near else "–"
-        dcr = e.get("dcr")
-        cells = [f"{statistics.fmean(d[k] for d in dcr.values()):.3f}" if dcr and all(k in d for d in dcr.values())
-                 else "–" for k in ("pixel_auc", "feature_auc", "pixel_share")]  # fmt: skip
+        cells = dcr_cells(e, summary.get(NO_DATA_CONTROL))
         lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
                      f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {' | '.join(attack_cells(e))} | {near} | "
                      f"{' | '.join(cells)} | {' | '.join(reconstruction_cells(e.get('reconstruction')))} |")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def dcr_cells(entry: Mapping[str, Any], control: Mapping[str, Any] | None) -> list[str]:
+    """DCR membership AUC in pixels and features, and the members' share nearer than every
+    non-member, means over clients; each AUC with its difference from the no-data control's on
+    the same seeds, since the member and non-member images alone set where an AUC sits."""
+
+    def mean(e: Mapping[str, Any] | None, key: str) -> float | None:
+        dcr = (e or {}).get("dcr")
+        return statistics.fmean(d[key] for d in dcr.values()) if dcr and all(key in d for d in dcr.values()) else None
+
+    cells = []
+    for key in ("pixel_auc", "feature_auc", "pixel_share"):
+        value = mean(entry, key)
+        base = mean(control, key) if control and control["seeds"] == entry["seeds"] and key != "pixel_share" else None
+        cells.append("–" if value is None else f"{value:.3f}" + (f" ({value - base:+.3f})" if base is not None else ""))
+    return cells
 
 
 def attack_cells(entry: Mapping[str, Any]) -> list[str]:
@@ -701,7 +718,9 @@ client per side), mean ± std over seeds (0.5 = nothing told apart; standard err
 at 288 per side), and its true-positive rate at 1% false positives. Nearest real: mean RMS
 pixel distance (images in [-1, 1]) from each synthetic image to its client's closest real
 image. DCR: each member's and non-member's distance to the nearest synthetic image of its
-client, as a membership AUC and the share of members nearer than every non-member.
+client, as a membership AUC and the share of members nearer than every non-member; in brackets
+the AUC's difference from {NO_DATA_CONTROL}'s on the same seeds, which sees no client image (the
+member and non-member images alone move an AUC off 0.5 by a few hundredths).
 Reconstruction: where the server's synthetic image i is denoised from private image i's z(T)
 (FedBiP), its PSNR and SSIM against image i and against an image of the same class no client
 holds (what knowing the class alone gives); then the same for the mean of all the server's

@@ -69,6 +69,16 @@ def test_summary_leaves_out_what_some_seed_did_not_measure():
     assert entry["upload_bytes"] == {"c": 1.0}
 
 
+def test_dcr_cells_give_the_difference_from_the_no_data_control_on_the_same_seeds():
+    def entry(seeds, pixel, feature):
+        return {"seeds": seeds, "dcr": {"a": {"pixel_auc": pixel, "feature_auc": feature, "pixel_share": 0.01}}}
+
+    control = entry([0, 1, 2], 0.54, 0.50)
+    assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49), control) == ["0.560 (+0.020)", "0.490 (-0.010)", "0.010"]
+    assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == ["0.560", "0.490", "0.010"], "other seeds"
+    assert benchmark.dcr_cells({"seeds": [0], "dcr": None}, control) == ["–", "–", "–"]
+
+
 def test_report_section_is_replaced_in_place(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nbefore\n")
