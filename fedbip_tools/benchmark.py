@@ -166,9 +166,9 @@ VARIANTS: tuple[Variant, ...] = (
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
     Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),
 )
-# The paper's Table 1 shape: references, peers, ablations, FedBiP.
 # sees no client image: the DCR AUC the member and non-member images give by themselves
 NO_DATA_CONTROL = "Prompts-only"
+# The paper's Table 1 shape: references, peers, ablations, FedBiP.
 SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
 
 
