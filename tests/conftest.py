@@ -81,6 +81,16 @@ def pytest_configure(config: pytest.Config) -> None:
     share_cores_between_workers()
 
 
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The kernels this run computed with (shown under -q too): float32 results are read
+    against the machine kind they came from."""
+    from fedbip_tools.machine import this_machine
+
+    machine = this_machine()
+    switches = " ".join(f"{k}={v}" for k, v in machine.switches.items()) or "none"
+    terminalreporter.write_line(f"machine kind: {machine.kind} ({machine.cpu}); kernel switches: {switches}")
+
+
 def share_cores_between_workers() -> None:
     """Under pytest-xdist, give each worker (and the processes it starts) its share of the cores.
 
