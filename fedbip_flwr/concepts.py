@@ -277,14 +277,14 @@ def diffusion_loss(
     t: torch.Tensor,
     noise: torch.Tensor,
 ) -> torch.Tensor:
-    """Eq. 4 for one batch: || target - model(z(t), t, tau(S, V_y)) ||^2 (mean, float32)."""
+    """Eq. 4 for one batch: || target - model(z(t), t, tau(S, V_y)) ||^2 (mean, float32 or wider)."""
     return conditioned_loss(ldm, encode_prompts(ldm, layout, space, s, v, labels), z0, t, noise)
 
 
 def conditioned_loss(
     ldm: LDM, cond: torch.Tensor, z0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    """|| target - model(z(t), t, cond) ||^2 (mean, float32) for cross-attention states
+    """|| target - model(z(t), t, cond) ||^2 (mean, float32 or wider) for cross-attention states
     ``cond`` (B, L, d): the loss every learned conditioning minimises.
 
     The target is eps for an epsilon-prediction model (SD v1) and the velocity for a
@@ -296,7 +296,8 @@ def conditioned_loss(
         target = velocity(ldm.scheduler, z0, noise, t)
     else:
         target = noise
-    return F.mse_loss(pred.float(), target.to(ldm.device, torch.float32))
+    dtype = torch.promote_types(pred.dtype, torch.float32)  # half-precision UNets: float32
+    return F.mse_loss(pred.to(dtype), target.to(ldm.device, dtype))
 
 
 def loss_scaler(ldm: LDM) -> torch.amp.GradScaler:
@@ -512,14 +513,15 @@ def private_gradient(
     batch norm, attention within an example only), as exact as a batch of one. A gradient that
     is not finite (an fp16 overflow at ``loss_scale``) counts as zero: still bounded by the clip.
     """
-    flat = torch.zeros(sum(u.numel() for u in shifts), device=shifts[0].device)
+    dtype = torch.promote_types(shifts[0].dtype, torch.float32)  # fp16 gradients summed in float32
+    flat = torch.zeros(sum(u.numel() for u in shifts), device=shifts[0].device, dtype=dtype)
     loss_sum = 0.0
     for part in torch.arange(len(batch)).split(chunk) if len(batch) else ():  # a sample can be empty
         copies = [u.detach().unsqueeze(0).repeat(len(part), *([1] * u.dim())).requires_grad_(True) for u in shifts]
         loss = batch_loss([c + scale * u for c, u in zip(starts, copies, strict=True)], batch[part], t[part], noise[part])
         grads = torch.autograd.grad(loss * loss_scale, copies, allow_unused=True)
         rows = torch.cat([
-            (g if g is not None else torch.zeros_like(u)).flatten(1).float() for g, u in zip(grads, copies, strict=True)
+            (g if g is not None else torch.zeros_like(u)).flatten(1).to(dtype) for g, u in zip(grads, copies, strict=True)
         ], 1) * (len(part) / loss_scale)  # the batch's mean loss: each image's own loss has len(part) x its gradient
         rows = torch.where(rows.isfinite().all(1, keepdim=True), rows, torch.zeros_like(rows))
         flat += clip_rows(rows, clip).sum(0)
