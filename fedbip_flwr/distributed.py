@@ -107,7 +107,9 @@ def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunS
         channels_last=cfg.channels_last, compile_unet=cfg.compile_unet,
     ))  # fmt: skip
     job = ServerJob(cfg, dataset.class_names(cfg.data), loader, device)
-    uploads = load_persisted(folder, functools.partial(method.accept, server=job))
+    uploads, refused = load_persisted(folder, functools.partial(method.accept, server=job))
+    for client_id, reason in sorted(refused.items()):  # the ServerApp records them
+        log.warning("%s left out: %s", client_id, reason)
     return RunSynthesis(folder, method, job, uploads)
 
 

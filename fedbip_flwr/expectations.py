@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .concepts import concept_scale, count_tokens
+from .concepts import concept_scale, count_tokens, prompt_layout
 from .config import FedBiPConfig
 from .ldm import LDM
 from .payload import Expectations, Plausibility, adam_step_bound
@@ -39,6 +39,7 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         prompt_template=cfg.prompt_template,
         domains=tuple(cfg.domain_list),
         phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
+        layout=functools.partial(prompt_layout, ldm.tokenizer, warn=False),
         plausibility=plausibility(cfg, ldm, timestep),
         class_clusters=cfg.class_clusters,
     )

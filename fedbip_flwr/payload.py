@@ -140,6 +140,11 @@ class Expectations:
     # Tokens of a phrase (domain or class name) under the server's tokenizer: a concept has
     # max(n, tokens) vectors (fedbip_flwr.concepts.concept_slots). None: n is the size.
     phrase_tokens: Callable[[str], int] | None = None
+    # The prompt layout synthesis rebuilds from a payload (fedbip_flwr.concepts.prompt_layout
+    # on the server's tokenizer, with (template, n_s, n_v, domain, concept names)): acceptance
+    # builds it too, so a payload whose prompts the text encoder cannot take is refused here,
+    # not when synthesis starts. None: not checked (no tokenizer at hand).
+    layout: Callable[[str, int, int, str, Sequence[str]], Any] | None = None
     # What honest numbers look like under the server's model; None: structure checks only.
     plausibility: Plausibility | None = None
     class_clusters: int = 1  # run config class-clusters: class concepts per class
@@ -411,9 +416,21 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
         )
     lengths = meta.per_concept(n_v)
     check_class_rows(p.class_concepts, lengths, meta.concept_names)
+    check_prompts_fit(meta, expect)
     if expect.plausibility is not None:
         check_latent_moments(p.latents, expect.timestep, expect.plausibility)
         check_concept_scale(p, lengths, expect.plausibility)
+
+
+def check_prompts_fit(meta: Any, expect: Expectations) -> None:
+    """Every prompt synthesis will build from the upload's concepts fits the text encoder (a
+    domain phrase of hundreds of tokens does not)."""
+    if expect.layout is None:
+        return
+    try:
+        expect.layout(meta.prompt_template, meta.n_s, expect.n_v, meta.domain, meta.concept_names)
+    except ValueError as err:
+        raise PayloadError(f"{err}: the server could not prompt with these concepts") from None
 
 
 # (what, the upload's value, the server's, why they must agree)

@@ -11,6 +11,7 @@ ServerApp).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from io import BytesIO
 from pathlib import Path
@@ -23,7 +24,7 @@ from matplotlib.ticker import MaxNLocator
 from . import results
 from .results import ClientOutcome, RunResults, Scored
 from .storage import atomic_write
-from .upload import PayloadError
+from .upload import PayloadError, printable
 
 REPORT_FILE = "report.md"
 CLASSIFIER_PNG = "classifier-curves.png"
@@ -78,7 +79,7 @@ def _accuracy_per_domain(record: RunResults) -> list[str]:
     accuracy = record.accuracy
     if accuracy is None or not accuracy.per_domain:
         return []
-    rows = [[domain, _percent(value)] for domain, value in sorted(accuracy.per_domain.items())]
+    rows = [[_text(domain), _percent(value)] for domain, value in sorted(accuracy.per_domain.items())]
     rows.append(["**mean**", f"**{_percent(accuracy.mean)}**"])
     intro = "The classifier, trained on synthetic images only, on each domain's real test images."
     return ["## Accuracy per domain", "", intro, "", *_table(["domain", "accuracy"], rows, "lr")]
@@ -111,7 +112,7 @@ def _clients(record: RunResults) -> list[str]:
     rows = [
         [
             _client_name(client),
-            client.domain,
+            _text(client.domain),
             client.status,
             str(m.get(SENT_IMAGES, "")),
             _size(client.payload_bytes),
@@ -148,7 +149,7 @@ def _what_left(run_dir: Path) -> list[str]:
         dp = getattr(upload.meta, "dp", None)
         sgd = getattr(dp, "concepts", None)  # fedbip-mixture's: S and V by DP-SGD
         guarantee = (
-            f"({dp.epsilon:g}, {dp.delta:g})-DP per {dp.unit}, for {', '.join(dp.covers)}"
+            f"({dp.epsilon:g}, {dp.delta:g})-DP per {_text(dp.unit)}, for {_text(', '.join(dp.covers))}"
             + (f"; {', '.join(sgd.covers)} by DP-SGD (q {sgd.sample_rate:g}, {sgd.steps} steps, "
                f"sigma {sgd.noise_multiplier:.3g}, clip {sgd.clip:g})" if sgd else "")
             + ("; void: the run lets the server replay client noise" if dp.replayable_noise else "")
@@ -183,7 +184,7 @@ def _grids(run_dir: Path, record: RunResults) -> list[str]:
     ]
     for path in grids:
         client = path.stem.removeprefix("grid-")
-        title = f"{client} ({domains[client]})" if client in domains else client
+        title = f"{client} ({_text(domains[client])})" if client in domains else client
         lines += ["", f"### {title}", "", _image(f"{client}: real above synthetic", path.name)]
     return lines
 
@@ -265,9 +266,15 @@ def _client_name(client: ClientOutcome) -> str:
     return client.client_id or f"node {client.node_id}"
 
 
+# Markdown's inline syntax: escaped in text that comes from uploads or replies, so a domain
+# name cannot open a link, load an image, or end a table cell
+MARKDOWN_SPECIALS = re.compile(r"([\\`*_\[\]<>!|~])")
+
+
 def _text(value: Any) -> str:
-    """Free text (a reason) made safe for one table cell."""
-    return " ".join(str(value).split()).replace("|", "\\|")
+    """Free text (a reason, a domain name from an upload) made safe for one table cell: no
+    control characters (:func:`~fedbip_flwr.upload.printable`), Markdown read as plain text."""
+    return MARKDOWN_SPECIALS.sub(r"\\\1", printable(" ".join(str(value).split())))
 
 
 def _percent(value: Any) -> str:

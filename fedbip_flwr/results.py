@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from .storage import write_json
 
@@ -79,14 +79,36 @@ class ClassifierCurves(_Part):
     epoch_loss: list[float]
 
 
+# |accuracy - correct / total| of an honest score: the client's float32 mean of 0/1 values is
+# exact below 2^24 images but for its division's rounding, 2^-24 relative
+ACCURACY_ROUNDING = 1e-6
+
+
 class Scored(_Part):
-    """An institution's scores of the classifier on its own held-out images."""
+    """An institution's scores of the classifier on its own held-out images, consistent with
+    themselves: per-class counts with 0 <= correct <= total, totals summing to num_examples and
+    accuracy their ratio (an evaluate reply is untrusted; one that is not is refused)."""
 
     status: Literal["ok"] = "ok"
-    accuracy: float
-    num_examples: int
-    per_class_correct: list[int]
-    per_class_total: list[int]
+    accuracy: float = Field(ge=0.0, le=1.0)
+    num_examples: int = Field(ge=1)
+    per_class_correct: list[Annotated[int, Field(ge=0)]]
+    per_class_total: list[Annotated[int, Field(ge=0)]]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scored:
+        correct, total = self.per_class_correct, self.per_class_total
+        if len(correct) != len(total):
+            raise ValueError(f"{len(correct)} per-class correct counts for {len(total)} classes")
+        if any(c > t for c, t in zip(correct, total, strict=True)):
+            raise ValueError("a class has more correct answers than images")
+        if sum(total) != self.num_examples:
+            raise ValueError(f"per-class totals sum to {sum(total)}, not num-examples {self.num_examples}")
+        if abs(self.accuracy - sum(correct) / self.num_examples) > ACCURACY_ROUNDING:
+            raise ValueError(
+                f"accuracy {self.accuracy:.6g} is not its counts' {sum(correct)}/{self.num_examples}"
+            )
+        return self
 
 
 class Unscored(_Part):

@@ -35,6 +35,7 @@ from .classifier import (
 )
 from .config import FedBiPConfig
 from .storage import read_metadata, write_tensors_streamed
+from .upload import PayloadError
 from .viz import image_grid, quantize
 
 log = logging.getLogger(__name__)
@@ -281,9 +282,17 @@ def evaluate_models(
     return {"per_domain": per_domain, "mean": mean, "per_model": scores}
 
 
-def load_persisted(folder: RunFolder, accept: Callable[[bytes], Any]) -> dict[str, Any]:
-    """Re-read uploads accepted before a restart, through the method's ``accept`` again."""
-    return {client_id: accept(path.read_bytes()) for client_id, path in folder.persisted_payloads().items()}
+def load_persisted(folder: RunFolder, accept: Callable[[bytes], Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Uploads accepted before a restart, through the method's ``accept`` again, by client id;
+    and why each one that no longer passes (a server whose checks grew stricter) is refused:
+    it is recorded, never a reason for the restart to stop."""
+    accepted, refused = {}, {}
+    for client_id, path in folder.persisted_payloads().items():
+        try:
+            accepted[client_id] = accept(path.read_bytes())
+        except PayloadError as err:
+            refused[client_id] = f"its upload on disk no longer passes the server's checks: {err}"
+    return accepted, refused
 
 
 def save_grid(

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+import unicodedata
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
@@ -44,10 +45,22 @@ _TENSOR_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _MAX_RANK = 8
 
 
+def printable(value: object) -> str:
+    """``value`` as text with every control or invisible character (terminal escape codes,
+    newlines, bidirectional overrides) written as its escape: an upload's strings reach logs,
+    terminals and reports, where raw they could rewrite what a person reads."""
+    return "".join(
+        c.encode("unicode_escape").decode("ascii") if unicodedata.category(c)[0] == "C" else c
+        for c in str(value)
+    )
+
+
 class PayloadError(ValueError):
-    """A payload that cannot be accepted; ``reason`` says what is wrong and what to change."""
+    """A payload that cannot be accepted; ``reason`` says what is wrong and what to change
+    (its upload-derived text made :func:`printable`)."""
 
     def __init__(self, reason: str) -> None:
+        reason = printable(reason)
         self.reason = reason
         super().__init__(f"payload rejected: {reason}")
 

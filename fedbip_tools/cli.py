@@ -37,6 +37,7 @@ from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
     PayloadTooLarge,
+    printable,
     read_capped,
     tensor_summary,
 )
@@ -118,7 +119,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _meta_lines(meta: BaseModel) -> list[str]:
     """``key: value`` per metadata field: strings bare, everything else as JSON."""
     return [
-        f"{key}: {value if isinstance(value, str) else json.dumps(value)}"
+        f"{key}: {printable(value) if isinstance(value, str) else json.dumps(value)}"
         for key, value in meta.model_dump().items()
     ]
 

@@ -48,7 +48,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
         ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
         job = ServerJob(cfg, dataset.class_names(cfg.data), lambda ldm=ldm: ldm)
         method = methods.one_shot_for(cfg)
-        uploads = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
+        uploads, _ = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
         out = RunFolder(tmp / f"half-{half}")
         started = time.perf_counter()
         shards = method.train_set(uploads, job, out.shard_path)

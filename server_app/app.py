@@ -52,7 +52,7 @@ from fedbip_flwr.server import (
 )
 from fedbip_flwr.storage import remove_partial_writes, write_json
 from fedbip_flwr.wire import RUN_FOLDER
-from server_app.strategy import NotEnoughClients, OneShotStrategy
+from server_app.strategy import NotEnoughClients, OneShotStrategy, ScoreBounds
 
 log = logging.getLogger("fedbip_flwr.server_app")
 app = ServerApp()
@@ -114,7 +114,7 @@ def _run_one_shot(
     stopped = RunResults(status="failed", config=cfg.to_flat(), started_unix=started_unix,
                          clients=clients)  # fmt: skip
     _require_enough(uploads, cfg, folder, stopped)
-    training_set = _training_set(method, job, uploads, folder, seconds, stopped)
+    training_set, uploads, clients = _training_set(method, job, uploads, folder, seconds, stopped)
     tests = _test_sets_and_grids(cfg, folder, uploads, training_set)
     models, accuracy, curves = _classifier(method, job, uploads, training_set, folder, tests,
                                            seconds)  # fmt: skip
@@ -136,7 +136,8 @@ def _round(
     started = time.perf_counter()
     cfg = job.cfg
     accept = functools.partial(method.accept, server=job)
-    uploads = load_persisted(folder, accept)
+    uploads, refused = load_persisted(folder, accept)
+    uploaders = read_uploaders(folder)
     strategy = OneShotStrategy(
         accept,
         job.max_bytes,
@@ -144,7 +145,7 @@ def _round(
         min_clients=cfg.min_clients,
         wait_for_clients_s=cfg.wait_for_clients_s,
         already_accepted=uploads,
-        uploaded_by_node=read_uploaders(folder),
+        uploaded_by_node={node: c for node, c in uploaders.items() if c not in refused},
     )
     if folder.clients.exists():
         clients = results.read_clients(folder.clients)
@@ -155,9 +156,30 @@ def _round(
         strategy.start(grid, num_rounds=1, timeout=cfg.reply_timeout_s)
         uploads.update(strategy.accepted)
         clients = strategy.outcomes
-        results.write_clients(clients, folder.clients)
+    nodes = {client: node for node, client in uploaders.items()}
+    clients = left_out(clients, {c: r for c, r in refused.items() if c not in uploads}, "rejected", nodes)
+    results.write_clients(clients, folder.clients)
     seconds.round = _since(started) - (seconds.load_model or 0.0)
     return strategy, uploads, clients
+
+
+def left_out(
+    clients: list[ClientOutcome], reasons: Mapping[str, str], status: str, nodes: Mapping[str, int]
+) -> list[ClientOutcome]:
+    """The round's outcomes with each client of ``reasons`` recorded as ``status`` with its
+    reason (added where the round has no outcome of it, under its node from ``nodes``)."""
+    for client_id, reason in sorted(reasons.items()):
+        log.warning("%s left out of the training set: %s", client_id, reason)
+    out = [
+        o.model_copy(update={"status": status, "reason": reasons[o.client_id]})
+        if o.client_id in reasons and o.status in ("accepted", "kept") else o
+        for o in clients
+    ]  # fmt: skip
+    recorded = {o.client_id for o in out if o.client_id in reasons}
+    return out + [
+        ClientOutcome(node_id=nodes.get(c, 0), status=status, client_id=c, reason=r)
+        for c, r in sorted(reasons.items()) if c not in recorded
+    ]  # fmt: skip
 
 
 def _require_enough(
@@ -184,10 +206,15 @@ def _training_set(
     folder: RunFolder,
     seconds: Seconds,
     stopped: RunResults,
-) -> dict[str, list[Path]]:
+) -> tuple[dict[str, list[Path]], dict[str, Upload], list[ClientOutcome]]:
     """The classifier's training set as shards per client, made here or, with ``synthesis =
     "external"``, by `fedbip synthesize` in other processes while this waits (the run stops,
-    recorded, when they take too long)."""
+    recorded, when they take too long); and the uploads and outcomes it was made from.
+
+    An accepted upload whose synthesis fails anyway (a check acceptance lacks) costs only its
+    own client: each client's part is made alone to find which fail, they are recorded as
+    failed with the error, and the set is made from the others (keyed shards already made are
+    reused)."""
     started = time.perf_counter()
     if job.cfg.synthesis == "external":
         try:
@@ -195,10 +222,36 @@ def _training_set(
         except SynthesisTimeout as err:
             _stop(folder, stopped, str(err))
             raise
-    training_set = method.train_set(uploads, job, folder.shard_path)
+    clients = list(stopped.clients or [])
+    try:
+        training_set = method.train_set(uploads, job, folder.shard_path)
+    except Exception:  # noqa: BLE001 - whose upload it was is found next; a bug of ours re-raises
+        log.exception("making the training set failed; making each client's part alone")
+        failed = _failing_alone(method, job, uploads, folder)
+        if not failed:
+            raise
+        uploads = {c: u for c, u in uploads.items() if c not in failed}
+        clients = left_out(clients, failed, "failed", {o.client_id: o.node_id for o in clients})
+        results.write_clients(clients, folder.clients)
+        stopped = stopped.model_copy(update={"clients": clients})
+        _require_enough(uploads, job.cfg, folder, stopped)
+        training_set = method.train_set(uploads, job, folder.shard_path)
     seconds.synthesis = _since(started)
     write_json(folder.training_set, {c: [p.name for p in ps] for c, ps in training_set.items()})
-    return training_set
+    return training_set, dict(uploads), clients
+
+
+def _failing_alone(
+    method: Method, job: ServerJob, uploads: Mapping[str, Upload], folder: RunFolder
+) -> dict[str, str]:
+    """Client id -> the error of each upload whose part of the training set fails made alone."""
+    failed = {}
+    for client_id, upload in sorted(uploads.items()):
+        try:
+            method.train_set({client_id: upload}, job, folder.shard_path)
+        except Exception as err:  # noqa: BLE001 - recorded as the client's failure
+            failed[client_id] = f"synthesis from its accepted upload failed: {type(err).__name__}: {err}"
+    return failed
 
 
 def _test_sets_and_grids(
@@ -261,9 +314,10 @@ def _evaluate_at_institutions(
     if not _at_institutions(cfg) or GLOBAL not in models or not folder.classifier.exists():
         return None
     started = time.perf_counter()
+    bounds = ScoreBounds(len(dataset.class_names(cfg.data)), cfg.max_images_per_client)
     per_client = strategy.evaluate_at_institutions(
         grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
-        timeout=cfg.reply_timeout_s,
+        timeout=cfg.reply_timeout_s, bounds=bounds,
     )  # fmt: skip
     seconds.evaluation = _since(started)
     return Evaluation.of(cfg.evaluation, per_client)

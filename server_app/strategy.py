@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from flwr.app import (
     ArrayRecord,
@@ -232,8 +233,9 @@ class OneShotStrategy(Strategy):
         outcome = ClientOutcome(node_id=node, status="rejected")
         try:
             outcome.metrics = reply_metrics(reply)
-            if not carries_payload(reply) and message_config(reply).get(CLIENT_ID) in self._taken:
-                return self._kept(outcome, str(message_config(reply)[CLIENT_ID]))
+            claimed = message_config(reply).get(CLIENT_ID)
+            if not carries_payload(reply) and claimed in self._taken:
+                return self._kept(outcome, str(claimed))
             blob = payload_bytes(reply, self.max_bytes)  # size-capped before decoding
             outcome.payload_bytes = len(blob)
             upload = self._persist(node, self.accept(blob), blob)
@@ -265,7 +267,16 @@ class OneShotStrategy(Strategy):
         return upload
 
     def _kept(self, outcome: ClientOutcome, client_id: str) -> ClientOutcome:
-        """A node whose upload an earlier attempt of this run already holds (its id changed)."""
+        """A reply that says its upload is on disk: only the node that uploaded it can say so
+        (a client id is bound to the node that first uploaded it; with SuperNode
+        authentication, node ids are bound to the institutions' registered keys). Anyone else
+        claiming it is refused, so it neither gets the classifier nor scores it for them."""
+        owner = next((n for n, c in self.uploaded_by_node.items() if c == client_id), None)
+        if owner is not None and owner != outcome.node_id:
+            raise PayloadError(
+                f"'{client_id}' uploaded from node {owner}; node {outcome.node_id} cannot claim "
+                "its upload (a client id belongs to the node that first uploaded it)"
+            )
         outcome.status, outcome.client_id, outcome.reason = "kept", client_id, KEPT
         self._remember(outcome.node_id, client_id)
         log.info("%s: upload already on disk, not asked to personalize again", client_id)
@@ -279,9 +290,10 @@ class OneShotStrategy(Strategy):
     # --- the classifier back at the institutions -------------------------------------------
 
     def evaluate_at_institutions(
-        self, grid: Grid, classifier: bytes, config: dict, timeout: float
+        self, grid: Grid, classifier: bytes, config: dict, timeout: float, bounds: ScoreBounds
     ) -> dict[str, Scored | Unscored]:
-        """Send the classifier to every node that uploaded; their scores, by client id."""
+        """Send the classifier to every node that uploaded; their scores, by client id, each
+        consistent and within ``bounds`` or recorded as refused (never averaged)."""
         messages = list(self.configure_evaluate(1, blob_record(classifier), ConfigRecord(config), grid))
         by_node = dict(self.uploaded_by_node)
         asked = {m.metadata.dst_node_id for m in messages}
@@ -296,22 +308,40 @@ class OneShotStrategy(Strategy):
         log.info("sending the classifier to %d institution(s) to score", len(messages))
         for reply in grid.send_and_receive(messages, timeout=timeout):
             client = by_node.get(reply.metadata.src_node_id, "")
-            results[client] = score = _scores(reply)
+            results[client] = score = _scores(reply, bounds)
             if isinstance(score, Unscored):
                 log.warning("%s could not score the classifier: %s", client, score.reason)
         return results
 
 
-def _scores(reply: Message) -> Scored | Unscored:
+@dataclass(frozen=True)
+class ScoreBounds:
+    """What an institution's scores can be: one count per server class, and no more held-out
+    images than run config max-images-per-client lets an institution hold."""
+
+    classes: int
+    max_examples: int
+
+
+def _scores(reply: Message, bounds: ScoreBounds) -> Scored | Unscored:
     """An institution's evaluate reply as the run record keeps it; a reply whose metrics are
-    missing or malformed is recorded as failed, with why: nothing a client sends crashes the
-    server."""
+    missing, malformed, inconsistent or out of ``bounds`` is recorded as failed, with why:
+    nothing a client sends crashes the server or moves the mean."""
     if reply.has_error():
         return Unscored(reason=reply.error.reason)
     metrics = reply_metrics(reply)
     try:
         sent = {field: metrics[key] for field, key in SCORE_KEYS.items() if key in metrics}
-        return Scored.model_validate(sent)
+        score = Scored.model_validate(sent)
     except ValidationError as err:
-        problems = "; ".join(f"{SCORE_KEYS[str(e['loc'][0])]}: {e['msg']}" for e in err.errors())
+        problems = "; ".join(
+            f"{SCORE_KEYS[str(e['loc'][0])]}: {e['msg']}" if e["loc"] else e["msg"].removeprefix("Value error, ")
+            for e in err.errors()
+        )  # fmt: skip
         return Unscored(reason=f"its scores are malformed ({problems})")
+    if len(score.per_class_total) != bounds.classes:
+        return Unscored(reason=f"its scores count {len(score.per_class_total)} classes, not the server's {bounds.classes}")
+    if score.num_examples > bounds.max_examples:
+        return Unscored(reason=f"its scores claim {score.num_examples} held-out images, more than "
+                               f"max-images-per-client {bounds.max_examples}")  # fmt: skip
+    return score

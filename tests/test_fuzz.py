@@ -25,6 +25,7 @@ import torch
 from flwr.app import (
     Array,
     ArrayRecord,
+    ConfigRecord,
     Error,
     Message,
     MessageType,
@@ -40,7 +41,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from fedbip_flwr import results
 from fedbip_flwr.methods.fedbip import as_upload
 from fedbip_flwr.payload import Payload, decode_payload, encode_payload
-from fedbip_flwr.results import ClientOutcome, Scored, Unscored
+from fedbip_flwr.results import ClientOutcome, Evaluation, Scored, Unscored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.upload import MAX_HEADER_BYTES
 from fedbip_flwr.wire import (
@@ -49,8 +50,9 @@ from fedbip_flwr.wire import (
     METRICS_RECORD,
     PAYLOAD_RECORD,
     payload_content,
+    skipped_content,
 )
-from server_app.strategy import OneShotStrategy
+from server_app.strategy import OneShotStrategy, ScoreBounds
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,
@@ -325,6 +327,26 @@ def test_random_uploads_never_crash_the_server(tmp_path):
     assert len(accepted) <= 5, accepted
 
 
+def test_a_node_cannot_claim_another_institutions_upload(tmp_path, monkeypatch):
+    """A second node that says it is "sketch-0" and sends no payload (as a client whose upload
+    is on disk does) is refused: it is not recorded as that institution, so it is not sent the
+    classifier and cannot score it in the institution's name."""
+    for field in ("_task_id", "_run_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(tmp_path),
+                               min_clients=1, wait_for_clients_s=1)  # fmt: skip
+    strategy.sent_to = [1, 2]
+    strategy.aggregate_train(1, [over_the_wire(1, upload(VALID["sketch-0"])),
+                                 over_the_wire(2, skipped_content("sketch-0"))])  # fmt: skip
+    outcomes = {o.node_id: o for o in strategy.outcomes}
+    assert (outcomes[1].status, outcomes[1].client_id) == ("accepted", "sketch-0")
+    assert outcomes[2].status == "rejected"
+    assert "'sketch-0' uploaded from node 1; node 2 cannot claim its upload" in outcomes[2].reason
+    assert strategy.uploaded_by_node == {1: "sketch-0"}
+    asked = strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), ScoringGrid({1: {}, 2: {}}))
+    assert [m.metadata.dst_node_id for m in asked] == [1], "the classifier goes to the uploader only"
+
+
 class ScoringGrid:
     """A grid whose institutions answer ``evaluate`` with the given metrics, by node."""
 
@@ -345,18 +367,34 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
     for field in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp's runtime sets
         monkeypatch.setattr(TaskIdentity, field, 1)
     good = {"accuracy": 0.5, "num-examples": 4, "per-class-correct": [1, 1], "per-class-total": [2, 2]}
+    inconsistent = {  # client id: (its reply, what the refusal says)
+        "d": ({"accuracy": 7.5, "num-examples": 10**9, "per-class-correct": [10**9, 0],
+               "per-class-total": [10**9, 0]}, "accuracy: Input should be less than or equal to 1"),
+        "e": ({**good, "per-class-correct": [3, 0]}, "more correct answers than images"),
+        "f": ({**good, "num-examples": 40}, "sum to 4, not num-examples 40"),
+        "g": ({**good, "accuracy": 1.0}, "accuracy 1 is not its counts' 2/4"),
+        "h": ({**good, "per-class-correct": [1, 1, 0], "per-class-total": [2, 2, 0]}, "count 3 classes, not the server's 2"),
+        "i": ({"accuracy": 0.5, "num-examples": 200, "per-class-correct": [50, 50],
+               "per-class-total": [100, 100]}, "200 held-out images, more than max-images-per-client 100"),
+    }  # fmt: skip
     replies = {
         1: good,
         2: {**good, "accuracy": [0.5, 0.5]},
         3: {key: value for key, value in good.items() if key != "num-examples"},
+        **{node: reply for node, (reply, _) in enumerate(inconsistent.values(), start=4)},
     }
+    clients = dict(enumerate("abc" + "".join(inconsistent), start=1))
     strategy = OneShotStrategy(None, CAP, RunFolder(tmp_path), min_clients=1, wait_for_clients_s=1,
-                               uploaded_by_node={1: "a", 2: "b", 3: "c"})  # fmt: skip
-    scores = strategy.evaluate_at_institutions(ScoringGrid(replies), b"weights", {}, timeout=1)
+                               uploaded_by_node=clients)  # fmt: skip
+    scores = strategy.evaluate_at_institutions(ScoringGrid(replies), b"weights", {}, timeout=1,
+                                               bounds=ScoreBounds(classes=2, max_examples=100))  # fmt: skip
     assert scores["a"] == Scored(accuracy=0.5, num_examples=4, per_class_correct=[1, 1],
                                  per_class_total=[2, 2])  # fmt: skip
     assert isinstance(scores["b"], Unscored) and "accuracy: " in scores["b"].reason
     assert isinstance(scores["c"], Unscored) and "num-examples: Field required" in scores["c"].reason
+    for client, (_, reason) in inconsistent.items():
+        assert isinstance(scores[client], Unscored) and reason in scores[client].reason, scores[client]
+    assert Evaluation.of("clients", scores).weighted_mean == 0.5, "only the consistent score counts"
 
 
 # --- what a user sees, through the real `flwr run` ----------------------------------------------

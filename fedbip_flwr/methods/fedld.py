@@ -176,7 +176,15 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
         mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
     except ValueError as err:
         raise PayloadError(str(err).rstrip(".")) from None
-    held = torch.arange(len(counts))[counts > 0].repeat_interleave(PLAUSIBILITY_DRAWS)
+    wanted = (len(server.class_names), components)
+    if tuple(mixture.weights.shape) != wanted:
+        raise PayloadError(
+            f"the mixture has {tuple(mixture.weights.shape)} (classes, components); the server's "
+            f"{wanted[0]} classes and the method's {components} components need {wanted}"
+        )
+    # every class the server will draw from: the held ones, or all with images-per-class > 0
+    synthesized = counts > 0 if not server.cfg.images_per_class else torch.ones_like(counts, dtype=torch.bool)
+    held = torch.arange(len(counts))[synthesized].repeat_interleave(PLAUSIBILITY_DRAWS)
     try:
         check = torch.Generator().manual_seed(client_seed(server.cfg.seed, f"{meta.client_id}/check"))
         check_latent_moments(draw(mixture, held, check), meta.timestep, expect.plausibility)

@@ -1,0 +1,186 @@
+"""One hostile institution cannot stop or skew the federation (issue 45): an upload that passes
+acceptance cannot fail later, a stored upload that no longer passes is recorded, not fatal,
+and what synthesis would need of an upload is proved when it arrives.
+
+Uploads are the real client code's on the tiny model, then changed as a lying client would
+(:func:`tests.helpers.tampered`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+import server_app.app as server_app
+from fedbip_flwr import results, shapes
+from fedbip_flwr.methods import create_for
+from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_VARIANCES, MIXTURE_WEIGHTS
+from fedbip_flwr.results import ClientOutcome, RunResults, Seconds
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import write_json
+from fedbip_flwr.upload import PayloadError, encode_tensors
+from tests.helpers import client_job, method_config, server_job, tampered
+
+MIXTURES = ("fedld", "fedbip-mixture", "espresso")
+
+
+def upload_of(method: str, ldm, **values):
+    cfg = method_config(method, **values)
+    blob, _ = create_for(cfg).upload(client_job(cfg, ldm))
+    return cfg, blob
+
+
+def refusal(cfg, blob: bytes, ldm) -> str:
+    with pytest.raises(PayloadError) as info:
+        create_for(cfg).accept(blob, server_job(cfg, ldm))
+    return info.value.reason
+
+
+@pytest.mark.parametrize("method", ["fedbip", "fedbip-mixture"])
+def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_acceptance(method, tiny_ldm):
+    """An institution names its own domain (no server domain list): a phrase of 240 tokens
+    gives S 240 vectors, consistent with n-s, but no prompt of 16 tokens holds it."""
+    cfg, blob = upload_of(method, tiny_ldm)
+
+    def long_domain(tensors, meta):
+        meta["fedbip.domain"] = json.dumps(" ".join(["sketch"] * 240))
+        meta["fedbip.n_s"] = json.dumps(240)
+        tensors["domain_concept"] = tensors["domain_concept"][:1].repeat(240, 1)
+
+    own_folders = method_config(method, dataset="imagefolder", classes=",".join(cfg.class_list or shapes.CLASSES),
+                                **{"prompt-template": cfg.prompt_template, "n-s": cfg.n_s, "n-v": cfg.n_v})  # fmt: skip
+    create_for(own_folders).accept(blob, server_job(own_folders, tiny_ldm))  # the honest one is taken
+    reason = refusal(own_folders, tampered(blob, method, cfg, long_domain), tiny_ldm)
+    assert "the text encoder takes 16" in reason and "could not prompt" in reason
+
+
+def _rows(keep: int):
+    """A mixture upload holding only the first ``keep`` class rows (its counts untouched)."""
+
+    def change(tensors, _meta):
+        for name in (MIXTURE_WEIGHTS, MIXTURE_MEANS, MIXTURE_VARIANCES):
+            tensors[name] = tensors[name][:keep].clone()
+
+    return change
+
+
+@pytest.mark.parametrize("method", MIXTURES)
+def test_a_mixture_with_fewer_class_rows_than_the_servers_classes_is_refused(method, tiny_ldm):
+    cfg, blob = upload_of(method, tiny_ldm)
+    reason = refusal(cfg, tampered(blob, method, cfg, _rows(2)), tiny_ldm)
+    assert "the server's 6 classes" in reason, reason
+
+
+def test_more_components_than_stated_are_refused(tiny_ldm):
+    cfg, blob = upload_of("fedld", tiny_ldm)
+
+    def more(tensors, _meta):
+        for name in (MIXTURE_WEIGHTS, MIXTURE_MEANS, MIXTURE_VARIANCES):
+            tensors[name] = tensors[name].repeat_interleave(16, dim=1)
+        tensors[MIXTURE_WEIGHTS] = tensors[MIXTURE_WEIGHTS] / 16
+
+    reason = refusal(cfg, tampered(blob, "fedld", cfg, more), tiny_ldm)
+    assert "components need" in reason, reason
+
+
+@pytest.mark.parametrize("method", ["fedld", "fedbip-mixture"])
+def test_classes_claimed_empty_are_checked_when_the_server_synthesizes_them(method, tiny_ldm):
+    """With images-per-class > 0 the server draws every class, held or not: a class the upload
+    says it holds no image of, with its means moved by +50, is refused; at images-per-class 0
+    it is never drawn, so it costs nothing and is taken."""
+    cfg, blob = upload_of(method, tiny_ldm, **{"images-per-class": 2})
+
+    def empty_and_shifted(tensors, _meta):
+        counts = tensors["class_counts"].clone()
+        counts[0], counts[1] = counts[0] + counts[1], 0
+        tensors["class_counts"] = counts
+        means = tensors[MIXTURE_MEANS].clone()
+        means[1] += 50
+        tensors[MIXTURE_MEANS] = means
+
+    lie = tampered(blob, method, cfg, empty_and_shifted)
+    assert "draws from the mixture" in refusal(cfg, lie, tiny_ldm)
+    unused = method_config(method, **{"images-per-class": 0})
+    create_for(unused).accept(lie, server_job(unused, tiny_ldm))
+
+
+# --- after acceptance: a failure costs only its own client, now and after a restart ---------
+
+
+def accepted_uploads(cfg, ldm, partitions=(0, 1)) -> dict:
+    method, job = create_for(cfg), server_job(cfg, ldm)
+    uploads = [method.accept(method.upload(client_job(cfg, ldm, p))[0], job) for p in partitions]
+    return {upload.client_id: upload for upload in uploads}
+
+
+def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_others_train(tiny_ldm, tmp_path):
+    """A check acceptance lacks (here: an upload whose decoded mixture is gone) makes synthesis
+    raise for that client only: it is recorded as failed with the error, the training set is
+    made from the others, and clients.json says so."""
+    cfg = method_config("fedld", **{"min-clients": 1})
+    uploads = accepted_uploads(cfg, tiny_ldm)
+    broken, honest = sorted(uploads)
+    uploads[broken] = dataclasses.replace(uploads[broken], content=None)
+    folder = RunFolder(tmp_path / "run")
+    folder.root.mkdir()
+    clients = [ClientOutcome(node_id=n, status="accepted", client_id=c) for n, c in enumerate(sorted(uploads))]
+    stopped = RunResults(status="failed", config=cfg.to_flat(), clients=clients)
+    training_set, kept, outcomes = server_app._training_set(
+        create_for(cfg), server_job(cfg, tiny_ldm), uploads, folder, Seconds(), stopped
+    )
+    assert set(training_set) == set(kept) == {honest}
+    status = {o.client_id: (o.status, o.reason) for o in outcomes}
+    assert status[honest] == ("accepted", "")
+    assert status[broken][0] == "failed" and "synthesis from its accepted upload failed" in status[broken][1]
+    assert results.read_clients(folder.clients) == outcomes
+
+
+def test_a_restart_records_a_stored_upload_that_no_longer_passes_and_goes_on(tiny_ldm, tmp_path):
+    """An upload stored before the server's checks grew stricter (its mixture lacks class
+    rows) fails its re-check on restart: recorded as rejected, the run resumes with the rest."""
+    cfg = method_config("fedld", **{"min-clients": 1})
+    uploads = accepted_uploads(cfg, tiny_ldm)
+    stale, honest = sorted(uploads)
+    folder = RunFolder(tmp_path / "run")
+    folder.payloads.mkdir(parents=True)
+    for client_id, upload in uploads.items():
+        blob = encode_tensors(upload.tensors, {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()})
+        if client_id == stale:
+            blob = tampered(blob, "fedld", cfg, _rows(2))
+        folder.payload_path(client_id).write_bytes(blob)
+    write_json(folder.uploaders, {"7": stale, "8": honest})
+    results.write_clients([ClientOutcome(node_id=n, status="accepted", client_id=c)
+                           for n, c in ((7, stale), (8, honest))], folder.clients)  # fmt: skip
+    _, kept, outcomes = server_app._round(create_for(cfg), None, server_job(cfg, tiny_ldm), folder, Seconds())
+    assert set(kept) == {honest}
+    status = {o.client_id: (o.node_id, o.status, o.reason) for o in outcomes}
+    assert status[honest][:2] == (8, "accepted")
+    assert status[stale][:2] == (7, "rejected") and "no longer passes" in status[stale][2]
+    assert results.read_clients(folder.clients) == outcomes
+
+
+# --- text from uploads reaches people escaped ------------------------------------------------
+
+HOSTILE_DOMAIN = "sketch\x1b[2J\x1b[31m | forged | row |\n| x ![p](http://example.invalid/p.png) <img src=x>"
+
+
+def test_an_uploads_strings_reach_report_md_escaped(tmp_path):
+    """A domain name with terminal escape codes, cell separators, a newline and an image link
+    is shown as text: one row, no escape byte, no link or HTML Markdown would act on."""
+    from fedbip_flwr.report import write_report
+    from tests.helpers import completed_metrics, reported_client, run_folder
+
+    metrics = completed_metrics()
+    metrics["clients"].append(reported_client("hostile-0", HOSTILE_DOMAIN))
+    report = write_report(run_folder(tmp_path / "run", metrics, [])).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| hostile-0"))
+    assert "\x1b" not in report and "\\x1b" in row
+    assert not re.search(r"(?<!\\)!\[p|(?<!\\)<img", report), "a link or HTML left unescaped"
+    assert len(re.findall(r"(?<!\\)\|", row)) == 8, "seven cells: the domain forged none"
+
+
+def test_refusal_reasons_carry_no_control_characters():
+    err = PayloadError(f"domain {HOSTILE_DOMAIN!s} is not one of the server's")
+    assert "\x1b" not in err.reason and "\n" not in err.reason and "\\x1b[2J" in err.reason
