@@ -184,3 +184,63 @@ def test_an_uploads_strings_reach_report_md_escaped(tmp_path):
 def test_refusal_reasons_carry_no_control_characters():
     err = PayloadError(f"domain {HOSTILE_DOMAIN!s} is not one of the server's")
     assert "\x1b" not in err.reason and "\n" not in err.reason and "\\x1b[2J" in err.reason
+
+
+# --- DP headers: verified for every DP method ----------------------------------------------
+
+
+INFINITE = "infinite"  # written as 1e400
+
+
+def _header(change):
+    """A lie about the upload's DP header: ``change`` edits its JSON object (None: drop it)."""
+
+    def edit(_tensors, meta):
+        dp = json.loads(meta.pop("fedbip.dp"))
+        if change(dp) is not False:  # 1e400 is valid JSON and reads as infinity
+            meta["fedbip.dp"] = json.dumps(dp).replace(f'"{INFINITE}"', "1e400")
+
+    return edit
+
+
+def _fitted(tensors, _meta):
+    """The DP release's tensors replaced by a fitted-looking mixture: two components, half each."""
+    weights = tensors[MIXTURE_WEIGHTS].clone()
+    weights[:, :2] = 0.5
+    tensors[MIXTURE_WEIGHTS] = weights
+
+
+FEDLD_DP_LIES = {
+    "no header": (_header(lambda dp: False), r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee"),
+    "epsilon 1e-9": (_header(lambda dp: dp.update(epsilon=1e-9)), "claims epsilon 1e-09, but its noise multiplier"),
+    "epsilon infinite": (_header(lambda dp: dp.update(epsilon=INFINITE)), "finite number"),
+    "noise multiplier infinite": (_header(lambda dp: dp.update(noise_multiplier=INFINITE)), "finite number"),
+    "noise multiplier tiny": (_header(lambda dp: dp.update(noise_multiplier=1e-9)), "greater than or equal to 0.05"),
+    "another clip": (_header(lambda dp: dp.update(clip=dp["clip"] * 10)), "DP clip"),
+    "fitted tensors": (_fitted, "not a DP release's"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fedld_dp(tiny_model_dir):
+    from fedbip_flwr.ldm import load_ldm
+
+    ldm = load_ldm(tiny_model_dir)
+    cfg, blob = upload_of("fedld", ldm, **{"fedld.dp-epsilon": 4.0})
+    return cfg, blob, ldm
+
+
+@pytest.mark.parametrize("lie", sorted(FEDLD_DP_LIES))
+def test_fedld_checks_the_dp_header_it_is_sent(lie, fedld_dp):
+    cfg, blob, ldm = fedld_dp
+    create_for(cfg).accept(blob, server_job(cfg, ldm))  # the honest one is taken
+    change, message = FEDLD_DP_LIES[lie]
+    assert re.search(message, refusal(cfg, tampered(blob, "fedld", cfg, change), ldm))
+
+
+def test_fedbip_mixture_refuses_a_consistent_header_on_tensors_without_the_dp_structure(tiny_ldm):
+    cfg, blob = upload_of("fedbip-mixture", tiny_ldm, **{"fedbip-mixture.dp-epsilon": 4.0})
+    create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
+    assert "not a DP release's" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, _fitted), tiny_ldm)
+    infinite = _header(lambda dp: dp["concepts"].update(noise_multiplier=INFINITE))
+    assert "finite number" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, infinite), tiny_ldm)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -60,7 +59,6 @@ from ..payload import (
 from ..seeds import client_seed
 from ..server import WorkUnit
 from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
-from ..upload import PayloadError
 from .base import (
     ClientJob,
     Method,
@@ -74,11 +72,14 @@ from .base import (
 )
 from .fedbip import client_concepts, personalize
 from .fedld import (
+    MIN_NOISE_MULTIPLIER,
     STATS_RELEASES,
     DPMixtureSettings,
     DPRelease,
     MixtureMeta,
+    check_claimed_epsilon,
     check_mixture_upload,
+    check_stats_release,
     first_timestep,
     mixture_meta,
     mixture_metrics,
@@ -90,14 +91,6 @@ log = logging.getLogger(__name__)
 CONCEPTS = ("domain_concept", "class_concepts")
 
 
-# A header's noise multipliers must be at least this: the server recomputes the epsilon they
-# give, and the accountant's grid grows as 1 / sigma^2 (0.05 takes seconds). The defaults at
-# dp-epsilon's cap of 100 give 0.36 (DP-SGD) and 0.19 (statistics); a client whose settings
-# would go below is refused when it builds its header.
-MIN_NOISE_MULTIPLIER = 0.05
-# How far a header's epsilon may lie from the server's recomputation of it (the same
-# accountant on another machine may round a grid point the other way).
-EPSILON_TOLERANCE = 1e-3
 
 
 class FedBiPMixtureSettings(DPMixtureSettings):
@@ -127,7 +120,7 @@ class FedBiPMixtureSettings(DPMixtureSettings):
 class ConceptDPRelease(BaseModel):
     """DP-SGD's parameters, as a DP upload's header states them."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     sample_rate: float = Field(gt=0, le=1)  # q, Poisson sampling
     steps: int = Field(ge=1)
@@ -141,7 +134,6 @@ class MixtureDPRelease(DPRelease):
     the accountant's epsilon for the statistics' ``releases`` Gaussian mechanisms
     (``noise_multiplier``, ``clip`` on z(T)) composed with the ``concepts``' DP-SGD."""
 
-    noise_multiplier: float = Field(ge=MIN_NOISE_MULTIPLIER)
     concepts: ConceptDPRelease
 
 
@@ -247,9 +239,9 @@ class FedBiPMixture(Method):
         return encode_upload(meta, tensors), {EPSILON_METRIC: release.epsilon}
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        check_private_release(upload.meta, self.settings, server.cfg)
         expect = expectations(server.cfg, server.ldm(), server.class_names)
         mixture = check_mixture_upload(upload, server, self.settings.components, expect)
+        check_private_release(upload.meta, self.settings, server.cfg, mixture)
         concepts = concept_payload(upload, server, expect)
         return dataclasses.replace(upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"]))
 
@@ -287,43 +279,28 @@ def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(per_class)), per_class)
 
 
-def check_private_release(meta: FedBiPMixtureMeta, own: FedBiPMixtureSettings, cfg: FedBiPConfig) -> None:
-    """Refuse an upload without a guarantee where the run asks for one (or with a weaker one),
-    and a guarantee that leaves a tensor uncovered, was not made with the run's DP-SGD schedule
-    (sample rate, and the steps concept-epochs make of it) or whose epsilon is not what the
-    accountant gives for its noise multipliers."""
-    release = meta.dp
-    if release is None:
-        if own.dp_epsilon:
-            raise PayloadError(
-                f"the run asks for ({own.dp_epsilon:g}, {own.dp_delta:g})-DP uploads "
-                "(fedbip-mixture.dp-epsilon) and this one states no guarantee"
-            )
+def check_private_release(
+    meta: FedBiPMixtureMeta, own: FedBiPMixtureSettings, cfg: FedBiPConfig, mixture: LatentMixture
+) -> None:
+    """The class statistics' release as FedLD's is checked (:func:`check_stats_release`), then
+    that DP-SGD ran with the run's schedule (sample rate, and the steps concept-epochs make of
+    it) and that the epsilon is what the accountant gives for both noise multipliers composed."""
+    check_stats_release(meta.dp, own, FedBiPMixture.tensor_names, mixture)
+    if (release := meta.dp) is None:
         return
-    if own.dp_epsilon and (release.epsilon > own.dp_epsilon or release.delta > own.dp_delta):
-        raise PayloadError(
-            f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the run's "
-            f"({own.dp_epsilon:g}, {own.dp_delta:g}) (fedbip-mixture.dp-epsilon, dp-delta)"
-        )
-    if uncovered := sorted(set(FedBiPMixture.tensor_names) - set(release.covers)):
-        raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
     sgd = release.concepts
     q, steps = sgd.sample_rate, cfg.concept_epochs * dp_sgd_steps_per_epoch(sgd.sample_rate)
     refuse_mismatch([
         ("DP-SGD covers", sorted(sgd.covers), sorted(CONCEPTS), "S and V are what DP-SGD learns"),
-        ("statistics releases", release.releases, STATS_RELEASES, "per class a noisy sum and a noisy count"),
         ("DP-SGD sample rate", q, own.dp_sample_rate, "clients and server must share fedbip-mixture.dp-sample-rate"),
         ("DP-SGD steps", sgd.steps, steps, f"concept-epochs {cfg.concept_epochs} x ceil(1 / sample rate)"),
     ])  # fmt: skip
     epsilon = composed_epsilon(
         release.delta, dp_sgd_event(q, sgd.noise_multiplier, steps), gaussian_releases(release.noise_multiplier, release.releases)
     )  # fmt: skip
-    if not math.isclose(release.epsilon, epsilon, rel_tol=EPSILON_TOLERANCE):
-        raise PayloadError(
-            f"its guarantee claims epsilon {release.epsilon:.6g}, but its noise multipliers "
-            f"({release.noise_multiplier:.6g} on the statistics, {sgd.noise_multiplier:.6g} over {steps} "
-            f"DP-SGD steps at sample rate {q:g}) give {epsilon:.6g} at delta {release.delta:g}"
-        )
+    noise = (f"noise multipliers ({release.noise_multiplier:.6g} on the statistics, {sgd.noise_multiplier:.6g} "
+             f"over {steps} DP-SGD steps at sample rate {q:g})")  # fmt: skip
+    check_claimed_epsilon(release.epsilon, epsilon, release.delta, noise)
 
 
 def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> Payload:

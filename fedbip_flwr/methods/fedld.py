@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -37,6 +37,8 @@ from ..dp import (
     EPSILON_METRIC,
     DPGaussianEstimate,
     DPGuarantee,
+    composed_epsilon,
+    gaussian_releases,
     noise_multiplier_for,
     noisy_estimate,
 )
@@ -107,14 +109,24 @@ class FedLDSettings(DPMixtureSettings):
     noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
 
 
+# A header's noise multipliers must be at least this: the server recomputes the epsilon they
+# give, and the accountant's grid grows as 1 / sigma^2 (0.05 takes seconds). The defaults at
+# dp-epsilon's cap of 100 give 0.36 (DP-SGD) and 0.19 (fedbip-mixture's statistics); a client
+# whose settings would go below is refused when it builds its header.
+MIN_NOISE_MULTIPLIER = 0.05
+# How far a header's epsilon may lie from the server's recomputation of it (the same
+# accountant on another machine may round a grid point the other way).
+EPSILON_TOLERANCE = 1e-3
+
+
 class DPRelease(BaseModel):
     """What a DP upload's header says it guarantees (:mod:`fedbip_flwr.dp`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     epsilon: float = Field(gt=0)
     delta: float = Field(gt=0, lt=1)
-    noise_multiplier: float = Field(gt=0)
+    noise_multiplier: float = Field(ge=MIN_NOISE_MULTIPLIER)
     clip: float = Field(gt=0)
     releases: int = Field(ge=1)
     covers: list[str]  # which tensors the guarantee covers
@@ -230,6 +242,11 @@ class FedLD(Method):
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         expect = expectations(server.cfg, server.ldm(), server.class_names)
         mixture = check_mixture_upload(upload, server, self.settings.components, expect)
+        check_stats_release(upload.meta.dp, self.settings, self.tensor_names, mixture)
+        if upload.meta.dp is not None:
+            release = upload.meta.dp
+            epsilon = composed_epsilon(release.delta, gaussian_releases(release.noise_multiplier, release.releases))
+            check_claimed_epsilon(release.epsilon, epsilon, release.delta, f"noise multiplier {release.noise_multiplier:.6g}")
         return dataclasses.replace(upload, content=mixture)
 
     def train_set(
@@ -247,6 +264,48 @@ class FedLD(Method):
 
 # Per class a noisy sum of the clipped z(T) and a noisy count: two Gaussian mechanisms.
 STATS_RELEASES = 2
+
+
+def check_stats_release(
+    release: DPRelease | None, own: DPMixtureSettings, tensor_names: Sequence[str], mixture: LatentMixture
+) -> None:
+    """What the server can check of a class-statistics DP upload before its epsilon: one is
+    there where the run asks for one and is no weaker, it covers every tensor, it is the two
+    releases at the run's clip, and the tensors have a release's structure (a fitted mixture
+    under a DP header would carry what the guarantee does not cover)."""
+    if release is None:
+        if own.dp_epsilon:
+            raise PayloadError(
+                f"the run asks for ({own.dp_epsilon:g}, {own.dp_delta:g})-DP uploads (dp-epsilon) "
+                "and this one states no guarantee"
+            )
+        return
+    if own.dp_epsilon and (release.epsilon > own.dp_epsilon or release.delta > own.dp_delta):
+        raise PayloadError(
+            f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the run's "
+            f"({own.dp_epsilon:g}, {own.dp_delta:g}) (dp-epsilon, dp-delta)"
+        )
+    if uncovered := sorted(set(tensor_names) - set(release.covers)):
+        raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
+    clip = own.dp_clip * math.sqrt(mixture.means.shape[-1])
+    refuse_mismatch([
+        ("statistics releases", release.releases, STATS_RELEASES, "per class a noisy sum and a noisy count"),
+        ("DP clip", release.clip, clip, "clients and server must share dp-clip (times sqrt(D))"),
+    ])  # fmt: skip
+    one = torch.zeros_like(mixture.weights)
+    one[:, 0] = 1.0
+    copies = mixture.means[:, :1].expand_as(mixture.means)
+    if not (torch.equal(mixture.weights, one) and bool(mixture.variances.eq(1).all()) and torch.equal(mixture.means, copies)):
+        raise PayloadError(
+            "its tensors are not a DP release's: per class one component of weight 1 and variance 1 "
+            "(the others its copies at weight 0), which is all the guarantee covers"
+        )
+
+
+def check_claimed_epsilon(claimed: float, accounted: float, delta: float, noise: str) -> None:
+    """The header's epsilon is what the server's accountant gives for its noise."""
+    if not math.isclose(claimed, accounted, rel_tol=EPSILON_TOLERANCE):
+        raise PayloadError(f"its guarantee claims epsilon {claimed:.6g}, but its {noise} give {accounted:.6g} at delta {delta:g}")
 
 
 def stats_guarantee(own: DPMixtureSettings, epsilon: float, delta: float, noise_multiplier: float,
