@@ -400,17 +400,29 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
 # --- what a user sees, through the real `flwr run` ----------------------------------------------
 
 FOREIGN_CLIENT = '''
-"""Partition 1 uploads a payload made for another base model; the others are the project's."""
+"""Partition 1 uploads a payload made for another base model, partition 2 scores the
+classifier it gets back with counts it cannot hold; the rest is the project's."""
 from dataclasses import replace
 
-from flwr.app import Message
+from flwr.app import Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from client_app.app import evaluate as project_evaluate
 from fedbip_flwr.payload import decode_payload, encode_payload
-from fedbip_flwr.wire import payload_bytes, payload_content, reply_metrics
+from fedbip_flwr.wire import METRICS_RECORD, payload_bytes, payload_content, reply_metrics
 from recording_client import project_train, record
 
 app = ClientApp()
+
+
+@app.evaluate()
+def evaluate(msg, context):
+    reply = project_evaluate(msg, context)
+    if int(context.node_config["partition-id"]) != 2:
+        return reply
+    inflated = {"accuracy": 7.5, "num-examples": 10**9, "per-class-correct": [10**9] + [0] * 5,
+                "per-class-total": [10**9] + [0] * 5}
+    return Message(content=RecordDict({METRICS_RECORD: MetricRecord(inflated)}), reply_to=msg)
 
 
 @app.train()
@@ -451,6 +463,12 @@ def test_foreign_upload_is_refused_and_the_run_completes_with_two(tmp_path, tiny
     assert reason.endswith("(client and server must load the same LDM)")
     assert "2 valid payloads: painting-0, sketch-0" in log
     assert set(record.accuracy.per_domain) == {"sketch", "painting"}
+    # the inflated scores are refused, not averaged: the mean is the honest institution's
+    scores = record.evaluation.per_client
+    assert isinstance(scores["painting-0"], Unscored), scores["painting-0"]
+    assert "accuracy: Input should be less than or equal to 1" in scores["painting-0"].reason
+    assert isinstance(scores["sketch-0"], Scored)
+    assert record.evaluation.weighted_mean == pytest.approx(scores["sketch-0"].accuracy, abs=1e-12)
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
         "painting-0.safetensors", "sketch-0.safetensors"
     ]
