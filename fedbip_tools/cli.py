@@ -21,11 +21,11 @@ import click
 from flwr.common.config import flatten_dict, get_project_config, parse_config_args
 from pydantic import BaseModel
 
-from fedbip_flwr import distributed, shapes
+from fedbip_flwr import dataset, distributed, methods, shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.ldm import ModelLoadError, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import audit_upload, institution_upload
+from fedbip_flwr.methods import ServerJob, audit_upload, institution_upload
 from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import load_payload
@@ -78,6 +78,12 @@ def _add_inspect(subcommands: argparse._SubParsersAction[argparse.ArgumentParser
         default=DEFAULT_MAX_BYTES / 2**20,
         help="refuse files larger than this many MiB (default: %(default)g, as the server)",
     )
+    inspect.add_argument(
+        "--run-config", action="append",
+        help="the federation's run config (TOML file or 'k=v ...', over this project's defaults): "
+        "check the upload as that run's server does, against its base model, plausibility "
+        "included; without it only the upload's structure is checked",
+    )  # fmt: skip
     inspect.set_defaults(func=_run_inspect)
 
 
@@ -113,6 +119,32 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(line)
     print()
     print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
+    print()
+    return _server_verdict(blob, args.run_config)
+
+
+def _server_verdict(blob: bytes, run_config: list[str] | None) -> int:
+    """What the run's server would say of the upload: its method's ``accept`` with the run's
+    base model (0: it would be accepted; 1: refused, with the server's reason)."""
+    if not run_config:
+        print("verdict: structure valid; not checked against a run's base model and plausibility "
+              "bounds (give the federation's --run-config for the server's verdict)")  # fmt: skip
+        return 0
+    try:
+        cfg = FedBiPConfig.from_flat({**project_run_config(), **parse_config_args(run_config)})
+        loader = functools.cache(functools.partial(load_for_run, cfg.model, "cpu", False, cfg.image_size))
+        job = ServerJob(cfg, dataset.class_names(cfg.data), loader)
+        methods.one_shot_for(cfg).accept(blob, job)
+    except PayloadError as err:
+        print(f"verdict: the run's server refuses it: {err.reason}")
+        return 1
+    except (ConfigError, ModelLoadError, OSError, ValueError) as err:
+        print(f"fedbip inspect: --run-config: {printable(err)}", file=sys.stderr)
+        return 1
+    except click.ClickException as err:
+        print(f"fedbip inspect: --run-config: {err.format_message()}", file=sys.stderr)
+        return 1
+    print(f"verdict: the run's server ({cfg.method}, {cfg.model}) accepts it")
     return 0
 
 

@@ -101,8 +101,10 @@ def test_inspect_valid_payload_prints_metadata_and_tensors(
     assert "timestep: 981" in lines
     assert 'class_names: ["cat", "dog", "fish"]' in lines
     assert "latent_shape: [4, 8, 8]" in lines
-    assert lines[-5].split() == ["name", "shape", "dtype", "mean", "std"]
-    table = {line.split()[0]: line for line in lines[-4:]}
+    head = next(i for i, line in enumerate(lines) if line.split() == ["name", "shape", "dtype", "mean", "std"])
+    table = {line.split()[0]: line for line in lines[head + 1 : head + 5]}
+    assert lines[head + 5 :] == ["", "verdict: structure valid; not checked against a run's base model and "
+                                 "plausibility bounds (give the federation's --run-config for the server's verdict)"]
     assert list(table) == ["latents", "labels", "domain_concept", "class_concepts"]
     assert "[6, 4, 8, 8]" in table["latents"] and "float32" in table["latents"]
     assert "int64" in table["labels"]

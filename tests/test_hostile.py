@@ -244,3 +244,40 @@ def test_fedbip_mixture_refuses_a_consistent_header_on_tensors_without_the_dp_st
     assert "not a DP release's" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, _fitted), tiny_ldm)
     infinite = _header(lambda dp: dp["concepts"].update(noise_multiplier=INFINITE))
     assert "finite number" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, infinite), tiny_ldm)
+
+
+# --- fedbip inspect gives the server's verdict -----------------------------------------------
+
+
+def _times_50(tensors, _meta):
+    tensors["latents"] = tensors["latents"] * 50
+
+
+def _negative_variance(tensors, _meta):
+    variances = tensors[MIXTURE_VARIANCES].clone()
+    variances[0, 0, 0] = -1.0
+    tensors[MIXTURE_VARIANCES] = variances
+
+
+@pytest.mark.parametrize(("method", "lie", "reason"), [
+    ("fedbip", _times_50, "latents"),
+    ("fedld", _negative_variance, "variance <= 0"),
+])  # fmt: skip
+def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(method, lie, reason, tiny_model_dir, tiny_ldm, tmp_path, capsys):
+    import tomli_w
+
+    from fedbip_tools.cli import main
+
+    cfg, blob = upload_of(method, tiny_ldm, model=str(tiny_model_dir))
+    run_config = tmp_path / "run.toml"
+    run_config.write_text(tomli_w.dumps(cfg.to_flat()))
+    honest, hostile = tmp_path / "honest.safetensors", tmp_path / "hostile.safetensors"
+    honest.write_bytes(blob)
+    hostile.write_bytes(tampered(blob, method, cfg, lie))
+    assert main(["inspect", str(honest), "--run-config", str(run_config)]) == 0
+    assert "verdict: the run's server" in capsys.readouterr().out
+    assert main(["inspect", str(hostile)]) == 0, "its structure alone is valid"
+    assert "not checked against a run's base model" in capsys.readouterr().out
+    assert main(["inspect", str(hostile), "--run-config", str(run_config)]) == 1
+    out = capsys.readouterr()
+    assert "verdict: the run's server refuses it" in out.out + out.err and reason in out.out + out.err
