@@ -163,6 +163,9 @@ class Expectations:
 # latents about unit variance, and the largest measured was 1.37 (the miniature model, a
 # saturated image; real shapes images <= 1.26; the tiny test model's random VAE <= 0.07).
 LATENT_RMS = 4.0
+# M bounds one coordinate of a scaled VAE latent: the largest |value| measured was 7.93 (the
+# miniature's 1,500 shapes test images of all five domains; saturated and noise images <= 5.3).
+LATENT_MAX = 16.0
 # Standard deviations of the noise an honest z(T) may be off by. With k = 8 an honest image is
 # refused with probability below 3e-14, at any latent size (see latent_bounds).
 SIGMAS = 8.0
@@ -257,6 +260,16 @@ def latent_bounds(
         std_low=low * (1 - ROUNDING),
         std_high=math.sqrt(var_high) * (1 + ROUNDING),
     )
+
+
+def coordinate_bound(alpha_bar: float, size: int, sigmas: float = SIGMAS, latent_max: float = LATENT_MAX) -> float:
+    """The largest |value| one coordinate of an honest z(T) = a zbar + b eps of ``size``
+    elements has: |zbar_j| <= M (a convex mix of two latents), and the largest of the image's
+    ``size`` |eps_j| stays below k' = sqrt(2 ln(2 size / p)) but with probability p, p the same
+    2 erfc(k / sqrt 2) + 2 e^(-k^2 / 2) the moment bounds allow (about 9.1 at SD's 16,384)."""
+    a, b = math.sqrt(alpha_bar), math.sqrt(max(0.0, 1.0 - alpha_bar))
+    p = 2 * math.erfc(sigmas / math.sqrt(2)) + 2 * math.exp(-sigmas * sigmas / 2)
+    return (a * latent_max + b * math.sqrt(2 * math.log(2 * size / p))) * (1 + ROUNDING)
 
 
 # --- encoding ---------------------------------------------------------------------------------
@@ -501,6 +514,15 @@ def check_latent_moments(latents: torch.Tensor, timestep: int, plaus: Plausibili
         raise PayloadError(
             f"latents[{i}] has mean {float(mean[i]):.4g}{_others(outside)}, outside "
             f"[{-bounds.abs_mean:.3g}, {bounds.abs_mean:.3g}] {why}"
+        )
+    largest = coordinate_bound(plaus.alpha_bar, size, plaus.sigmas)
+    peaks = latents.detach().reshape(len(latents), -1).abs().amax(dim=1).double()
+    outside = peaks > largest
+    if bool(outside.any()):
+        i = int(outside.nonzero()[0])
+        raise PayloadError(
+            f"latents[{i}] has a value of size {float(peaks[i]):.4g}{_others(outside)}, above the "
+            f"{largest:.3g} (one coordinate) {why}"
         )
 
 

@@ -101,7 +101,7 @@ def test_classes_claimed_empty_are_checked_when_the_server_synthesizes_them(meth
         tensors[MIXTURE_MEANS] = means
 
     lie = tampered(blob, method, cfg, empty_and_shifted)
-    assert "draws from the mixture" in refusal(cfg, lie, tiny_ldm)
+    assert "class 1, component 0" in refusal(cfg, lie, tiny_ldm)
     unused = method_config(method, **{"images-per-class": 0})
     create_for(unused).accept(lie, server_job(unused, tiny_ldm))
 
@@ -281,3 +281,51 @@ def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(meth
     assert main(["inspect", str(hostile), "--run-config", str(run_config)]) == 1
     out = capsys.readouterr()
     assert "verdict: the run's server refuses it" in out.out + out.err and reason in out.out + out.err
+
+
+# --- analytic plausibility: nothing a predictable draw can miss ------------------------------
+
+
+def _component(change):
+    """The upload's mixture with class 0's first component changed by ``change(weights, means,
+    variances)`` (in place, on copies)."""
+
+    def edit(tensors, _meta):
+        parts = [tensors[name].clone() for name in (MIXTURE_WEIGHTS, MIXTURE_MEANS, MIXTURE_VARIANCES)]
+        change(*parts)
+        tensors[MIXTURE_WEIGHTS], tensors[MIXTURE_MEANS], tensors[MIXTURE_VARIANCES] = parts
+
+    return edit
+
+
+def _rare_x50(w, m, v):
+    """A x50 component at weight 0.012: 64 draws per class rarely (and predictably) meet it."""
+    w[0, 1], w[0, 0] = 0.012, w[0, 0] - 0.012
+    m[0, 1], v[0, 1] = m[0, 0] * 50, v[0, 0]
+
+
+MIXTURE_LIES = {
+    "a x50 component at weight 0.012": (_rare_x50, "mean^2 + variance above"),
+    "variance 1e-30": (lambda w, m, v: v[0, 0].fill_(1e-30), "variance below the fit's floor"),
+    "15-sigma spikes on a few coordinates": (lambda w, m, v: m[0, 0, :3].fill_(15.0), "on one coordinate"),
+}
+
+
+@pytest.mark.parametrize("lie", sorted(MIXTURE_LIES))
+def test_mixture_components_are_held_to_analytic_bounds(lie, tiny_ldm):
+    cfg, blob = upload_of("fedld", tiny_ldm)
+    change, message = MIXTURE_LIES[lie]
+    assert message in refusal(cfg, tampered(blob, "fedld", cfg, _component(change)), tiny_ldm)
+
+
+def test_a_z_t_with_a_spike_on_a_few_coordinates_is_refused(tiny_ldm):
+    """Per-image mean and std barely move when 3 of 1,024 coordinates are 15: the per-coordinate
+    bound (about 12.4 at the tiny model's T) refuses it."""
+    cfg, blob = upload_of("fedbip", tiny_ldm)
+
+    def spike(tensors, _meta):
+        latents = tensors["latents"].clone()
+        latents[0].view(-1)[:3] = 15.0
+        tensors["latents"] = latents
+
+    assert "(one coordinate)" in refusal(cfg, tampered(blob, "fedbip", cfg, spike), tiny_ldm)

@@ -76,7 +76,7 @@ SCALED = {
 @pytest.mark.parametrize("lie", sorted(SCALED))
 def test_a_mixture_z_t_at_t_cannot_come_from_is_refused(method, lie, tiny_ldm):
     cfg, blob, _ = upload_of(method, tiny_ldm)
-    with pytest.raises(PayloadError, match="that z\\(T\\) at timestep"):
+    with pytest.raises(PayloadError, match="no EM fit to z\\(T\\) rows noised to T gives it"):
         create_for(cfg).accept(tampered(blob, method, cfg, SCALED[lie]), server_job(cfg, tiny_ldm))
 
 

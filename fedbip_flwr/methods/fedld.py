@@ -45,11 +45,22 @@ from ..dp import (
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
-from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, draw, fit_mixture, from_tensors
+from ..mixture import (
+    DEFAULT_REG_COVAR,
+    MIXTURE_TENSOR_NAMES,
+    LatentMixture,
+    draw,
+    fit_mixture,
+    from_tensors,
+)
 from ..payload import (
     LATENT_RMS,
+    ROUNDING,
     Expectations,
+    Plausibility,
     check_latent_moments,
+    coordinate_bound,
+    latent_bounds,
     refuse_mismatch,
     sampling_checks,
 )
@@ -196,6 +207,7 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
         )
     # every class the server will draw from: the held ones, or all with images-per-class > 0
     synthesized = counts > 0 if not server.cfg.images_per_class else torch.ones_like(counts, dtype=torch.bool)
+    check_mixture_moments(mixture, synthesized, meta.timestep, expect.plausibility)
     held = torch.arange(len(counts))[synthesized].repeat_interleave(PLAUSIBILITY_DRAWS)
     try:
         check = torch.Generator().manual_seed(client_seed(server.cfg.seed, f"{meta.client_id}/check"))
@@ -264,6 +276,43 @@ class FedLD(Method):
 
 # Per class a noisy sum of the clipped z(T) and a noisy count: two Gaussian mechanisms.
 STATS_RELEASES = 2
+
+
+def check_mixture_moments(
+    mixture: LatentMixture, synthesized: torch.Tensor, timestep: int, plaus: Plausibility | None
+) -> None:
+    """Analytic bounds on every component a draw can come from (weight > 0, of a class the
+    server will ``synthesize``), which no choice of draws can step around. An honest component is fitted by EM to honest z(T) rows: its
+    mean is a responsibility-weighted average of rows and its variance their spread plus
+    reg_covar, so mean^2 + variance = that average of the rows' squares + reg_covar. Hence:
+    the variance is at least reg_covar; the mean's average lies within the per-image mean
+    bound; mean^2 + variance averaged over the coordinates is at most the largest RMS^2 a row
+    can have (std_high^2 + abs_mean^2), and on each coordinate at most the largest square one
+    coordinate can have (:func:`fedbip_flwr.payload.coordinate_bound`), plus reg_covar."""
+    if plaus is None:
+        return
+    dim = mixture.means.shape[-1]
+    bounds = latent_bounds(plaus.alpha_bar, dim, plaus.latent_rms, plaus.sigmas)
+    used = (mixture.weights > 0) & synthesized.unsqueeze(1)
+    means, variances = mixture.means.double(), mixture.variances.double()
+    second = means.square() + variances
+    limits = {
+        "a variance below the fit's floor reg_covar": (variances.amin(-1) < DEFAULT_REG_COVAR * (1 - ROUNDING), DEFAULT_REG_COVAR),
+        "a mean whose average exceeds a z(T)'s": (means.mean(-1).abs() > bounds.abs_mean, bounds.abs_mean),
+        "mean^2 + variance above a z(T)'s mean square": (
+            second.mean(-1) > (bounds.std_high**2 + bounds.abs_mean**2) * (1 + ROUNDING) + DEFAULT_REG_COVAR,
+            bounds.std_high**2 + bounds.abs_mean**2),
+        "mean^2 + variance on one coordinate above one z(T) coordinate's square": (
+            second.amax(-1) > coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2 + DEFAULT_REG_COVAR,
+            coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2),
+    }  # fmt: skip
+    for what, (outside, limit) in limits.items():
+        if bool((outside & used).any()):
+            c, k = (int(i) for i in (outside & used).nonzero()[0])
+            raise PayloadError(
+                f"the mixture's class {c}, component {k} (weight {float(mixture.weights[c, k]):.3g}) has {what} "
+                f"({limit:.3g}) at timestep {timestep}: no EM fit to z(T) rows noised to T gives it"
+            )
 
 
 def check_stats_release(
