@@ -109,8 +109,8 @@ def test_a_negative_running_variance_is_refused(tiny_ldm):
 
 
 def test_bn_statistics_are_per_image_as_a_batch_of_one_gives_them():
-    model = build_classifier(6, "random").eval()
-    images = torch.randn(4, 3, 32, 32)
+    model = build_classifier(6, "random").eval().double()  # float64: batch blockings agree
+    images = torch.randn(4, 3, 32, 32, dtype=torch.float64)
     _, per_image = forward_with_bn_inputs(model, images)
 
     seen: list[torch.Tensor] = []  # the BN layers' inputs, recorded independently
@@ -123,8 +123,12 @@ def test_bn_statistics_are_per_image_as_a_batch_of_one_gives_them():
             seen.clear()
             model(images[i : i + 1])
             for (mean, var), x in zip(per_image, seen, strict=True):
-                torch.testing.assert_close(mean[i], x.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
-                torch.testing.assert_close(var[i], x.var((0, 2, 3), unbiased=False), rtol=1e-4, atol=1e-5)
+                # float64 sums of <= 3 x 3 x 512 terms (x 2^-53 = 5e-13) over 20 layers: ~1e-11
+                # of the features' size |x| in another batch blocking; 1e-9 leaves 100x
+                size = float(x.abs().max())
+                torch.testing.assert_close(mean[i], x.mean((0, 2, 3)), rtol=0, atol=1e-9 * size)
+                own_var = x.var((0, 2, 3), unbiased=False)
+                torch.testing.assert_close(var[i], own_var, rtol=0, atol=1e-9 * size**2)
     for handle in handles:
         handle.remove()
     assert len(per_image) == 20, "ResNet-18 has 20 BatchNorm layers"
@@ -152,6 +156,9 @@ def test_ce_and_bn_losses_are_eqs_7_and_9_computed_by_hand():
             bn += math.sqrt(float(((mu - layer.running_mean) ** 2).sum()))
             bn += math.sqrt(float(((var - layer.running_var) ** 2).sum()))
         ce = -float(logits[i, labels[i]]) + math.log(float(logits[i].exp().sum()))
+        # both sides share the float32 forward (h, logits); only the 25-pixel statistics and the
+        # log-sum-exp are summed in other orders: worst case ~1e3 x 2^-24 = 6e-5 on L_BN ~ 8
+        # (|h| < 2), 7.5e-6 relative; a few 2^-24 of CE ~ 1.5
         assert float(terms.bn[i]) == pytest.approx(bn, rel=1e-5)
         assert float(terms.ce[i]) == pytest.approx(ce, rel=1e-5)
         assert float(terms.total(0.2)[i]) == pytest.approx(ce + 0.2 * bn, rel=1e-5)
@@ -234,28 +241,38 @@ def test_train_set_is_one_keyed_resumable_shard_per_client(tiny_ldm, tmp_path):
 def test_distillation_losses_are_the_divergences_computed_by_hand():
     student = torch.tensor([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
     teacher = torch.tensor([[0.0, 1.0, 0.0], [3.0, -1.0, 0.5]])
-    p_s = student.exp() / student.exp().sum(1, keepdim=True)
-    p_t = teacher.exp() / teacher.exp().sum(1, keepdim=True)
+    s, t = student.double(), teacher.double()  # exact references for the float32 losses
+    p_s = s.exp() / s.exp().sum(1, keepdim=True)
+    p_t = t.exp() / t.exp().sum(1, keepdim=True)
     kl_s_t = (p_s * (p_s / p_t).log()).sum(1).mean()  # eqs. 12-13: KL(student || teacher)
     kl_t_s = (p_t * (p_t / p_s).log()).sum(1).mean()
     entropy_t = -(p_t * p_t.log()).sum(1).mean()
-    assert float(distillation_loss(student, teacher, "kl-student-teacher")) == pytest.approx(float(kl_s_t))
+    # float32 log-softmax: log-probs up to 4.1 in size, each off by < ~17 x 2^-24, so KL (1.5)
+    # and soft CE (1.6) by < 50 x 2^-24 relative; rel 1e-5 is 168 x 2^-24
+    kl = float(distillation_loss(student, teacher, "kl-student-teacher"))
+    assert kl == pytest.approx(float(kl_s_t), rel=1e-5)
     soft_ce = float(distillation_loss(student, teacher, "soft-ce"))
-    assert soft_ce == pytest.approx(float(kl_t_s + entropy_t)), "the code's soft CE: KL(t || s) + H(t)"
+    code = float(kl_t_s + entropy_t)
+    assert soft_ce == pytest.approx(code, rel=1e-5), "the code's soft CE: KL(t || s) + H(t)"
     assert float(distillation_loss(teacher, teacher, "kl-student-teacher")) == pytest.approx(0.0, abs=1e-7)
 
 
 def test_md_targets_the_mean_softmax_and_sd_each_rows_own_client():
-    models = {"a": toy_classifier(1), "b": toy_classifier(2)}
-    x, sources = torch.randn(4, 3, 6, 6), ["b", "a", "a", "b"]
+    # float64 models: the references are exact to ~1e-15; the teachers return float32
+    models = {"a": toy_classifier(1).double(), "b": toy_classifier(2).double()}
+    x, sources = torch.randn(4, 3, 6, 6, dtype=torch.float64), ["b", "a", "a", "b"]
     with torch.no_grad():
         md = mean_teacher(models)(x, sources)
         sd = source_teacher(models)(x, sources)
         mean = (models["a"](x).softmax(-1) + models["b"](x).softmax(-1)) / 2
-        torch.testing.assert_close(md.softmax(-1), mean)
+        # probabilities <= 1 through a float32 log-sum-exp: a few 2^-24; atol 1e-5 is 168 x 2^-24
+        torch.testing.assert_close(md.softmax(-1), mean.float(), rtol=0, atol=1e-5)
         for i, source in enumerate(sources):
-            torch.testing.assert_close(sd[i], models[source](x[i : i + 1])[0])
-        assert not torch.allclose(sd[0], models["a"](x[:1])[0])
+            own = models[source](x[i : i + 1])[0]  # a batch of 1 against the teacher's of 2
+            # float64 rows agree to ~1e-15; the cast rounds each by <= 2^-24: 2^-22 leaves 2x
+            atol = 2**-22 * float(own.abs().max())
+            torch.testing.assert_close(sd[i], own.float(), rtol=0, atol=atol)
+        assert not torch.allclose(sd[0], models["a"](x[:1])[0].float())
 
 
 def shards_of(tmp_path, values: dict[str, float]) -> ShardImages:
@@ -308,5 +325,7 @@ def test_the_global_mode_picks_the_teacher_and_the_variant_its_divergence(tiny_l
     with torch.no_grad():
         own = torch.stack([uploads[s].content(x[i : i + 1])[0] for i, s in enumerate(sources)])
         mean = torch.stack([uploads[s].content(x).softmax(-1) for s in sources]).mean(0)
+        # SD: each row alone, as `own` (the same forward); MD: the same logits, probabilities
+        # <= 1 by two float32 formulas, a few 2^-24 apart (the default atol is 1e-5)
         torch.testing.assert_close(teacher(**{"fedlmg.global": "sd"}).teacher(x, sources), own)
         torch.testing.assert_close(teacher(**{"fedlmg.global": "md"}).teacher(x, sources).softmax(-1), mean)
