@@ -79,6 +79,21 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, description in {**MARKERS, **OPT_IN_MARKERS}.items():
         config.addinivalue_line("markers", f"{name}: {description}")
     share_cores_between_workers()
+    compiled_kernels_per_kind()
+
+
+def compiled_kernels_per_kind() -> None:
+    """One torch.compile (inductor) disk cache per machine kind, unless one is set. Inductor's
+    cache key leaves out oneDNN's ISA cap: kernels compiled under ONEDNN_MAX_CPU_ISA=AVX2 (the
+    README's AVX2 run) crash with SIGSEGV when a later run without it loads them (seen here on
+    the compiled-UNet test, which then hung the whole suite)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from fedbip_tools.machine import this_machine
+
+    # an import may already have set torch's own default; a folder someone chose is kept
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{default_cache_dir()}_{this_machine().kind}"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
