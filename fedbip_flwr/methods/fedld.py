@@ -282,8 +282,8 @@ def check_mixture_moments(
     mixture: LatentMixture, synthesized: torch.Tensor, timestep: int, plaus: Plausibility | None
 ) -> None:
     """Analytic bounds on every component a draw can come from (weight > 0, of a class the
-    server will ``synthesize``), which no choice of draws can step around. An honest component is fitted by EM to honest z(T) rows: its
-    mean is a responsibility-weighted average of rows and its variance their spread plus
+    server will ``synthesize``), which no choice of draws can step around. An honest component
+    is fitted by EM to honest z(T) rows: its mean is a responsibility-weighted average of rows and its variance their spread plus
     reg_covar, so mean^2 + variance = that average of the rows' squares + reg_covar. Hence:
     the variance is at least reg_covar; the mean's average lies within the per-image mean
     bound; mean^2 + variance averaged over the coordinates is at most the largest RMS^2 a row
@@ -296,15 +296,14 @@ def check_mixture_moments(
     used = (mixture.weights > 0) & synthesized.unsqueeze(1)
     means, variances = mixture.means.double(), mixture.variances.double()
     second = means.square() + variances
+    row_square, coordinate_square = bounds.std_high**2 + bounds.abs_mean**2, coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2
     limits = {
         "a variance below the fit's floor reg_covar": (variances.amin(-1) < DEFAULT_REG_COVAR * (1 - ROUNDING), DEFAULT_REG_COVAR),
         "a mean whose average exceeds a z(T)'s": (means.mean(-1).abs() > bounds.abs_mean, bounds.abs_mean),
         "mean^2 + variance above a z(T)'s mean square": (
-            second.mean(-1) > (bounds.std_high**2 + bounds.abs_mean**2) * (1 + ROUNDING) + DEFAULT_REG_COVAR,
-            bounds.std_high**2 + bounds.abs_mean**2),
+            second.mean(-1) > row_square * (1 + ROUNDING) + DEFAULT_REG_COVAR, row_square),
         "mean^2 + variance on one coordinate above one z(T) coordinate's square": (
-            second.amax(-1) > coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2 + DEFAULT_REG_COVAR,
-            coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2),
+            second.amax(-1) > coordinate_square + DEFAULT_REG_COVAR, coordinate_square),
     }  # fmt: skip
     for what, (outside, limit) in limits.items():
         if bool((outside & used).any()):
