@@ -7,7 +7,11 @@
 #             Flower's container images, which must read the mounted private keys; needs root)
 #
 # Writes, with openssl and ssh-keygen:
-#   OUT_DIR/ca/ca.crt, ca.key               the demo CA (ca.key signs once, then is not needed)
+#   OUT_DIR/ca/ca.crt                       the demo CA's certificate. Its private key is made
+#                                           in a private temporary folder, signs the SuperLink's
+#                                           certificate once and is deleted: it is nowhere in
+#                                           OUT_DIR, so nothing handed out can sign another
+#                                           certificate (new credentials mean a new CA)
 #   OUT_DIR/superlink/server.pem, server.key  the SuperLink's TLS certificate, signed by the CA,
 #                                           valid for localhost, 127.0.0.1 and EXTRA_SAN_NAMEs
 #                                           (e.g. the compose service name "superlink")
@@ -16,9 +20,11 @@
 #                                           executor in process isolation (compose), so that
 #                                           nothing else can take the ServerApp's task
 #   OUT_DIR/supernode-I/node.key, node.key.pub  SuperNode I's EC P-384 key pair, OpenSSH format
-#                                           (what flower-supernode and `flwr supernode register` read)
+#                                           (read by flower-supernode and `flwr supernode register`)
 #   OUT_DIR/supernode-I/ca.crt              copy of the CA certificate (--root-certificates)
-# Each folder holds exactly what one party needs, so it can be handed over (or mounted) alone.
+# Each folder holds exactly what one party needs, so it can be handed over (or mounted) alone;
+# the only private keys anywhere in OUT_DIR are server.key and each node.key, in their owners'
+# folders.
 set -euo pipefail
 
 usage() { echo "usage: $0 [-o OWNER] OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]" >&2; exit 2; }
@@ -33,7 +39,10 @@ shift $((OPTIND - 1))
 [[ $# -ge 2 ]] || usage
 out=$1 num=$2
 shift 2
-[[ $num =~ ^[1-9][0-9]*$ ]] || { echo "NUM_SUPERNODES must be a positive integer, got '$num'" >&2; exit 2; }
+[[ $num =~ ^[1-9][0-9]*$ ]] || {
+  echo "NUM_SUPERNODES must be a positive integer, got '$num'" >&2
+  exit 2
+}
 for tool in openssl ssh-keygen; do
   command -v "$tool" >/dev/null || { echo "$0 needs '$tool' on PATH" >&2; exit 1; }
 done
@@ -45,10 +54,13 @@ fi
 umask 077
 mkdir -p "$out/ca" "$out/superlink"
 days=30
+# The CA's private key and serial file live only here, removed on exit (also on failure).
+ca_private=$(mktemp -d)
+trap 'rm -rf "$ca_private"' EXIT
 
 # 1. The certificate authority.
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -days "$days" \
-  -subj "/CN=FedBiP demo CA" -keyout "$out/ca/ca.key" -out "$out/ca/ca.crt" 2>/dev/null
+  -subj "/CN=FedBiP demo CA" -keyout "$ca_private/ca.key" -out "$out/ca/ca.crt" 2>/dev/null
 
 # 2. The SuperLink's server certificate: the SANs must cover every address clients dial.
 sans="DNS:localhost,IP:127.0.0.1"
@@ -57,11 +69,13 @@ for name in "$@"; do
 done
 openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes -subj "/CN=fedbip-superlink" \
   -keyout "$out/superlink/server.key" -out "$out/superlink/server.csr" 2>/dev/null
-openssl x509 -req -in "$out/superlink/server.csr" -CA "$out/ca/ca.crt" -CAkey "$out/ca/ca.key" \
-  -CAcreateserial -days "$days" -out "$out/superlink/server.pem" \
-  -extfile <(printf 'subjectAltName=%s\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n' "$sans") \
-  2>/dev/null
-rm "$out/superlink/server.csr" "$out/ca/ca.srl"
+openssl x509 -req -in "$out/superlink/server.csr" -CA "$out/ca/ca.crt" \
+  -CAkey "$ca_private/ca.key" -CAserial "$ca_private/ca.srl" -CAcreateserial \
+  -days "$days" -out "$out/superlink/server.pem" \
+  -extfile <(printf '%s\n' "subjectAltName=$sans" basicConstraints=CA:FALSE \
+    keyUsage=digitalSignature extendedKeyUsage=serverAuth) 2>/dev/null
+rm "$out/superlink/server.csr"
+rm -rf "$ca_private"   # the CA has signed its one certificate; its key is gone
 cp "$out/ca/ca.crt" "$out/superlink/ca.crt"
 openssl rand -hex 32 >"$out/superlink/superexec.secret"
 

@@ -27,7 +27,7 @@ from pydantic import (
 from typing_extensions import Self
 
 from .sampler import SchedulerName, TimestepSpacing
-from .specs import OWN_FOLDER, SPECS
+from .specs import FEATURE, OWN_FOLDER, SPECS
 
 # node config bad-images: an unreadable image file fails the institution's job, or is left out
 BadImagePolicy = Literal["fail", "skip"]
@@ -57,6 +57,19 @@ def _problems(err: ValidationError, table: str = "") -> str:
 
 def _split_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _node_map(text: str) -> dict[str, int]:
+    """'a=1, b=2' as {'a': 1, 'b': 2}; ValueError naming the pair that is not one."""
+    pairs: dict[str, int] = {}
+    for item in _split_list(text):
+        client, _, node = (part.strip() for part in item.partition("="))
+        if not client or not node.isdigit():
+            raise ValueError(f"'{item}' is not a 'client-id=node-id' pair (node ids are integers)")
+        if client in pairs:
+            raise ValueError(f"client id '{client}' is listed twice")
+        pairs[client] = int(node)
+    return pairs
 
 
 class FlatConfig(BaseModel):
@@ -344,6 +357,16 @@ class FedBiPConfig(FlatConfig):
         "work per client. The default passes every paper setting (the largest client holds "
         "DermaMNIST's 7,007 training images) and institutions of tens of thousands of images.",
     )
+    max_images_per_class: int = Field(
+        0,
+        ge=0,
+        description="The most private images of one class the server synthesizes for per "
+        "client: a larger claim is clipped to it (a FedBiP upload with more z(T) of a class is "
+        "refused), so an inflated count buys neither compute nor a larger share of the "
+        "training set. 0 = shots-per-class where the server's partition gives every client "
+        "exactly that many (a named dataset split by domain), else max-images-per-client; set "
+        "it for institutions' own folders.",
+    )
 
     # --- server synthesis (eq. 5) ------------------------------------------------------------
     multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")
@@ -419,6 +442,14 @@ class FedBiPConfig(FlatConfig):
     # --- federation --------------------------------------------------------------------------
     min_clients: int = Field(2, ge=1, description="Fewer valid payloads than this fail the run.")
     wait_for_clients_s: float = Field(300.0, gt=0.0)
+    client_nodes: str = Field(
+        "",
+        description="Who may upload under which client id: 'client-id=node-id' pairs, comma "
+        "separated, the node ids `flwr supernode register` gave the institutions' keys. With "
+        "it, an upload under a listed id from any other node, or under an unlisted id, is "
+        "refused, so no node can take an institution's id. Empty: a client id belongs to the "
+        "node that first uploaded it (simulation, where node ids are drawn at start).",
+    )
     reply_timeout_s: float = Field(3600.0, gt=0.0)
     output_dir: str = "outputs"
     run_name: str = Field(
@@ -515,6 +546,25 @@ class FedBiPConfig(FlatConfig):
     @property
     def class_list(self) -> list[str]:
         return _split_list(self.classes)
+
+    @field_validator("client_nodes")
+    @classmethod
+    def _client_nodes(cls, text: str) -> str:
+        _node_map(text)
+        return text
+
+    @property
+    def client_node_map(self) -> dict[str, int]:
+        """Run config client-nodes as {client id: node id}."""
+        return _node_map(self.client_nodes)
+
+    @property
+    def class_cap(self) -> int:
+        """Run config max-images-per-class, resolved (0 = the partition's own bound)."""
+        if self.max_images_per_class:
+            return self.max_images_per_class
+        k_shots = self.partitioning == FEATURE and SPECS[self.dataset].layout != OWN_FOLDER
+        return self.shots_per_class if k_shots else self.max_images_per_client
 
     @property
     def data(self) -> DataDescription:

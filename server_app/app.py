@@ -146,6 +146,7 @@ def _round(
         wait_for_clients_s=cfg.wait_for_clients_s,
         already_accepted=uploads,
         uploaded_by_node={node: c for node, c in uploaders.items() if c not in refused},
+        owners=cfg.client_node_map,
     )
     if folder.clients.exists():
         clients = results.read_clients(folder.clients)

@@ -85,7 +85,8 @@ class OneShotStrategy(Strategy):
     """Exactly one round: ``train`` once to every node, each upload persisted as it arrives.
 
     ``accept`` is the method's validation of one upload's bytes (it raises PayloadError with
-    the reason); ``max_bytes`` caps a reply before anything parses it.
+    the reason); ``max_bytes`` caps a reply before anything parses it; ``owners`` (run config
+    client-nodes) binds client ids to the nodes registered for them.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class OneShotStrategy(Strategy):
         wait_for_clients_s: float,
         already_accepted: Iterable[str] = (),
         uploaded_by_node: Mapping[int, str] | None = None,
+        owners: Mapping[str, int] | None = None,
         poll_s: float = 1.0,
     ) -> None:
         self.accept = accept
@@ -111,6 +113,7 @@ class OneShotStrategy(Strategy):
         self.accepted: dict[str, Upload] = {}
         self._taken = set(already_accepted)
         self.uploaded_by_node: dict[int, str] = dict(uploaded_by_node or {})
+        self.owners: dict[str, int] = dict(owners or {})
         self.outcomes = [
             ClientOutcome(node_id=node, status="kept", reason=KEPT, client_id=client)
             for node, client in sorted(self.uploaded_by_node.items())
@@ -259,6 +262,7 @@ class OneShotStrategy(Strategy):
         metadata's pattern), once per client id. Its node is recorded first, so a payload on
         disk always has its uploader on disk too, whenever the ServerApp dies (a restart
         ignores a recorded node whose payload never landed)."""
+        self._check_owner(node, upload.client_id)
         if upload.client_id in self._taken:
             raise PayloadError(f"an upload from '{upload.client_id}' was already accepted")
         self._remember(node, upload.client_id)
@@ -271,6 +275,7 @@ class OneShotStrategy(Strategy):
         (a client id is bound to the node that first uploaded it; with SuperNode
         authentication, node ids are bound to the institutions' registered keys). Anyone else
         claiming it is refused, so it neither gets the classifier nor scores it for them."""
+        self._check_owner(outcome.node_id, client_id)
         owner = next((n for n, c in self.uploaded_by_node.items() if c == client_id), None)
         if owner is not None and owner != outcome.node_id:
             raise PayloadError(
@@ -281,6 +286,19 @@ class OneShotStrategy(Strategy):
         self._remember(outcome.node_id, client_id)
         log.info("%s: upload already on disk, not asked to personalize again", client_id)
         return outcome
+
+    def _check_owner(self, node: int, client_id: str) -> None:
+        """With run config client-nodes, only the node registered for a client id may upload
+        under it or claim its upload: a squatter is refused before it can take the id, so the
+        institution that owns it is never locked out."""
+        if not self.owners:
+            return
+        owner = self.owners.get(client_id)
+        if owner is None:
+            raise PayloadError(f"'{client_id}' is not in run config client-nodes: no node may upload under it")
+        if owner != node:
+            raise PayloadError(f"'{client_id}' belongs to node {owner} (run config client-nodes); "
+                               f"node {node} cannot upload under it or claim its upload")  # fmt: skip
 
     def _remember(self, node: int, client_id: str) -> None:
         """Which node uploaded what, on disk at once: a restart skips those nodes."""

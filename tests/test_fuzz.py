@@ -39,6 +39,7 @@ from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_conte
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedbip_flwr import results
+from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.methods.fedbip import as_upload
 from fedbip_flwr.payload import Payload, decode_payload, encode_payload
 from fedbip_flwr.results import ClientOutcome, Evaluation, Scored, Unscored
@@ -347,6 +348,24 @@ def test_a_node_cannot_claim_another_institutions_upload(tmp_path, monkeypatch):
     assert [m.metadata.dst_node_id for m in asked] == [1], "the classifier goes to the uploader only"
 
 
+def test_with_client_nodes_a_squatter_that_uploads_first_does_not_lock_the_owner_out(tmp_path):
+    """Run config client-nodes binds each id to its registered node: node 1 uploading as
+    "sketch-0" before its owner (node 2) is refused, the owner's upload is then accepted, and
+    an id no node is registered for is refused."""
+    owners = FedBiPConfig.from_flat({"client-nodes": "sketch-0=2"}).client_node_map
+    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(tmp_path),
+                               min_clients=1, wait_for_clients_s=1, owners=owners)  # fmt: skip
+    strategy.sent_to = [1, 2, 3]
+    strategy.aggregate_train(1, [over_the_wire(1, upload(VALID["sketch-0"])),
+                                 over_the_wire(2, upload(VALID["sketch-0"])),
+                                 over_the_wire(3, upload(VALID["painting-0"]))])  # fmt: skip
+    outcomes = {o.node_id: (o.status, o.reason) for o in strategy.outcomes}
+    assert outcomes[1][0] == "rejected" and "belongs to node 2 (run config client-nodes)" in outcomes[1][1]
+    assert outcomes[2] == ("accepted", "")
+    assert outcomes[3][0] == "rejected" and "'painting-0' is not in run config client-nodes" in outcomes[3][1]
+    assert strategy.uploaded_by_node == {2: "sketch-0"}
+
+
 class ScoringGrid:
     """A grid whose institutions answer ``evaluate`` with the given metrics, by node."""
 
@@ -400,16 +419,13 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
 # --- what a user sees, through the real `flwr run` ----------------------------------------------
 
 FOREIGN_CLIENT = '''
-"""Partition 1 uploads a payload made for another base model, partition 2 scores the
-classifier it gets back with counts it cannot hold; the rest is the project's."""
-from dataclasses import replace
-
+"""Partition 1 squats partition 0's client id (it says its upload is on disk), partition 2
+scores the classifier it gets back with counts it cannot hold; the rest is the project's."""
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.app import evaluate as project_evaluate
-from fedbip_flwr.payload import decode_payload, encode_payload
-from fedbip_flwr.wire import METRICS_RECORD, payload_bytes, payload_content, reply_metrics
+from fedbip_flwr.wire import METRICS_RECORD, skipped_content
 from recording_client import project_train, record
 
 app = ClientApp()
@@ -428,13 +444,9 @@ def evaluate(msg, context):
 @app.train()
 def train(msg, context):
     record(context)
-    reply = project_train(msg, context)
     if int(context.node_config["partition-id"]) != 1:
-        return reply
-    payload = decode_payload(payload_bytes(reply, 2**40))
-    foreign = replace(payload, meta=payload.meta.model_copy(update={"base_model": "another-ldm"}))
-    content = payload_content(encode_payload(foreign), reply_metrics(reply), "foreign")
-    return Message(content=content, reply_to=msg)
+        return project_train(msg, context)
+    return Message(content=skipped_content("sketch-0"), reply_to=msg)
 '''
 
 
@@ -444,7 +456,11 @@ def foreign_app(tmp_path_factory) -> Path:
     return make_wrapper_app(tmp_path_factory.mktemp("fuzz") / "app", modules, "foreign_client:app")
 
 
-def test_foreign_upload_is_refused_and_the_run_completes_with_two(tmp_path, tiny_model_dir, foreign_app):
+def test_a_squatter_and_an_inflated_score_are_refused_and_the_honest_scores_recorded(
+    tmp_path, tiny_model_dir, foreign_app
+):
+    """Whether the squatter's claim on "sketch-0" arrives before sketch-0's upload (it carries
+    no payload) or after (the id is node-bound), it is refused and sketch-0 is accepted."""
     out, home = tmp_path / "out", tmp_path / "home"
     out.mkdir()
     values = {**SMALL, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"', "min-clients": 2}
@@ -459,8 +475,7 @@ def test_foreign_upload_is_refused_and_the_run_completes_with_two(tmp_path, tiny
         by_status.setdefault(client.status, []).append(client)
     assert sorted(by_status) == ["accepted", "rejected"] and len(by_status["accepted"]) == 2
     reason = by_status["rejected"][0].reason
-    assert reason.startswith("payload rejected: base model fingerprint 'another-ldm' does not match")
-    assert reason.endswith("(client and server must load the same LDM)")
+    assert "the message carries no FedBiP payload" in reason or "cannot claim its upload" in reason, reason
     assert "2 valid payloads: painting-0, sketch-0" in log
     assert set(record.accuracy.per_domain) == {"sketch", "painting"}
     # the inflated scores are refused, not averaged: the mean is the honest institution's

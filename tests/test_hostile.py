@@ -12,6 +12,8 @@ import json
 import re
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import server_app.app as server_app
 from fedbip_flwr import results, shapes
@@ -329,3 +331,67 @@ def test_a_z_t_with_a_spike_on_a_few_coordinates_is_refused(tiny_ldm):
         tensors["latents"] = latents
 
     assert "(one coordinate)" in refusal(cfg, tampered(blob, "fedbip", cfg, spike), tiny_ldm)
+
+
+# --- claims bounded by what the server does for them -----------------------------------------
+
+
+def _claim_in_class_0(count: int):
+    def inflate(tensors, meta):
+        counts = tensors["class_counts"].clone()
+        counts[0] = count
+        tensors["class_counts"] = counts
+        meta["fedbip.num_examples"] = json.dumps(int(counts.sum()))
+
+    return inflate
+
+
+def _synthesized_labels(method, job, upload, folder) -> list[int]:
+    folder.mkdir()
+    shards = method.train_set({upload.client_id: upload}, job, lambda c, i: folder / f"{c}-{i}.safetensors")
+    labels = torch.cat([load_file(path)["labels"] for path in shards[upload.client_id]])
+    return torch.bincount(labels.long(), minlength=len(job.class_names)).tolist()
+
+
+@pytest.mark.parametrize("method", ["prompts-only", "fedld"])
+def test_an_inflated_class_count_buys_no_more_synthetic_images(method, tiny_ldm, tmp_path):
+    """A claim of 500 images of one class (within max-images-per-client, so taken) makes the
+    server synthesize that class only up to run config max-images-per-class (here the run's
+    2 shots): the liar's set is the honest one's, image count for image count."""
+    cfg, blob = upload_of(method, tiny_ldm)
+    assert cfg.class_cap == cfg.shots_per_class == 2
+    own, job = create_for(cfg), server_job(cfg, tiny_ldm)
+    honest = own.accept(blob, job)
+    inflated = own.accept(tampered(blob, method, cfg, _claim_in_class_0(500)), job)
+    assert int(inflated.tensors["class_counts"][0]) == 500
+    assert _synthesized_labels(own, job, inflated, tmp_path / "inflated") == _synthesized_labels(
+        own, job, honest, tmp_path / "honest"
+    )
+
+
+def test_fedbip_refuses_more_z_t_of_a_class_than_the_server_credits(tiny_ldm):
+    """z(T) rows are the images FedBiP synthesizes from: one more row of a class than
+    max-images-per-class x latents-per-image is refused."""
+    cfg, blob = upload_of("fedbip", tiny_ldm)
+
+    def one_more_row(tensors, meta):
+        first = int((tensors["labels"] == 0).nonzero()[0])
+        for name in ("latents", "labels"):
+            tensors[name] = torch.cat([tensors[name], tensors[name][first : first + 1]])
+        meta["fedbip.num_examples"] = json.dumps(len(tensors["labels"]))
+
+    reason = refusal(cfg, tampered(blob, "fedbip", cfg, one_more_row), tiny_ldm)
+    assert "z(T) of class" in reason and "max-images-per-class 2" in reason
+
+
+def test_espressos_reach_does_not_grow_with_a_claimed_count(tiny_ldm):
+    """Conditions moved by 500 everywhere under a claim of 99,000 images of one class: the
+    reach counts the steps of the images the server credits (6 classes x 2 shots), so they
+    are refused as from an honest count."""
+    cfg, blob = upload_of("espresso", tiny_ldm)
+
+    def moved_with_a_large_claim(tensors, meta):
+        _claim_in_class_0(99_000)(tensors, meta)
+        tensors["conditions"] = tensors["conditions"] + 500.0
+
+    assert "beyond the" in refusal(cfg, tampered(blob, "espresso", cfg, moved_with_a_large_claim), tiny_ldm)

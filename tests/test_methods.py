@@ -122,13 +122,15 @@ def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_
 
 
 def test_images_per_class_overrides_the_fedbip_equal_count():
-    counts = torch.tensor([3, 0, 1])
-    assert fresh_noise_labels(counts, method_config("prompts-only")).tolist() == [0] * 6 + [2] * 2
+    counts = torch.tensor([2, 0, 1])
+    assert fresh_noise_labels(counts, method_config("prompts-only")).tolist() == [0] * 4 + [2] * 2
+    claimed_more = torch.tensor([3, 0, 1])  # than max-images-per-class (here the run's 2 shots)
+    assert fresh_noise_labels(claimed_more, method_config("prompts-only")).tolist() == [0] * 4 + [2] * 2
     fixed = fresh_noise_labels(counts, method_config("prompts-only", **{"images-per-class": 2}))
     assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
     # the default federation's FedBiP: 2 z(T) per image, 1 pass each; as many images again
     independent = method_config("prompts-only", **{"latents-per-image": 2, "multiplier": 1})
-    assert fresh_noise_labels(counts, independent).tolist() == [0] * 6 + [2] * 2
+    assert fresh_noise_labels(counts, independent).tolist() == [0] * 4 + [2] * 2
 
 
 def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -352,6 +352,19 @@ def check_image_count(images: int, cap: int, what: str) -> None:
         )
 
 
+def check_class_rows(labels: torch.Tensor, class_names: Sequence[str], cfg: FedBiPConfig) -> None:
+    """Refuse z(T) of one class beyond run config max-images-per-class x latents-per-image:
+    each row is synthesized from, so extra rows would buy their sender a larger share."""
+    cap = cfg.class_cap * cfg.latents_per_image
+    rows = torch.bincount(labels.to(torch.int64), minlength=len(class_names)).tolist()
+    for class_name, count in zip(class_names, rows, strict=True):
+        if count > cap:
+            raise PayloadError(
+                f"{count} z(T) of class {class_name!r}, above {cap} (run config "
+                f"max-images-per-class {cfg.class_cap} x latents-per-image {cfg.latents_per_image})"
+            )
+
+
 def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     """(C,) int64: how many private images a client holds per class (what it may tell)."""
     return torch.bincount(labels.to(torch.int64), minlength=num_classes)
@@ -359,11 +372,12 @@ def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
     """Labels of a client's fresh-noise synthetic set, class by class: ``images-per-class``
-    each, or as many as FedBiP would make from the same client (its count x z(T) per image x
-    passes)."""
+    each, or as many as FedBiP would make from the same client (its count, clipped to run
+    config max-images-per-class, x z(T) per image x passes): the server, not the claim,
+    bounds what a client's set holds."""
     per_class = (
         torch.full_like(counts, cfg.images_per_class) if cfg.images_per_class
-        else counts * cfg.latents_per_image * cfg.multiplier
+        else counts.clamp(max=cfg.class_cap) * cfg.latents_per_image * cfg.multiplier
     )  # fmt: skip
     return torch.repeat_interleave(torch.arange(len(counts)), per_class)
 

@@ -196,20 +196,22 @@ def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -
     """(C, J, L, d) conditions, each coordinate within reach of its start c0 (tau of the plain
     prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise. The reach grows
     with num_examples, so this runs after :func:`check_mixture_upload` has held it to run config
-    max-images-per-client."""
+    max-images-per-client. The steps counted are those of the images the server credits (at
+    most run config max-images-per-class of each class), never more for a larger claim."""
     meta, ldm = upload.meta, server.ldm()
+    images = min(meta.num_examples, server.cfg.class_cap * len(server.class_names))
     start = initial_conditions(ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters)
     conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))
     scale = concept_scale(ldm, SPACE)
     # The client's text encoder may run at another precision: allow c0's rounding besides the steps.
-    reach = scale * own.condition_moves(meta.num_examples) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
+    reach = scale * own.condition_moves(images) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
     moved = (conditions - start).abs().amax(dim=(-2, -1))
     if bool((moved > reach).any()):
         k, j = (int(i) for i in (moved > reach).nonzero()[0])
         raise PayloadError(
             f"condition of class {server.class_names[k]!r}, sub-cluster {j} moved {float(moved[k, j]):.4g} "
             f"from its plain prompt's states, beyond the {reach:.4g} its learning can cover "
-            f"({own.epochs} epochs of {math.ceil(meta.num_examples / own.batch_size)} Adam steps at lr "
+            f"({own.epochs} epochs of {math.ceil(images / own.batch_size)} Adam steps at lr "
             f"{own.lr:g} x the hidden space's scale {scale:.3g}); were the conditions learned with the "
             "server's base model, prompt template and espresso settings?"
         )

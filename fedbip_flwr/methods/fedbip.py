@@ -38,7 +38,16 @@ from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
 from ..upload import SCHEMA_VERSION
-from .base import ClientJob, Method, ServerJob, Upload, check_image_count, fresh_noise_set, register
+from .base import (
+    ClientJob,
+    Method,
+    ServerJob,
+    Upload,
+    check_class_rows,
+    check_image_count,
+    fresh_noise_set,
+    register,
+)
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +231,7 @@ class FedBiP(Method):
         rows, per_image = payload.meta.num_examples, server.cfg.latents_per_image
         what = f"num_examples {rows} ({per_image} z(T) per image)"
         check_image_count(-(-rows // per_image), server.cfg.max_images_per_client, what)
+        check_class_rows(payload.labels, server.class_names, server.cfg)
         return as_upload(payload)
 
     def train_set(
