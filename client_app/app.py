@@ -28,6 +28,7 @@ from fedbip_flwr.folders import UnreadableImages
 from fedbip_flwr.ldm import LDM, load_for_run, release_cached_memory, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import MultiRound, institution_upload
+from fedbip_flwr.results import SENT_ACCURACY
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.wire import (
     METRICS_RECORD,
@@ -109,5 +110,5 @@ def evaluate(msg: Message, context: Context) -> Message:
     kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
     atomic_write(kept, blob)
     log.info("[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
-             client_id, scores["accuracy"], len(test.labels), kept)
+             client_id, scores[SENT_ACCURACY], len(test.labels), kept)
     return Message(content=RecordDict({METRICS_RECORD: MetricRecord(scores)}), reply_to=msg)

@@ -15,6 +15,7 @@ import torch
 
 from .classifier import evaluate
 from .paths import resolve
+from .results import SENT_ACCURACY, SENT_CORRECT, SENT_IMAGES, SENT_TOTAL
 from .shapes import ImageSet
 
 
@@ -25,10 +26,10 @@ def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int) ->
     correct = torch.bincount(test.labels[result.predictions == test.labels], minlength=classes)
     total = torch.bincount(test.labels, minlength=classes)
     return {
-        "accuracy": result.accuracy,
-        "num-examples": len(test.labels),
-        "per-class-correct": correct.tolist(),
-        "per-class-total": total.tolist(),
+        SENT_ACCURACY: result.accuracy,
+        SENT_IMAGES: len(test.labels),
+        SENT_CORRECT: correct.tolist(),
+        SENT_TOTAL: total.tolist(),
     }
 
 

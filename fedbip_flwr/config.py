@@ -24,8 +24,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from typing_extensions import Self
 
+from .flat import ConfigError as ConfigError  # what from_flat raises; callers catch it from here
+from .flat import FlatConfig, kebab, problems
+from .method_settings import METHOD_SETTINGS, MethodSettings
 from .sampler import SchedulerName, TimestepSpacing
 from .specs import FEATURE, OWN_FOLDER, SPECS
 
@@ -35,24 +37,6 @@ BadImagePolicy = Literal["fail", "skip"]
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
 SD_V1_4 = "CompVis/stable-diffusion-v1-4"
-
-
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message says which key and why."""
-
-
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _problems(err: ValidationError, table: str = "") -> str:
-    """Each problem as 'key': reason; a check of the whole config says only its reason."""
-    problems = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        reason = e["msg"].removeprefix("Value error, ")
-        problems.append(f"'{table}{key}': {reason}" if key else reason)
-    return "; ".join(problems)
 
 
 def _split_list(text: str) -> list[str]:
@@ -72,48 +56,6 @@ def _node_map(text: str) -> dict[str, int]:
     return pairs
 
 
-class FlatConfig(BaseModel):
-    """A configuration Flower hands over as a flat dict with kebab-case keys."""
-
-    model_config = ConfigDict(
-        extra="forbid", alias_generator=_kebab, populate_by_name=True, frozen=True
-    )
-    WHAT: ClassVar[str] = "config"  # how error messages name it
-
-    @classmethod
-    def from_flat(cls, flat: Mapping[str, Any]) -> Self:
-        """Build from Flower's flat dict; raise :class:`ConfigError` with one sentence."""
-        try:
-            return cls.model_validate(dict(flat))
-        except ValidationError as err:
-            raise ConfigError(f"Invalid {cls.WHAT}: {_problems(err)}.") from None
-
-    def to_flat(self) -> dict[str, Any]:
-        """The kebab-case dict form, as :meth:`from_flat` accepts it."""
-        return self.model_dump(by_alias=True)
-
-    @classmethod
-    def keys(cls) -> set[str]:
-        """Its run-config keys, kebab-case."""
-        return {field.alias or _kebab(name) for name, field in cls.model_fields.items()}
-
-
-class MethodSettings(FlatConfig):
-    """One method's own run-config keys: the TOML table named after the method
-    (``[tool.flwr.app.config.fedlmg]``), which Flower hands over as dotted keys
-    (``fedlmg.batch-size``). A method without keys of its own has this empty one."""
-
-    WHAT: ClassVar[str] = "method settings"
-
-
-def _method_settings() -> dict[str, type[MethodSettings]]:
-    # The registry is the one list of methods; imported when a config is validated, because
-    # every method module imports this one.
-    from .methods import settings_models
-
-    return settings_models()
-
-
 def _home_of(key: str, tables: Mapping[str, type[MethodSettings]]) -> str | None:
     """The method whose table holds ``key`` (also spelled ``<method>-<key>``), if any."""
     for name, model in tables.items():
@@ -125,7 +67,7 @@ def _home_of(key: str, tables: Mapping[str, type[MethodSettings]]) -> str | None
 def _split_tables(data: dict[str, Any], shared: set[str]) -> dict[str, MethodSettings]:
     """Take every ``<method>.<key>`` out of ``data``, each method's table validated by that
     method's settings; a key in the wrong place is refused with where it belongs."""
-    models = _method_settings()
+    models = METHOD_SETTINGS
     for key in [k for k, v in data.items() if isinstance(v, Mapping)]:  # TOML read unflattened
         data.update({f"{key}.{name}": value for name, value in data.pop(key).items()})
     tables: dict[str, dict[str, Any]] = {name: {} for name in models}
@@ -153,7 +95,7 @@ def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> 
     try:
         return model.model_validate(values)
     except ValidationError as err:
-        raise ValueError(_problems(err, f"{method}.")) from None
+        raise ValueError(problems(err, f"{method}.")) from None
 
 
 # Class concepts per class at most: a sub-cluster per image of a 16-shot class.
@@ -188,16 +130,15 @@ class FedBiPConfig(FlatConfig):
     # --- method (fedbip_flwr.methods) ----------------------------------------------------------
     method: str = Field(
         "fedbip",
-        description="Which method the federation runs, by its name in the method registry "
-        "(fedbip_flwr.methods): fedbip (this paper), the peers oscar and fedlmg, or the "
-        "references prompts-only, central (clients upload their images: not private), local "
-        "(each client's own classifier) and fedavg (multi-round).",
+        description=f"Which method the federation runs: {', '.join(METHOD_SETTINGS)} "
+        "(fedbip_flwr.method_settings; docs/methods.md says what each uploads: central's "
+        "clients upload their images, not private).",
     )
 
     @field_validator("method")
     @classmethod
     def _registered(cls, name: str) -> str:
-        known = sorted(_method_settings())
+        known = sorted(METHOD_SETTINGS)
         if name not in known:
             raise ValueError(f"unknown method {name!r}; the registry knows {', '.join(known)}")
         return name
@@ -496,7 +437,7 @@ class FedBiPConfig(FlatConfig):
             "evaluation": "clients" if spec.layout == OWN_FOLDER else "both",
         }
         for field, value in defaults.items():
-            key = field if field in data else _kebab(field)
+            key = field if field in data else kebab(field)
             if data.get(key) in (None, "", 0):
                 data[key] = value
         return data

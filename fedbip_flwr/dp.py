@@ -75,14 +75,6 @@ def _accountant() -> PLDAccountant:
     )
 
 
-def epsilon_for(noise_multiplier: float, delta: float, releases: int = 1) -> float:
-    """The epsilon at ``delta`` of ``releases`` Gaussian mechanisms of this noise multiplier."""
-    _check_positive("noise_multiplier", noise_multiplier)
-    _check_delta(delta)
-    _check_releases(releases)
-    return _accountant().compose(gaussian_releases(noise_multiplier, releases)).get_epsilon(delta)
-
-
 # Cached: a client calibrates once per class with the same budget, and one calibration builds
 # about fifteen PLDs.
 @lru_cache(maxsize=64)

@@ -21,14 +21,12 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, MAX_CLASS_CLUSTERS
-from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
@@ -279,17 +277,6 @@ def encode_payload(p: Payload) -> bytes:
     """Serialize ``p`` to safetensors bytes, refusing a payload the server would reject anyway."""
     check_payload(p)
     return encode_tensors(p.tensors(), meta_strings(p.meta))
-
-
-def save_payload(p_or_blob: Payload | bytes, path: str | os.PathLike[str]) -> Path:
-    """Write atomically: readers see the old file or the complete new one, never a torn one.
-
-    A :class:`Payload` is encoded (and so validated) first; bytes are written as given, so a
-    server can keep exactly what it received. The file is owner-only (0600, from ``mkstemp``):
-    it holds a client's data.
-    """
-    blob = encode_payload(p_or_blob) if isinstance(p_or_blob, Payload) else bytes(p_or_blob)
-    return atomic_write(path, blob)
 
 
 # --- decoding ---------------------------------------------------------------------------------

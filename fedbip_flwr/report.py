@@ -22,15 +22,20 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import results
-from .results import ClientOutcome, RunResults, Scored
+from .results import (
+    SENT_CONCEPT_LOSSES,
+    SENT_IMAGES,
+    SENT_SECONDS,
+    SENT_SKIPPED,
+    ClientOutcome,
+    RunResults,
+    Scored,
+)
 from .storage import atomic_write
 from .upload import PayloadError, printable
 
 REPORT_FILE = "report.md"
 CLASSIFIER_PNG = "classifier-curves.png"
-# What each client sent beside its upload (Flower MetricRecord keys, as on the wire)
-SENT_IMAGES, SENT_SECONDS = "num-examples", "seconds-total"
-SENT_SKIPPED, SENT_CONCEPT_LOSSES = "unreadable-files-skipped", "concept-losses"
 
 
 def write_report(run_dir: Path) -> Path:

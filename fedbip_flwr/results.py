@@ -31,6 +31,16 @@ ConfigValue = bool | int | float | str  # what a Flower run-config value can be
 WireMetric = int | float | list[int] | list[float]  # what a Flower MetricRecord value can be
 T = TypeVar("T")
 
+# What a client sends beside its upload and an institution's scores of the classifier: Flower
+# MetricRecord keys, kebab-case on the wire, kept as sent in a client's ``metrics``
+SENT_IMAGES = "num-examples"
+SENT_SECONDS = "seconds-total"
+SENT_SKIPPED = "unreadable-files-skipped"
+SENT_BYTES = "payload-bytes"
+SENT_CONCEPT_LOSSES = "concept-losses"
+SENT_ACCURACY = "accuracy"
+SENT_CORRECT, SENT_TOTAL = "per-class-correct", "per-class-total"
+
 
 class ResultsError(ValueError):
     """A file that does not hold what it should; the message names the file and the keys."""
@@ -109,6 +119,15 @@ class Scored(_Part):
                 f"accuracy {self.accuracy:.6g} is not its counts' {sum(correct)}/{self.num_examples}"
             )
         return self
+
+
+# Scored's fields -> the keys an institution's evaluate reply holds them under
+SCORE_KEYS = {
+    "accuracy": SENT_ACCURACY,
+    "num_examples": SENT_IMAGES,
+    "per_class_correct": SENT_CORRECT,
+    "per_class_total": SENT_TOTAL,
+}
 
 
 class Unscored(_Part):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -34,7 +35,7 @@ from .classifier import (
     train_classifier,
 )
 from .config import FedBiPConfig
-from .storage import read_metadata, write_tensors_streamed
+from .storage import read_metadata, write_json, write_tensors_streamed
 from .upload import PayloadError
 from .viz import image_grid, quantize
 
@@ -93,6 +94,16 @@ class RunFolder:
 
     def grid_path(self, client_id: str) -> Path:
         return self.root / f"grid-{client_id}.png"
+
+    def write_training_set(self, shards: Mapping[str, Sequence[Path]]) -> Path:
+        """Record the shards the classifier trains on, per client (:attr:`training_set`)."""
+        return write_json(self.training_set, {c: [p.name for p in ps] for c, ps in shards.items()})
+
+    def training_shards(self) -> dict[str, list[Path]]:
+        """The shards the classifier trained on, per client, as :attr:`training_set` lists
+        them; OSError where the run never recorded one."""
+        listed = json.loads(self.training_set.read_text())
+        return {client: [self.shards / name for name in names] for client, names in listed.items()}
 
     def persisted_payloads(self) -> dict[str, Path]:
         """Payloads already accepted by an earlier (interrupted) run, by client id."""

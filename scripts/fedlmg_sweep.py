@@ -35,8 +35,9 @@ from fedbip_flwr import dataset, shapes
 from fedbip_flwr.classifier import build_classifier, evaluate, train_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
+from fedbip_flwr.method_settings import FedLMGSettings
 from fedbip_flwr.methods import ClientJob, ServerJob, create_for
-from fedbip_flwr.methods.fedlmg import FedLMGSettings, class_prompts, guidance_settings, iter_guided
+from fedbip_flwr.methods.fedlmg import class_prompts, guidance_settings, iter_guided
 from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import train_settings
 from fedbip_flwr.storage import read_metadata, read_tensors, write_tensors

@@ -15,6 +15,7 @@ import json
 import re
 from pathlib import Path
 
+from fedbip_flwr.results import SENT_SECONDS
 from fedbip_tools.speed import markdown as speed_markdown
 
 ORDER = ["speed_half", "speed_float32", "speed_concept", "speed_compile"]  # gpu_check.sh's order
@@ -56,8 +57,8 @@ def proof_section(proof: dict) -> list[str]:
 
 def recorded_phases(metrics: dict) -> list[tuple[str, float]]:
     """Each institution's time and the server's phases, as the run recorded them."""
-    found = [(f"{c['client_id']}: whole client step", c["metrics"]["seconds-total"])
-             for c in metrics.get("clients", []) if "seconds-total" in c.get("metrics", {})]  # fmt: skip
+    found = [(f"{c['client_id']}: whole client step", c["metrics"][SENT_SECONDS])
+             for c in metrics.get("clients", []) if SENT_SECONDS in c.get("metrics", {})]  # fmt: skip
     return found + [(f"server: {phase}", seconds) for phase, seconds in metrics.get("seconds", {}).items()]
 
 

@@ -20,7 +20,6 @@ The judges are the benchmark's (trained on first use, about 20 minutes on 2 core
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -73,8 +72,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
 def classifier(flat: dict, folder: RunFolder, seeds: list[int], modes: list[str], tmp: Path) -> None:
     """The run's classifier retrained per seed in each precision, interleaved. With one mode it
     measures how much the classifier's seed alone moves the accuracy on one synthetic set."""
-    shards = {c: [folder.shards / name for name in names]
-              for c, names in json.loads(folder.training_set.read_text()).items()}  # fmt: skip
+    shards = folder.training_shards()
     base = FedBiPConfig.from_flat(flat)
     classes = dataset.class_names(base.data)
     tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base.data, base.domain_list).items()}

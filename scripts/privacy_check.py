@@ -28,12 +28,11 @@ from fedbip_tools.privacy import backbone_features
 def check(run_dir: Path) -> dict:
     folder = RunFolder(run_dir)
     cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
-    shards = json.loads(folder.training_set.read_text())
     clients = {c.client_id: c for c in (dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list)))}
     features = backbone_features(cfg.model)
     out: dict = {"run": run_dir.name, "method": cfg.method, "clients": {}}
-    for client_id, names in sorted(shards.items()):
-        data = ShardImages([folder.shards / n for n in names], cfg.image_size)
+    for client_id, shards in sorted(folder.training_shards().items()):
+        data = ShardImages(shards, cfg.image_size)
         synthetic, _ = data[torch.arange(len(data))]
         synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic
         client = clients[client_id]

@@ -38,7 +38,7 @@ import tomli_w
 import tomllib
 
 from fedbip_flwr import results
-from fedbip_flwr.results import RunResults, Seconds
+from fedbip_flwr.results import SENT_SECONDS, RunResults, Seconds
 from fedbip_tools.simulation import (
     SimulationError,
     flwr_tool,
@@ -207,7 +207,7 @@ def phases(samples: list[dict], record: RunResults, sampler_started: float | Non
         name = f"clientapp-{client.domain}"
         block = first_block(samples, name)
         m = client.metrics or {}
-        if block is None or "seconds-total" not in m:
+        if block is None or SENT_SECONDS not in m:
             continue
         first, end = block
         concept = end - m["seconds-concept"]

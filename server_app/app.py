@@ -238,7 +238,7 @@ def _training_set(
         _require_enough(uploads, job.cfg, folder, stopped)
         training_set = method.train_set(uploads, job, folder.shard_path)
     seconds.synthesis = _since(started)
-    write_json(folder.training_set, {c: [p.name for p in ps] for c, ps in training_set.items()})
+    folder.write_training_set(training_set)
     return training_set, dict(uploads), clients
 
 

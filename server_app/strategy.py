@@ -34,7 +34,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from pydantic import ValidationError
 
 from fedbip_flwr.methods import Upload
-from fedbip_flwr.results import ClientOutcome, Scored, Unscored
+from fedbip_flwr.results import SCORE_KEYS, ClientOutcome, Scored, Unscored
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write, write_json
 from fedbip_flwr.upload import PayloadError
@@ -52,14 +52,6 @@ from fedbip_flwr.wire import (
 log = logging.getLogger("fedbip_flwr.strategy")
 KEPT = "its upload from before the restart is on disk; not asked again"
 NO_REPLY = "no reply before the timeout"
-# Scored's fields -> the keys an institution's evaluate reply holds them under (Flower
-# MetricRecord keys, kebab-case on the wire)
-SCORE_KEYS = {
-    "accuracy": "accuracy",
-    "num_examples": "num-examples",
-    "per_class_correct": "per-class-correct",
-    "per_class_total": "per-class-total",
-}
 
 
 class NotEnoughClients(RuntimeError):

@@ -30,6 +30,7 @@ from fedbip_flwr.ldm import LDM
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.base import decode_upload
 from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, Plausibility, encode_payload
+from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.upload import SCHEMA_VERSION, encode_tensors, read_header
 from fedbip_tools import simulation
 from fedbip_tools.simulation import (
@@ -50,7 +51,7 @@ __all__ = [
     "free_port_block", "make_expectations", "make_meta", "make_payload", "make_wrapper_app",
     "meta_strings", "method_config", "processes_mentioning", "raw_blob", "received",
     "relative_error", "reported_client", "run_folder", "run_simulation", "run_status", "script",
-    "run_to_end", "s_gradient", "server_job", "split_blob", "stop_local_superlink",
+    "run_to_end", "s_gradient", "save_payload", "server_job", "split_blob", "stop_local_superlink",
     "stop_process_tree", "tampered", "wait_for_port", "with_header",
 ]  # fmt: skip
 
@@ -383,6 +384,13 @@ def make_payload(*, latent_dtype: str = "float32", seed: int = 0, **tensors: tor
         "class_concepts": torch.randn(len(PAYLOAD_CLASSES), meta.n_v, D, generator=gen),
     }
     return Payload(**{**parts, **tensors}, meta=meta)
+
+
+def save_payload(p_or_blob: Payload | bytes, path: Path) -> Path:
+    """A payload written as a client or server writes files (:func:`atomic_write`): encoded,
+    and so validated, first; bytes as given."""
+    blob = encode_payload(p_or_blob) if isinstance(p_or_blob, Payload) else bytes(p_or_blob)
+    return atomic_write(path, blob)
 
 
 def make_expectations(**overrides: Any) -> Expectations:

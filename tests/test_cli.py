@@ -20,7 +20,7 @@ import safetensors.torch
 import torch
 
 from fedbip_flwr import shapes
-from fedbip_flwr.payload import encode_payload, save_payload
+from fedbip_flwr.payload import encode_payload
 from fedbip_tools.cli import main, project_run_config
 from tests.helpers import (
     ACCEPTED,
@@ -32,6 +32,7 @@ from tests.helpers import (
     meta_strings,
     raw_blob,
     run_folder,
+    save_payload,
     with_header,
 )
 

@@ -9,6 +9,7 @@ import tomllib
 from flwr.common.config import flatten_dict, parse_config_args
 
 from fedbip_flwr.config import SD_V1_4, ConfigError, FedBiPConfig
+from fedbip_flwr.method_settings import METHOD_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 # The app's run config as pyproject.toml lists it: what flwr merges every --run-config over.
@@ -137,10 +138,8 @@ def test_an_institutions_node_config_wins_over_the_run_config():
 def test_every_method_has_its_own_table_in_pyproject_and_nowhere_else():
     """pyproject.toml lists each method's keys in its table (Flower accepts --run-config keys
     it lists), exactly the keys that method's settings model declares."""
-    from fedbip_flwr.methods import settings_models
-
     tables = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    for name, model in settings_models().items():
+    for name, model in METHOD_SETTINGS.items():
         assert set(tables.get(name, {})) == model.keys(), name
     shared = {key for key, value in tables.items() if not isinstance(value, dict)}
     assert shared == FedBiPConfig.keys() - {"method-settings"}

@@ -32,7 +32,6 @@ from fedbip_flwr.dp import (
     composed_epsilon,
     dp_sgd_event,
     dp_sgd_steps_per_epoch,
-    epsilon_for,
     gaussian_guarantee,
     gaussian_releases,
     noise_multiplier_for,
@@ -41,6 +40,12 @@ from fedbip_flwr.dp import (
 )
 
 DELTA = 1e-5
+
+
+def epsilon_for(sigma: float, delta: float, releases: int = 1) -> float:
+    """The accountant's epsilon for ``releases`` Gaussian mechanisms, as a server recomputes a
+    DP header's (:mod:`fedbip_flwr.methods.fedld`)."""
+    return composed_epsilon(delta, gaussian_releases(sigma, releases))
 
 
 def balle_wang_delta(epsilon: float, sigma: float) -> float:
@@ -151,8 +156,8 @@ def test_bad_arguments_raise(clip: float, epsilon: float, delta: float) -> None:
 
 
 def test_bad_accounting_arguments_raise() -> None:
-    with pytest.raises(ValueError, match="noise_multiplier"):
-        epsilon_for(0.0, DELTA)
+    with pytest.raises(ValueError, match="epsilon"):
+        noise_multiplier_for(0.0, DELTA)
     with pytest.raises(ValueError, match="releases"):
         noise_multiplier_for(1.0, DELTA, 0)
     with pytest.raises(ValueError, match="max_norm"):

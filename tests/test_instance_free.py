@@ -112,12 +112,8 @@ def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibra
     """Many rows per class, so the noise on a mean (sigma C / n) is small against the
     tolerance; alpha_bar large, so no mean is shrunk; two classes only, the third absent."""
     from fedbip_flwr.dp import noise_multiplier_for
-    from fedbip_flwr.methods.fedld import (
-        STATS_RELEASES,
-        FedLDSettings,
-        private_mixture,
-        stats_guarantee,
-    )
+    from fedbip_flwr.method_settings import FedLDSettings
+    from fedbip_flwr.methods.fedld import STATS_RELEASES, private_mixture, stats_guarantee
 
     generator = torch.Generator().manual_seed(0)
     n, dim = 4000, 16

@@ -15,6 +15,7 @@ from pydantic import Field
 from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
+from fedbip_flwr.method_settings import METHOD_SETTINGS
 from fedbip_flwr.methods import base, create
 from fedbip_flwr.methods.base import (
     class_counts,
@@ -45,6 +46,7 @@ pytestmark = pytest.mark.long(minutes=6)
 
 def test_the_run_config_accepts_exactly_the_registered_methods():
     assert {*ONE_SHOT, "fedbip", "fedavg"} == set(methods.names())
+    assert methods.names() == sorted(METHOD_SETTINGS), "every listed method has its class"
     for name in methods.names():
         assert FedBiPConfig.from_flat({"method": name}).method == name
     assert isinstance(create("fedavg"), methods.MultiRound)
@@ -67,7 +69,6 @@ class Toy(methods.Method):
     trains on nothing of it."""
 
     name = "toy"
-    Settings = ToySettings
     meta_model = ToyMeta
     tensor_names = ("class_counts",)
 
@@ -79,11 +80,14 @@ class Toy(methods.Method):
         return {}
 
 
-def test_a_new_method_is_one_module_and_its_registration(monkeypatch, tiny_ldm):
-    """What adding a method takes: a class with @register (here into a copy of the registry),
-    then the run config (its own table too), create() and the shared upload checks know it by
-    name."""
+def test_a_new_method_is_its_settings_entry_one_module_and_its_registration(monkeypatch, tiny_ldm):
+    """What adding a method takes: its name and settings model in METHOD_SETTINGS, and a class
+    with @register (here into a copy of the registry); then the run config (its own table
+    too), create() and the shared upload checks know it by name."""
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    with pytest.raises(ValueError, match="'toy' has no settings in method_settings"):
+        base.register(Toy)
+    monkeypatch.setitem(METHOD_SETTINGS, "toy", ToySettings)
     base.register(Toy)
     cfg = method_config("toy", **{"toy.scale": 3})
     blob, _ = methods.create_for(cfg).upload(client_job(cfg, tiny_ldm))

@@ -25,7 +25,6 @@ from fedbip_flwr.payload import (
     decode_payload,
     encode_payload,
     load_payload,
-    save_payload,
     summarize,
 )
 from fedbip_flwr.upload import (
@@ -43,6 +42,7 @@ from tests.helpers import (
     N,
     make_expectations,
     make_payload,
+    save_payload,
 )
 
 # --- factories ----------------------------------------------------------------------------------

@@ -80,3 +80,58 @@ def test_tests_load_scripts_one_way():
         source = path.read_text()
         for spelling in ("sys.path", "syspath_prepend", "spec_from_file_location"):
             assert spelling not in source, f"{path.name} loads code with {spelling}: use tests.helpers.script"
+
+
+def package_imports(path, module: str, modules: set[str]) -> set[str]:
+    """Which of ``modules`` the file ``path`` (module ``module``) imports anywhere in it,
+    inside functions too, relative imports resolved; ``from package import name`` counts as
+    the submodule ``name`` where one exists, else as the package."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) + 1 - node.level]
+                base = ".".join([*anchor, base] if base else anchor)
+            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                      for a in node.names}  # fmt: skip
+    return (found & modules) - {module}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (its modules in order, the first repeated), or []."""
+    state: dict[str, str] = {}  # "open" while on the path below, "done" when fully explored
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                return [*path[path.index(target):], target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def test_the_library_has_no_import_cycle():
+    """fedbip_flwr's modules import one way: every import counts, one inside a function too
+    (a lazy import hides a cycle from Python, not from the structure). A package's own
+    ``__init__`` importing its submodules is no cycle: importing a submodule runs it first."""
+    paths = {}
+    for path in sorted((ROOT / "fedbip_flwr").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {module: package_imports(path, module, set(paths)) for module, path in paths.items()}
+    cycle = find_cycle(graph)
+    assert not cycle, "import cycle: " + " -> ".join(cycle)

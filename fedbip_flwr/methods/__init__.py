@@ -1,8 +1,10 @@
 """One registry of one-shot FL methods, each one module, created by name (like timm's models).
 
-FedBiP and its peers OSCAR and FedLMG, and the references Prompts-only, Central and Local, all
-have the shape of :class:`~fedbip_flwr.methods.base.Method`; FedAvg (multi-round, Flower's own
-strategy) is a :class:`~fedbip_flwr.methods.base.MultiRound`. ``flwr run`` (run config ``method``), the
+FedBiP and its instance-free mixture mode (fedbip-mixture), its peers OSCAR, FedLMG, FedLD and
+Espresso, and the references Prompts-only, Central and Local, all have the shape of
+:class:`~fedbip_flwr.methods.base.Method`; FedAvg (multi-round, Flower's own strategy) is a
+:class:`~fedbip_flwr.methods.base.MultiRound`. Their names and settings are listed in
+:data:`fedbip_flwr.method_settings.METHOD_SETTINGS`. ``flwr run`` (run config ``method``), the
 benchmark and the tests create them here, so no method is implemented twice.
 """
 
@@ -20,6 +22,7 @@ from ..config import FedBiPConfig, NodeConfig
 from ..dp import EPSILON_METRIC
 from ..ldm import LDM
 from ..partitions import DataError
+from ..results import SENT_BYTES, SENT_IMAGES, SENT_SECONDS, SENT_SKIPPED
 from ..seeds import client_generator
 from ..upload import PayloadError, upload_method
 from . import (
@@ -48,14 +51,13 @@ from .base import (
     names,
     one_shot_for,
     register,
-    settings_models,
 )
 
 __all__ = [
     "ClientJob", "Method", "MethodSettings", "MultiRound", "ServerJob", "Teacher", "Upload",
     "audit_upload", "central", "create", "espresso", "create_for", "create_one_shot", "fedavg", "fedbip",
     "fedbip_mixture", "fedld", "fedlmg", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
-    "register", "settings_models",
+    "register",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -101,9 +103,9 @@ def institution_upload(
                         data.client_id)  # fmt: skip
         return blob, {EPSILON_METRIC: metrics[EPSILON_METRIC]}
     return blob, {
-        "num-examples": len(data),
-        "unreadable-files-skipped": data.skipped_files,
-        "payload-bytes": len(blob),
+        SENT_IMAGES: len(data),
+        SENT_SKIPPED: data.skipped_files,
+        SENT_BYTES: len(blob),
         **metrics,
-        "seconds-total": time.perf_counter() - started,
+        SENT_SECONDS: time.perf_counter() - started,
     }

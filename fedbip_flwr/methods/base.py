@@ -15,8 +15,10 @@ tests call alike:
    processes can make (`fedbip synthesize`); by default one per client, through ``train_set``.
 
 Methods are registered by name with :func:`register` and created with :func:`create`, as in
-timm. Their names are what the run config's ``method`` key accepts: the registry is the one
-list, so a new method is one module here and its import in ``methods/__init__.py``.
+timm. Their names, and the model of each one's own table, are listed once, below the run
+config, in :data:`fedbip_flwr.method_settings.METHOD_SETTINGS` (what the run config's
+``method`` key accepts, checked without importing a method); a new method is its entry there,
+one module here and its import in ``methods/__init__.py``.
 A method trained over several rounds on one of Flower's own strategies instead (FedAvg, the
 multi-round reference) is a :class:`MultiRound`, in the same registry: its three hooks stand
 where a one-shot method uploads, is scored by an institution and runs the one-round strategy,
@@ -38,9 +40,10 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from ..classifier import Distillation, Teacher
-from ..config import FedBiPConfig, MethodSettings, NodeConfig
+from ..config import FedBiPConfig, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
+from ..method_settings import METHOD_SETTINGS, MethodSettings
 from ..mixture import LatentMixture, draw
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
@@ -63,7 +66,7 @@ from ..upload import read_tensors as _read_tensors
 __all__ = [
     "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
     "MethodSettings", "WorkUnit", "create", "create_for", "create_one_shot", "decode_upload",
-    "encode_upload", "names", "one_shot_for", "register", "settings_models",
+    "encode_upload", "names", "one_shot_for", "register",
 ]  # fmt: skip
 
 
@@ -113,13 +116,13 @@ class Upload:
 
 
 class Registered:
-    """What every registered method has: its name and its own run-config settings."""
+    """What every registered method has: its name and its own run-config settings, of the
+    model :data:`~fedbip_flwr.method_settings.METHOD_SETTINGS` lists under its name."""
 
     name: ClassVar[str]
-    Settings: ClassVar[type[MethodSettings]] = MethodSettings  # its table's keys
 
     def __init__(self, settings: MethodSettings | None = None) -> None:
-        self.settings = self.Settings() if settings is None else settings
+        self.settings = METHOD_SETTINGS[self.name]() if settings is None else settings
 
 
 class Method(Registered, ABC):
@@ -236,7 +239,10 @@ T = TypeVar("T", bound=type[AnyMethod])
 
 
 def register(cls: T) -> T:
-    """Class decorator: make a method creatable by its ``name`` (the run config's ``method``)."""
+    """Class decorator: make a method creatable by its ``name`` (the run config's ``method``),
+    a name :data:`~fedbip_flwr.method_settings.METHOD_SETTINGS` lists with its settings."""
+    if cls.name not in METHOD_SETTINGS:
+        raise ValueError(f"method {cls.name!r} has no settings in method_settings.METHOD_SETTINGS")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"method {cls.name!r} is registered already, by {_REGISTRY[cls.name]}")
     _REGISTRY[cls.name] = cls
@@ -250,10 +256,11 @@ def create(name: str, settings: MethodSettings | Mapping[str, Any] | None = None
         cls = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+    model = METHOD_SETTINGS[name]
     if isinstance(settings, Mapping):
-        settings = cls.Settings.from_flat(settings)
-    if settings is not None and not isinstance(settings, cls.Settings):
-        raise ValueError(f"method {name!r} takes {cls.Settings.__name__}, got {type(settings).__name__}")
+        settings = model.from_flat(settings)
+    if settings is not None and not isinstance(settings, model):
+        raise ValueError(f"method {name!r} takes {model.__name__}, got {type(settings).__name__}")
     return cls(settings)
 
 
@@ -278,11 +285,6 @@ def one_shot_for(cfg: FedBiPConfig) -> Method:
 
 def names() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def settings_models() -> dict[str, type[MethodSettings]]:
-    """Every method's settings model by name: what the run config's tables are checked by."""
-    return {name: _REGISTRY[name].Settings for name in names()}
 
 
 def encode_upload(meta: UploadMeta, tensors: Mapping[str, torch.Tensor]) -> bytes:

@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -40,8 +40,10 @@ from ..concepts import concept_scale
 from ..conditions import SPACE, initial_conditions, learn_conditions
 from ..expectations import expectations
 from ..instance import personalize_instances
+from ..method_settings import EspressoSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import ROUNDING, adam_step_bound, refuse_mismatch
+from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..synthesis import ZSampling
 from ..upload import PayloadError
@@ -59,7 +61,6 @@ from .base import (
 )
 from .fedld import (
     MixtureMeta,
-    MixtureSettings,
     check_mixture_upload,
     first_timestep,
     mixture_meta,
@@ -70,28 +71,16 @@ log = logging.getLogger(__name__)
 CONDITIONS = "conditions"
 
 
-class EspressoSettings(MixtureSettings):
-    """Espresso's own run-config keys (table ``espresso``)."""
+def zigzag(own: EspressoSettings) -> ZSampling | None:
+    """Z-Sampling's zigzag as the settings ask for it, or None."""
+    return ZSampling(own.z_threshold, own.z_inverse_guidance) if own.z_sampling else None
 
-    WHAT: ClassVar[str] = "espresso settings"
 
-    clusters: int = Field(4, ge=1, description="Sub-clusters, and so conditions, per class (J; the paper: 4).")
-    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
-    epochs: int = Field(10, ge=0, description="Epochs of condition learning over the client's images.")
-    lr: float = Field(0.1, gt=0.0, description="Adam lr, in units of the hidden space's coordinate scale.")
-    batch_size: int = Field(8, ge=1)
-    z_sampling: bool = Field(True, description="Z-Sampling's zigzag at the early timesteps.")
-    z_threshold: int = Field(800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z).")
-    z_inverse_guidance: float = Field(0.0, ge=0.0, description="Guidance of the inversion step (g2; the paper keeps it below the run's guidance).")
-
-    def zigzag(self) -> ZSampling | None:
-        return ZSampling(self.z_threshold, self.z_inverse_guidance) if self.z_sampling else None
-
-    def condition_moves(self, images: int) -> float:
-        """The most one coordinate of a condition can move in the client's learning, in units
-        of the hidden space's scale: lr x Adam's largest step x the steps taken."""
-        steps = self.epochs * math.ceil(images / self.batch_size)
-        return self.lr * adam_step_bound() * steps
+def condition_moves(own: EspressoSettings, images: int) -> float:
+    """The most one coordinate of a condition can move in the client's learning, in units of
+    the hidden space's scale: lr x Adam's largest step x the steps taken."""
+    steps = own.epochs * math.ceil(images / own.batch_size)
+    return own.lr * adam_step_bound() * steps
 
 
 class EspressoMeta(MixtureMeta):
@@ -112,7 +101,6 @@ class EspressoUpload:
 @register
 class Espresso(Method):
     name = "espresso"
-    Settings = EspressoSettings
     settings: EspressoSettings
     meta_model = EspressoMeta
     tensor_names = ("class_counts", CONDITIONS, *MIXTURE_TENSOR_NAMES)
@@ -158,7 +146,7 @@ class Espresso(Method):
         }
         return encode_upload(meta, tensors), {
             **seconds,
-            "concept-losses": learned.losses,
+            SENT_CONCEPT_LOSSES: learned.losses,
             "condition-drift": learned.drift,
             "sub-cluster-sizes": torch.bincount(data.labels * own.clusters + sub_clusters,
                                                 minlength=len(classes) * own.clusters).tolist(),
@@ -188,7 +176,7 @@ class Espresso(Method):
             rows = condition_rows(content.counts, clusters, labels, client_seed(server.cfg.seed, f"{client_id}/conditions"))
             table = content.conditions.reshape(-1, *content.conditions.shape[2:])
             out[client_id] = [mixture_set(server, client_id, table, labels, content.mixture, upload.meta.timestep,
-                                          shard_path(client_id, 0), rows, self.settings.zigzag())]  # fmt: skip
+                                          shard_path(client_id, 0), rows, zigzag(self.settings))]  # fmt: skip
         return out
 
 
@@ -204,7 +192,7 @@ def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -
     conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))
     scale = concept_scale(ldm, SPACE)
     # The client's text encoder may run at another precision: allow c0's rounding besides the steps.
-    reach = scale * own.condition_moves(images) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
+    reach = scale * condition_moves(own, images) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
     moved = (conditions - start).abs().amax(dim=(-2, -1))
     if bool((moved > reach).any()):
         k, j = (int(i) for i in (moved > reach).nonzero()[0])

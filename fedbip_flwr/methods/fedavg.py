@@ -12,21 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.serverapp.strategy import Result
-from pydantic import Field
 from torch import nn
 
 from .. import dataset, results
 from ..classifier import build_classifier, save_classifier, train_classifier
 from ..client import score_classifier
-from ..config import FedBiPConfig, MethodSettings, NodeConfig
-from ..results import Accuracy, Evaluation, RunResults, Seconds
+from ..config import FedBiPConfig, NodeConfig
+from ..method_settings import FedAvgSettings
+from ..results import SENT_ACCURACY, SENT_IMAGES, Accuracy, Evaluation, RunResults, Seconds
 from ..seeds import client_generator
 from ..server import RunFolder, train_settings
 from .base import MultiRound, register
@@ -35,19 +34,9 @@ log = logging.getLogger(__name__)
 ARRAYS, METRICS = "arrays", "metrics"  # Flower's FedAvg's record keys
 
 
-class FedAvgSettings(MethodSettings):
-    """FedAvg's own run-config keys (table ``fedavg``)."""
-
-    WHAT: ClassVar[str] = "fedavg settings"
-
-    rounds: int = Field(10, ge=1, description="Rounds of Flower's FedAvg.")
-    local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
-
-
 @register
 class FedAvg(MultiRound):
     name = "fedavg"
-    Settings = FedAvgSettings
     settings: FedAvgSettings
 
     def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
@@ -60,7 +49,7 @@ class FedAvg(MultiRound):
         train_classifier(model, data.images, data.labels, train_settings(cfg, self.settings.local_epochs), seed=seed, device=device)
         return RecordDict({
             ARRAYS: ArrayRecord(model.cpu().state_dict()),
-            METRICS: MetricRecord({"num-examples": len(data)}),
+            METRICS: MetricRecord({SENT_IMAGES: len(data)}),
         })  # fmt: skip
 
     def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
@@ -71,7 +60,7 @@ class FedAvg(MultiRound):
         scores = score_classifier(model, dataset.institution_test_set(cfg.data, node, domain),
                                   cfg.classifier_image_size)  # fmt: skip
         return RecordDict({METRICS: MetricRecord(
-            {"accuracy": scores["accuracy"], "num-examples": scores["num-examples"]}
+            {SENT_ACCURACY: scores[SENT_ACCURACY], SENT_IMAGES: scores[SENT_IMAGES]}
         )})  # fmt: skip
 
     def run_server(
@@ -120,5 +109,5 @@ def _last_evaluation(cfg: FedBiPConfig, result: Result) -> Evaluation | None:
     if not result.evaluate_metrics_clientapp:
         return None
     last = max(result.evaluate_metrics_clientapp)
-    mean = float(result.evaluate_metrics_clientapp[last]["accuracy"])  # as client_evaluate sends it
+    mean = float(result.evaluate_metrics_clientapp[last][SENT_ACCURACY])  # as client_evaluate sent
     return Evaluation(where=cfg.evaluation, per_client={}, weighted_mean=mean, round=last)

@@ -34,6 +34,7 @@ from ..payload import (
     decode_payload,
     encode_payload,
 )
+from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
 from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
@@ -214,7 +215,7 @@ class FedBiP(Method):
         return blob, {
             "seconds-instance": report.seconds["instance"],
             "seconds-concept": report.seconds["concept"],
-            "concept-losses": report.concept_losses,
+            SENT_CONCEPT_LOSSES: report.concept_losses,
             "concept-drift-s": report.concept_drift["s"],
             "concept-drift-v": report.concept_drift["v"],
         }

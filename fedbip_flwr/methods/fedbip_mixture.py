@@ -29,7 +29,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -47,6 +47,7 @@ from ..dp import (
 )
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
+from ..method_settings import FedBiPMixtureSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import (
     Expectations,
@@ -56,6 +57,7 @@ from ..payload import (
     check_expectations,
     refuse_mismatch,
 )
+from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import WorkUnit
 from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
@@ -74,7 +76,6 @@ from .fedbip import client_concepts, personalize
 from .fedld import (
     MIN_NOISE_MULTIPLIER,
     STATS_RELEASES,
-    DPMixtureSettings,
     DPRelease,
     MixtureMeta,
     check_claimed_epsilon,
@@ -89,32 +90,6 @@ from .fedld import (
 
 log = logging.getLogger(__name__)
 CONCEPTS = ("domain_concept", "class_concepts")
-
-
-
-
-class FedBiPMixtureSettings(DPMixtureSettings):
-    """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``). Its DP upload
-    covers S and V too, learned by DP-SGD (the dp-grad-clip, dp-sample-rate and
-    dp-concept-share below), and its mixture is fitted to one unmixed z(T) per image."""
-
-    WHAT: ClassVar[str] = "fedbip-mixture settings"
-
-    dp_grad_clip: float = Field(
-        1e-3, gt=0.0, description="DP-SGD's clip: the L2 norm of each image's gradient with respect "
-        "to the concept shifts u (S and V's together). Depends on the model: 1e-3 is about the "
-        "miniature's median per-image norm in token space (7.5e-4)."
-    )  # fmt: skip
-    dp_sample_rate: float = Field(
-        0.08, gt=0.0, le=1.0, description="DP-SGD's Poisson sampling rate q: each step takes each "
-        "image with probability q, ceil(1 / q) steps an epoch. A setting, not concept-batch-size / N, "
-        "so that the header does not give away N (0.08: about 8 of the miniature's 96 images)."
-    )  # fmt: skip
-    dp_concept_share: float = Field(
-        0.5, gt=0.0, lt=1.0, description="The concepts' part of epsilon when each release is "
-        "calibrated on its own; both noise multipliers are then scaled by one factor so that "
-        "the two composed are exactly (epsilon, dp-delta)-DP."
-    )  # fmt: skip
 
 
 class ConceptDPRelease(BaseModel):
@@ -161,7 +136,6 @@ class MixtureUpload:
 @register
 class FedBiPMixture(Method):
     name = "fedbip-mixture"
-    Settings = FedBiPMixtureSettings
     settings: FedBiPMixtureSettings
     meta_model = FedBiPMixtureMeta
     tensor_names = ("class_counts", *CONCEPTS, *MIXTURE_TENSOR_NAMES)
@@ -190,7 +164,7 @@ class FedBiPMixture(Method):
         return encode_upload(meta, tensors), {
             "seconds-instance": report.seconds["instance"],
             "seconds-concept": report.seconds["concept"],
-            "concept-losses": report.concept_losses,
+            SENT_CONCEPT_LOSSES: report.concept_losses,
             **mixture_metrics(mixture, len(payload.latents)),
         }
 

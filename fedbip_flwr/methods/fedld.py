@@ -26,13 +26,13 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..concepts import plain_prompt
-from ..config import FedBiPConfig, MethodSettings
+from ..config import FedBiPConfig
 from ..dp import (
     EPSILON_METRIC,
     DPGaussianEstimate,
@@ -45,6 +45,7 @@ from ..dp import (
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
+from ..method_settings import DPMixtureSettings, FedLDSettings
 from ..mixture import (
     DEFAULT_REG_COVAR,
     MIXTURE_TENSOR_NAMES,
@@ -83,41 +84,6 @@ from .base import (
 
 log = logging.getLogger(__name__)
 PLAUSIBILITY_DRAWS = 64  # draws per held class whose moments must be those of z(T)
-
-
-class MixtureSettings(MethodSettings):
-    """How a client summarizes its z(T) per class."""
-
-    components: int = Field(4, ge=1, description="Gaussians per class (Espresso: 4; 2-4 plateau).")
-    rows_per_component: int = Field(
-        4, ge=1, description="At most one component per this many z(T) of a class, so no "
-        "component is fitted to a handful of rows (its mean would nearly be one private z(T))."
-    )  # fmt: skip
-
-
-class DPMixtureSettings(MixtureSettings):
-    """The opt-in DP upload of a mixture's class statistics (docs/methods.md says, per method,
-    which tensors its guarantee covers)."""
-
-    dp_epsilon: float = Field(
-        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private image "
-        "(docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped z(T) "
-        "(one per image), its variance the forward process's; counts noisy too. 0: off. At most "
-        "100: beyond that no guarantee means anything, and the accountant's grid grows without bound."
-    )  # fmt: skip
-    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
-    dp_clip: float = Field(
-        1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
-        "(an honest z(T) at T near 1000 has norm about sqrt(D))."
-    )  # fmt: skip
-
-
-class FedLDSettings(DPMixtureSettings):
-    """FedLD's own run-config keys (table ``fedld``)."""
-
-    WHAT: ClassVar[str] = "fedld settings"
-
-    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
 
 
 # A header's noise multipliers must be at least this: the server recomputes the epsilon they
@@ -220,7 +186,6 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
 @register
 class FedLD(Method):
     name = "fedld"
-    Settings = FedLDSettings
     settings: FedLDSettings
     meta_model = FedLDMeta
     tensor_names = ("class_counts", *MIXTURE_TENSOR_NAMES)

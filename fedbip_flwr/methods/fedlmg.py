@@ -36,19 +36,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler
-from pydantic import Field, field_validator
 from torch import nn
 from tqdm.auto import tqdm
 
 from ..classifier import Distillation, Divergence, Teacher, _prepare
 from ..concepts import unconditional_embedding
-from ..config import FedBiPConfig, MethodSettings
+from ..config import FedBiPConfig
 from ..ldm import LDM
+from ..method_settings import CLASS_SLOT, FedLMGSettings
 from ..seeds import client_seed
 from ..server import keyed_shard, shard_key
 from ..synthesis import decode_latents, encode_texts
@@ -85,77 +85,6 @@ VARIANTS = {
     "code": Variant(bn_weight=0.1, shift="latents", divergence="soft-ce"),
 }
 
-
-CLASS_SLOT = "{class}"  # where the prompt takes the class name
-
-
-class FedLMGSettings(MethodSettings):
-    """FedLMG's own run-config keys (table ``fedlmg``)."""
-
-    WHAT: ClassVar[str] = "fedlmg settings"
-
-    local_epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
-    variant: Literal["paper", "code"] = Field(
-        "paper",
-        description="paper = eq. 10 (eps shifted by sqrt(1 - abar_t) * step * grad, "
-        "descending the loss), w_BN 0.2, "
-        "distillation KL(student || teacher) as eqs. 12-13 write it; code = the authors' code "
-        "(x_t -= step * grad, then a fresh noise estimate at the edited x_t; w_BN 0.1; soft "
-        "cross-entropy to the teacher).",
-    )
-    prompt: str = Field(
-        "an image of {class}",
-        description="the class-only prompt the server samples with; {class} is the "
-        "class name (paper: \"an image of {class}\").",
-    )
-    guidance_scale: float = Field(
-        3.0, ge=1.0, description="classifier-free guidance scale (paper: 3)."
-    )
-    guidance_step: float = Field(
-        1.0,
-        ge=0.0,
-        description="multiplies the gradient of CE + w_BN * L_BN w.r.t. x_t at every "
-        "step (paper and code: 1, at Stable Diffusion's scale); 0 = no local-model guidance.",
-    )
-    noise_edits: int = Field(
-        10,
-        ge=0,
-        description="gradient steps on the BN loss that edit the initial noise before "
-        "sampling (Algorithm 1's M; the paper gives no number, the code makes 10).",
-    )
-    edit_step: float = Field(
-        0.1,
-        ge=0.0,
-        description="each noise edit is x_T -= edit-step * grad L_BN (Algorithm 1's "
-        "eta; the code's step, 1 x grad of 0.1 L_BN, is 0.1).",
-    )
-    batch_size: int = Field(
-        8,
-        ge=1,
-        description="images per guided batch; each step back-propagates through the "
-        "UNet, the VAE decoder and the client's classifier, so memory grows with it.",
-    )
-    global_: Literal["ft", "md", "sd"] = Field(
-        "md",
-        alias="global",
-        description="how the global model learns from the synthetic set: ft = "
-        "cross-entropy only (eq. 11), md = plus distillation from the mean of all clients' "
-        "models (eq. 12, the paper's best on DomainNet), sd = plus distillation from the "
-        "model of the client that generated the image (eq. 13).",
-    )
-    kd_weight: float = Field(
-        1.0,
-        ge=0.0,
-        description="w_MD / w_SD, the distillation term's weight (the paper gives no "
-        "number; the code uses 1).",
-    )
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_class_slot(cls, prompt: str) -> str:
-        if prompt.count(CLASS_SLOT) != 1:
-            raise ValueError(f"must contain {CLASS_SLOT} exactly once")
-        return prompt
 
 
 class FedLMGMeta(UploadMeta):
@@ -406,7 +335,6 @@ def guided_key(
 @register
 class FedLMG(Method):
     name = "fedlmg"
-    Settings = FedLMGSettings
     settings: FedLMGSettings
     meta_model = FedLMGMeta
     tensor_names = ("class_counts",)  # and the classifier's own names under PREFIX

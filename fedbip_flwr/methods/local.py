@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from ..classifier import build_classifier, train_classifier
-from ..config import MethodSettings
+from ..method_settings import LocalSettings
 from ..server import train_settings
 from ..upload import UploadMeta
 from .base import (
@@ -63,18 +62,9 @@ def check_classifier(upload: Upload, prefix: str = "") -> nn.Module:
     return model.eval()
 
 
-class LocalSettings(MethodSettings):
-    """Local's own run-config keys (table ``local``)."""
-
-    WHAT: ClassVar[str] = "local settings"
-
-    epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
-
-
 @register
 class Local(Method):
     name = "local"
-    Settings = LocalSettings
     settings: LocalSettings
     meta_model = LocalMeta
     tensor_names = ()  # the classifier's own names, for the run's classes

@@ -24,15 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
 from torch import nn
 
 from ..captioner import Captioner, load_captioner
-from ..config import MethodSettings
 from ..ldm import LDM
+from ..method_settings import OSCARSettings
 from ..synthesis import encode_texts
 from ..upload import PayloadError, UploadMeta
 from .base import (
@@ -62,26 +62,9 @@ class OscarMeta(UploadMeta):
     base_model: str = Field(min_length=1)  # the LDM whose text encoder made the conditioning
 
 
-class OSCARSettings(MethodSettings):
-    """OSCAR's own run-config keys (table ``oscar``)."""
-
-    WHAT: ClassVar[str] = "oscar settings"
-
-    captioner: str = Field(
-        "models/miniature-captioner",
-        description="The clients' frozen captioner, a local folder or hub id: a BLIP "
-        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
-        "miniature captioner's folder (its stand-in on the miniature LDM).",
-    )
-    captions_per_image: int = Field(
-        1, ge=1, description="Captions sampled per private image (OSCAR's code: 1)."
-    )
-
-
 @register
 class OSCAR(Method):
     name = "oscar"
-    Settings = OSCARSettings
     settings: OSCARSettings
     meta_model = OscarMeta
     tensor_names = ("class_counts", "conditioning")

@@ -1,0 +1,234 @@
+"""Every method's name and its own run-config keys: the one list of methods.
+
+A method's settings model checks its TOML table (``[tool.flwr.app.config.fedlmg]``, handed
+over as dotted keys ``fedlmg.batch-size``). The run config (:mod:`fedbip_flwr.config`)
+validates ``method`` and every table against :data:`METHOD_SETTINGS` here, below it; the
+methods (:mod:`fedbip_flwr.methods`) sit above the config, and
+:func:`~fedbip_flwr.methods.base.register` refuses a method whose name this table lacks, so
+imports run one way and a config validates in a process that imported no method.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from .flat import FlatConfig
+
+CLASS_SLOT = "{class}"  # where fedlmg's prompt takes the class name
+
+
+class MethodSettings(FlatConfig):
+    """One method's own run-config keys: the TOML table named after the method
+    (``[tool.flwr.app.config.fedlmg]``), which Flower hands over as dotted keys
+    (``fedlmg.batch-size``). A method without keys of its own has this empty one."""
+
+    WHAT: ClassVar[str] = "method settings"
+
+
+class MixtureSettings(MethodSettings):
+    """How a client summarizes its z(T) per class."""
+
+    components: int = Field(
+        4, ge=1, description="Gaussians per class (Espresso: 4; 2-4 plateau)."
+    )
+    rows_per_component: int = Field(
+        4, ge=1, description="At most one component per this many z(T) of a class, so no "
+        "component is fitted to a handful of rows (its mean would nearly be one private z(T))."
+    )  # fmt: skip
+
+
+class DPMixtureSettings(MixtureSettings):
+    """The opt-in DP upload of a mixture's class statistics (docs/methods.md says, per method,
+    which tensors its guarantee covers)."""
+
+    dp_epsilon: float = Field(
+        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private "
+        "image (docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped "
+        "z(T) (one per image), its variance the forward process's; counts noisy too. 0: off. At "
+        "most 100: beyond that no guarantee means anything, and the accountant's grid grows "
+        "without bound."
+    )  # fmt: skip
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
+    dp_clip: float = Field(
+        1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
+        "(an honest z(T) at T near 1000 has norm about sqrt(D))."
+    )  # fmt: skip
+
+
+class FedLDSettings(DPMixtureSettings):
+    """FedLD's own run-config keys (table ``fedld``)."""
+
+    WHAT: ClassVar[str] = "fedld settings"
+
+    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
+
+
+class FedBiPMixtureSettings(DPMixtureSettings):
+    """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``). Its DP upload
+    covers S and V too, learned by DP-SGD (the dp-grad-clip, dp-sample-rate and
+    dp-concept-share below), and its mixture is fitted to one unmixed z(T) per image."""
+
+    WHAT: ClassVar[str] = "fedbip-mixture settings"
+
+    dp_grad_clip: float = Field(
+        1e-3, gt=0.0, description="DP-SGD's clip: the L2 norm of each image's gradient with "
+        "respect to the concept shifts u (S and V's together). Depends on the model: 1e-3 is "
+        "about the miniature's median per-image norm in token space (7.5e-4)."
+    )  # fmt: skip
+    dp_sample_rate: float = Field(
+        0.08, gt=0.0, le=1.0, description="DP-SGD's Poisson sampling rate q: each step takes "
+        "each image with probability q, ceil(1 / q) steps an epoch. A setting, not "
+        "concept-batch-size / N, so that the header does not give away N (0.08: about 8 of the "
+        "miniature's 96 images)."
+    )  # fmt: skip
+    dp_concept_share: float = Field(
+        0.5, gt=0.0, lt=1.0, description="The concepts' part of epsilon when each release is "
+        "calibrated on its own; both noise multipliers are then scaled by one factor so that "
+        "the two composed are exactly (epsilon, dp-delta)-DP."
+    )  # fmt: skip
+
+
+class EspressoSettings(MixtureSettings):
+    """Espresso's own run-config keys (table ``espresso``)."""
+
+    WHAT: ClassVar[str] = "espresso settings"
+
+    clusters: int = Field(
+        4, ge=1, description="Sub-clusters, and so conditions, per class (J; the paper: 4)."
+    )
+    noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
+    epochs: int = Field(
+        10, ge=0, description="Epochs of condition learning over the client's images."
+    )
+    lr: float = Field(
+        0.1, gt=0.0, description="Adam lr, in units of the hidden space's coordinate scale."
+    )
+    batch_size: int = Field(8, ge=1)
+    z_sampling: bool = Field(True, description="Z-Sampling's zigzag at the early timesteps.")
+    z_threshold: int = Field(
+        800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z)."
+    )
+    z_inverse_guidance: float = Field(
+        0.0, ge=0.0, description="Guidance of the inversion step (g2; the paper keeps it below "
+        "the run's guidance)."
+    )  # fmt: skip
+
+
+class FedLMGSettings(MethodSettings):
+    """FedLMG's own run-config keys (table ``fedlmg``)."""
+
+    WHAT: ClassVar[str] = "fedlmg settings"
+
+    local_epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
+    variant: Literal["paper", "code"] = Field(
+        "paper",
+        description="paper = eq. 10 (eps shifted by sqrt(1 - abar_t) * step * grad, "
+        "descending the loss), w_BN 0.2, "
+        "distillation KL(student || teacher) as eqs. 12-13 write it; code = the authors' code "
+        "(x_t -= step * grad, then a fresh noise estimate at the edited x_t; w_BN 0.1; soft "
+        "cross-entropy to the teacher).",
+    )
+    prompt: str = Field(
+        "an image of {class}",
+        description="the class-only prompt the server samples with; {class} is the "
+        "class name (paper: \"an image of {class}\").",
+    )
+    guidance_scale: float = Field(
+        3.0, ge=1.0, description="classifier-free guidance scale (paper: 3)."
+    )
+    guidance_step: float = Field(
+        1.0,
+        ge=0.0,
+        description="multiplies the gradient of CE + w_BN * L_BN w.r.t. x_t at every "
+        "step (paper and code: 1, at Stable Diffusion's scale); 0 = no local-model guidance.",
+    )
+    noise_edits: int = Field(
+        10,
+        ge=0,
+        description="gradient steps on the BN loss that edit the initial noise before "
+        "sampling (Algorithm 1's M; the paper gives no number, the code makes 10).",
+    )
+    edit_step: float = Field(
+        0.1,
+        ge=0.0,
+        description="each noise edit is x_T -= edit-step * grad L_BN (Algorithm 1's "
+        "eta; the code's step, 1 x grad of 0.1 L_BN, is 0.1).",
+    )
+    batch_size: int = Field(
+        8,
+        ge=1,
+        description="images per guided batch; each step back-propagates through the "
+        "UNet, the VAE decoder and the client's classifier, so memory grows with it.",
+    )
+    global_: Literal["ft", "md", "sd"] = Field(
+        "md",
+        alias="global",
+        description="how the global model learns from the synthetic set: ft = "
+        "cross-entropy only (eq. 11), md = plus distillation from the mean of all clients' "
+        "models (eq. 12, the paper's best on DomainNet), sd = plus distillation from the "
+        "model of the client that generated the image (eq. 13).",
+    )
+    kd_weight: float = Field(
+        1.0,
+        ge=0.0,
+        description="w_MD / w_SD, the distillation term's weight (the paper gives no "
+        "number; the code uses 1).",
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_class_slot(cls, prompt: str) -> str:
+        if prompt.count(CLASS_SLOT) != 1:
+            raise ValueError(f"must contain {CLASS_SLOT} exactly once")
+        return prompt
+
+
+class OSCARSettings(MethodSettings):
+    """OSCAR's own run-config keys (table ``oscar``)."""
+
+    WHAT: ClassVar[str] = "oscar settings"
+
+    captioner: str = Field(
+        "models/miniature-captioner",
+        description="The clients' frozen captioner, a local folder or hub id: a BLIP "
+        "captioning model (e.g. Salesforce/blip-image-captioning-base, the paper's) or the "
+        "miniature captioner's folder (its stand-in on the miniature LDM).",
+    )
+    captions_per_image: int = Field(
+        1, ge=1, description="Captions sampled per private image (OSCAR's code: 1)."
+    )
+
+
+class LocalSettings(MethodSettings):
+    """Local's own run-config keys (table ``local``)."""
+
+    WHAT: ClassVar[str] = "local settings"
+
+    epochs: int = Field(30, ge=1, description="Epochs of each client's own classifier.")
+
+
+class FedAvgSettings(MethodSettings):
+    """FedAvg's own run-config keys (table ``fedavg``)."""
+
+    WHAT: ClassVar[str] = "fedavg settings"
+
+    rounds: int = Field(10, ge=1, description="Rounds of Flower's FedAvg.")
+    local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
+
+
+# Every method by name, with the model of its table (the run config's ``method`` accepts
+# exactly these names; each has its class in fedbip_flwr.methods).
+METHOD_SETTINGS: dict[str, type[MethodSettings]] = {
+    "central": MethodSettings,
+    "espresso": EspressoSettings,
+    "fedavg": FedAvgSettings,
+    "fedbip": MethodSettings,
+    "fedbip-mixture": FedBiPMixtureSettings,
+    "fedld": FedLDSettings,
+    "fedlmg": FedLMGSettings,
+    "local": LocalSettings,
+    "oscar": OSCARSettings,
+    "prompts-only": MethodSettings,
+}
