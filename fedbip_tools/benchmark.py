@@ -16,9 +16,13 @@ folder: the ServerApp resumes from the uploads on disk and reuses every shard ma
 same key, exactly as a restarted server does.
 
 Results are cached per seed (``benchmarks/methods/seed-N.json``, with the settings they were
-made with), so an interrupted benchmark resumes and seeds can run as separate processes;
-every invocation summarizes all cached seeds into ``benchmarks/methods.json`` and a section of
-BENCHMARKS.md, and draws one picture per client domain with a row per method.
+made with and each row's provenance: commit, machine kind, library versions, date;
+:mod:`fedbip_tools.provenance`), so an interrupted benchmark resumes and seeds can run as
+separate processes; every invocation summarizes all cached seeds into
+``benchmarks/methods.json`` and a section of BENCHMARKS.md, and draws one picture per client
+domain with a row per method. A row is averaged only over seeds of one machine kind unless
+asked otherwise, and every comparison the docs draw is the paired per-seed difference with its
+95% interval.
 
     fedbip benchmark --seeds 0 1 2
 """
@@ -40,6 +44,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers import PNDMScheduler
+from scipy import stats
 
 from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import (
@@ -50,12 +56,15 @@ from fedbip_flwr.classifier import (
     load_classifier_bytes,
 )
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.paths import project_dir
+from fedbip_flwr.paths import project_dir, resolve
+from fedbip_flwr.results import SENT_SECONDS
 from fedbip_flwr.results import read as read_results
+from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.viz import image_grid
 
+from . import provenance
 from .judges import Judges, load_judges
 from .privacy import (
     Features,
@@ -69,7 +78,6 @@ from .simulation import SimulationError, run_simulation, run_status, stop_local_
 
 log = logging.getLogger(__name__)
 MARKER = "methods"
-CLIENT_SECONDS = "seconds-total"  # a client's whole upload, as it sends it beside the upload
 PICTURE_COLUMNS = 10
 
 
@@ -170,6 +178,19 @@ VARIANTS: tuple[Variant, ...] = (
 NO_DATA_CONTROL = "Prompts-only"
 # The paper's Table 1 shape: references, peers, ablations, FedBiP.
 SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
+HEADLINE = "FedBiP-L"  # the FedBiP row the README sets against the others
+# the paper's ablation order, best first (its Tables 1 and 3): each row against the next
+ABLATION = ("FedBiP-L", "FedBiP-M", "FedBiP-S", "instance-only", "concept-only", "Prompts-only")
+# the comparisons the README and BENCHMARKS.md draw, as (row A, row B): A minus B
+COMPARISONS: tuple[tuple[str, str], ...] = (
+    (HEADLINE, "Prompts-only"),
+    (HEADLINE, "FedLMG-FT"),
+    (HEADLINE, "Central"),
+    # the mixture mode against FedBiP from as many z(T) per image (as many images per client)
+    ("FedBiP-S (2 z(T) per image)", "FedBiP-mixture (2 z(T) per image)"),
+    *zip(ABLATION, ABLATION[1:]),
+)
+NOT_DISTINGUISHABLE = "not distinguishable at this budget"
 
 
 def variant(name: str) -> Variant:
@@ -291,20 +312,20 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
     if record.clients is not None:
         outcomes = [c for c in record.clients if c.status in ("accepted", "kept")]
         result["upload_bytes"] = {c.client_id: c.payload_bytes for c in outcomes}
-        result["client_seconds"] = {c.client_id: (c.metrics or {}).get(CLIENT_SECONDS) for c in outcomes}
+        result["client_seconds"] = {c.client_id: (c.metrics or {}).get(SENT_SECONDS) for c in outcomes}
     else:  # FedAvg: the global weights go up from every client each round
         weights = sum(t.numel() * t.element_size() for t in load_classifier(folder, cfg).state_dict().values())
         result["upload_bytes"] = {"every client": weights * cfg.settings_of("fedavg").rounds}
         result["fedavg_rounds"] = cfg.settings_of("fedavg").rounds
     clients = client_sets(cfg)
     if folder.training_set.exists():
-        shards = json.loads(folder.training_set.read_text())
-        result["num_images"] = sum(len(ShardImages(folder_paths(folder, p), 0)) for p in shards.values())
+        shards = folder.training_shards()
+        result["num_images"] = sum(len(ShardImages(paths, 0)) for paths in shards.values())
         result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
         # a base model without a shipped backbone (the tests' tiny one) is measured in pixels only
         features = backbone_features(cfg.model) if backbone_path(cfg.model).is_file() else None
-        for client_id, names in sorted(shards.items()):
-            data = ShardImages(folder_paths(folder, names), judges.size)
+        for client_id, paths in sorted(shards.items()):
+            data = ShardImages(paths, judges.size)
             images, labels = data[torch.arange(len(data))]
             domain = clients[client_id].domain
             result["fidelity"][domain] = judges.fidelity(images, labels, domain)
@@ -312,18 +333,13 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
             result["dcr"][domain] = distance_membership(images, clients[client_id], cfg, features)
         if reconstructs_images(cfg):
             result["reconstruction"] = {
-                clients[c].domain: reconstruction(
-                    ShardImages(folder_paths(folder, names), cfg.image_size), clients[c], cfg)
-                for c, names in sorted(shards.items())
+                clients[c].domain: reconstruction(ShardImages(paths, cfg.image_size), clients[c], cfg)
+                for c, paths in sorted(shards.items())
             }  # fmt: skip
     if folder.classifier.exists():
         model = load_classifier(folder, cfg)
         result["mia_gap"], result["mia"] = membership_inference(model, cfg, clients, settings.mia_per_domain)
     return result
-
-
-def folder_paths(folder: RunFolder, names: Sequence[str]) -> list[Path]:
-    return [folder.shards / name for name in names]
 
 
 def load_classifier(folder: RunFolder, cfg: FedBiPConfig) -> torch.nn.Module:
@@ -457,12 +473,14 @@ def run_seed(
                 results[v.name] = measured
                 write_json(cache, stored)
             continue
+        made = provenance.record(project_dir() or Path.cwd(), bench.threads, [bench.results])
         started, load = time.perf_counter(), os.getloadavg()[0]
         folder = run_variant(bench, v, seed)
         results[v.name] = {
             **measure(folder, judges, bench.settings),
             "wall_seconds": time.perf_counter() - started,
             "load_average": (load + os.getloadavg()[0]) / 2,  # seconds mean little under load
+            "provenance": made,  # as the run started: the code it ran
         }
         write_json(cache, stored)
         log.info("seed %d: %s mean accuracy %.3f", seed, v.name, results[v.name]["mean"])
@@ -525,9 +543,13 @@ def _average(values: list[Any]) -> Any:
     return statistics.fmean(values)
 
 
-def summarize(runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """Per variant: per-domain and mean accuracy (mean and sample std over seeds), and the mean
-    over seeds of every other measurement."""
+def summarize(
+    runs: Mapping[int, Mapping[str, Any]], *, mix_machine_kinds: bool = False
+) -> dict[str, Any]:
+    """Per variant: per-domain and mean accuracy (mean and sample std over seeds), the mean over
+    seeds of every other measurement, and what the seeds were made with. A row whose seeds span
+    machine kinds raises :class:`~fedbip_tools.provenance.MixedMachineKinds` unless
+    ``mix_machine_kinds``."""
     out: dict[str, Any] = {}
     for v in VARIANTS:
         seeds = sorted(s for s, r in runs.items() if v.name in r)
@@ -538,19 +560,88 @@ def summarize(runs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         means = [r["mean"] for r in rows]
         entry = {
             "seeds": seeds,
+            "made_with": provenance.made_with({s: runs[s][v.name] for s in seeds}),
             "per_domain": {d: statistics.fmean(r["per_domain"][d] for r in rows) for d in domains},
             "per_domain_std": {d: _std([r["per_domain"][d] for r in rows]) for d in domains},
             "mean": statistics.fmean(means),
             "std": _std(means),
         }
-        for key in set().union(*rows) - entry.keys() - {"per_domain", "mean"}:
+        for key in set().union(*rows) - entry.keys() - {"per_domain", "mean", "provenance"}:
             entry[key] = _average([r.get(key) for r in rows])
         if entry.get("mia_gap"):
             entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in entry["mia_gap"]}
         if all("mia" in r for r in rows):
             entry["mia_auc_std"] = _std([r["mia"]["auc"] for r in rows])
         out[v.name] = entry
+    if not mix_machine_kinds:
+        provenance.refuse_mixed({name: e["made_with"] for name, e in out.items()})
     return out
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Row ``a`` minus row ``b`` seed by seed, with the mean and its 95% t-interval's
+    half-width (None from one seed)."""
+
+    a: str
+    b: str
+    per_seed: dict[int, float]
+    mean: float
+    half_width: float | None
+
+    @property
+    def distinguishable(self) -> bool:
+        """Whether the interval leaves out 0."""
+        return self.half_width is not None and abs(self.mean) > self.half_width
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Mean and half-width of the two-sided t-interval over ``values`` (two or more)."""
+    n = len(values)
+    quantile = float(stats.t.ppf((1 + level) / 2, n - 1))
+    return statistics.fmean(values), quantile * statistics.stdev(values) / math.sqrt(n)
+
+
+def paired_difference(runs: Mapping[int, Mapping[str, Any]], a: str, b: str) -> Difference | None:
+    """Mean accuracy of ``a`` minus ``b`` over the seeds that have both made on one machine
+    kind; None where no seed has."""
+    per_seed = {
+        seed: rows[a]["mean"] - rows[b]["mean"]
+        for seed, rows in sorted(runs.items())
+        if a in rows and b in rows and provenance.kind(rows[a]) == provenance.kind(rows[b])
+    }
+    if not per_seed:
+        return None
+    values = list(per_seed.values())
+    mean, half = t_interval(values) if len(values) > 1 else (values[0], None)
+    return Difference(a, b, per_seed, mean, half)
+
+
+def differences(runs: Mapping[int, Mapping[str, Any]]) -> list[Difference]:
+    """The paired differences of :data:`COMPARISONS` that some seed has both rows of."""
+    found = (paired_difference(runs, a, b) for a, b in COMPARISONS)
+    return [d for d in found if d is not None]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampler every row of the benchmark samples with, and its start timestep T."""
+
+    scheduler: str
+    steps: int
+    spacing: str
+    timestep: int
+
+
+def sampling(bench: Bench) -> Sampling:
+    """What the benchmark's pinned run config samples with, T from its model's noise schedule."""
+    cfg = FedBiPConfig.from_flat({**base_values(bench, 0), "method": "fedbip"})
+    noise = PNDMScheduler.from_config(
+        PNDMScheduler.load_config(str(resolve(cfg.model)), subfolder="scheduler")
+    )
+    steps, spacing = cfg.num_inference_steps, cfg.timestep_spacing
+    sampler = Sampler.create(cfg.scheduler, noise, steps, spacing)
+    return Sampling(str(cfg.scheduler), steps, spacing, sampler.first_timestep(cfg.start_timestep))
 
 
 # --------------------------------------------------------------------------------- report
@@ -568,11 +659,18 @@ def seconds(values: Mapping[str, Any] | None) -> str:
     return f"{statistics.fmean(numbers):.0f}" if numbers else "–"
 
 
+def accuracy_heading(s: Sampling) -> str:
+    return (f"### Accuracy (%): sampler `{s.scheduler}` ({s.spacing} spacing), {s.steps} steps, "
+            f"T = {s.timestep}\n")  # fmt: skip
+
+
 def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
+    """Accuracy, bytes and seconds per row, with what its seeds were made with."""
     domains = list(next(iter(summary.values()))["per_domain"])
     lines = [
-        "| method | " + " | ".join(domains) + " | mean | upload per client (kB) | client s | server s | load | seeds |",
-        "|---|" + "---|" * (len(domains) + 6),
+        "| method | " + " | ".join(domains)
+        + " | mean | upload per client (kB) | client s | server s | load | seeds | made with |",
+        "|---|" + "---|" * (len(domains) + 7),
     ]
     for name in (n for n in names if n in summary):
         e = summary[name]
@@ -581,9 +679,38 @@ def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
         lines.append(
             f"| {name} | " + " | ".join(cells) + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
             f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {e.get('load_average', float('nan')):.1f} "
-            f"| {len(e['seeds'])} |"
+            f"| {len(e['seeds'])} | {provenance.cell(e['made_with'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def signed(points: float) -> str:
+    return f"{points:+.1f}"
+
+
+def differences_table(found: Sequence[Difference]) -> str:
+    """One line per comparison: per-seed differences, their mean and 95% interval (points)."""
+    lines = ["| A − B | seeds | per seed | mean | 95% interval | |", "|---|---|---|---|---|---|"]
+    for d in found:
+        per_seed = ", ".join(f"{s}: {signed(100 * v)}" for s, v in d.per_seed.items())
+        interval = "–"
+        if d.half_width is not None:
+            low, high = 100 * (d.mean - d.half_width), 100 * (d.mean + d.half_width)
+            interval = f"[{signed(low)}, {signed(high)}]"
+        higher = d.a if d.mean > 0 else d.b
+        verdict = f"{higher} higher" if d.distinguishable else NOT_DISTINGUISHABLE
+        cells = [f"{d.a} − {d.b}", str(len(d.per_seed)), per_seed, signed(100 * d.mean), interval]
+        lines.append("| " + " | ".join([*cells, verdict]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def console_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The summary as the command prints it: accuracy and, per row, what made its seeds."""
+    return [
+        f"{name:32s} {100 * e['mean']:5.1f} ± {100 * e['std']:4.1f}  ({len(e['seeds'])} seeds)  "
+        f"{provenance.full_text(e['made_with'])}"
+        for name, e in summary.items()
+    ]
 
 
 def fidelity_table(summary: Mapping[str, Any]) -> str:
@@ -669,7 +796,10 @@ PUBLISHED = """\
 """
 
 
-def markdown(summary: Mapping[str, Any], bench: Bench, command: str, judged: Mapping[str, float]) -> str:
+def markdown(
+    summary: Mapping[str, Any], bench: Bench, command: str, judged: Mapping[str, float],
+    found: Sequence[Difference], sampled: Sampling,
+) -> str:
     s = bench.settings
     cfg = s.run_config
     order = [v.name for v in VARIANTS]
@@ -687,8 +817,11 @@ summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
 {cfg["concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
 Accuracy is mean ± sample std over seeds; seconds are means (client: one client's whole upload
 step; server: model load, synthesis, classifier), with the machine's mean load average while
-each ran (2 cores: above 2, the seconds are inflated by other work).
+each ran (2 cores: above 2, the seconds are inflated by other work). Made with: the machine
+kind of the row's seeds (`unrecorded`: cached before results carried it), how many commits they
+span and their dates; a row of mixed kinds says so (`{provenance.MIX_FLAG}`).
 
+{accuracy_heading(sampled)}
 {accuracy_table(summary, order)}
 - References: Central uploads the images themselves (not private); Local scores each client's
   own classifier on every domain; FedAvg uploads its weights every round.
@@ -699,6 +832,14 @@ each ran (2 cores: above 2, the seconds are inflated by other work).
   denoise each once: as many images as FedBiP-S / M / L from two / five /
   ten times the upload.
 
+### Paired differences in mean accuracy (points)
+
+Every comparison the README and this file draw: row A minus row B seed by seed, over the seeds
+that have both rows made on one machine kind, with the mean and its 95% t-interval (n - 1
+degrees of freedom). Where the interval spans 0, the two are {NOT_DISTINGUISHABLE}. The
+ablation lines take the paper's order ({", ".join(ABLATION)}), each row against the next.
+
+{differences_table(found)}
 ### What the synthetic images show: class / domain fidelity (%)
 
 Two ResNet-18 judges trained on real images of all five domains (a split no seed uses) label
@@ -754,10 +895,10 @@ def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
             folder = run_folder(bench, seed, name)
             if not folder.training_set.exists():
                 continue
-            shards = json.loads(folder.training_set.read_text()).get(client_id)
+            shards = folder.training_shards().get(client_id)
             if not shards:
                 continue
-            images = ShardImages(folder_paths(folder, shards), 0)
+            images = ShardImages(shards, 0)
             rows.append(images.read(torch.linspace(0, len(images) - 1, PICTURE_COLUMNS).long()))
             labels.append(name[:11])
         path = bench.results / "pictures" / f"methods-{data.domain}.png"
@@ -777,18 +918,24 @@ def write_section(path: Path, text: str, marker: str = MARKER) -> None:
     path.write_text(body)
 
 
-def report(bench: Bench, command: str, benchmarks_md: Path) -> dict[str, Any]:
-    """Summarize every cached seed into methods.json, BENCHMARKS.md and the pictures."""
+def report(
+    bench: Bench, command: str, benchmarks_md: Path, *, mix_machine_kinds: bool = False
+) -> dict[str, Any]:
+    """Summarize every cached seed into methods.json, BENCHMARKS.md and the pictures; refuses
+    (:class:`~fedbip_tools.provenance.MixedMachineKinds`) to average a row over machine kinds
+    unless ``mix_machine_kinds``."""
     runs = cached_seeds(bench)
     if not runs:
         raise ValueError(f"no results under {bench.results / 'methods'} for these settings")
-    summary = summarize(runs)
+    summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
+    found, sampled = differences(runs), sampling(bench)
     judged = json.loads(judges_record(bench).read_text())
     write_json(bench.results / "methods.json", {
         "settings": asdict(bench.settings), "command": command, "judges_on_real": judged,
-        "torch": torch.__version__, "threads": bench.threads, "methods": summary,
+        "torch": torch.__version__, "threads": bench.threads, "sampling": asdict(sampled),
+        "methods": summary, "differences": [asdict(d) for d in found],
     })  # fmt: skip
-    write_section(benchmarks_md, markdown(summary, bench, command, judged))
+    write_section(benchmarks_md, markdown(summary, bench, command, judged, found, sampled))
     first = min(runs)
     names = [v.name for v in VARIANTS if v.name in runs[first]]
     pictured = [n for n in names if "num_images" in runs[first][n]]  # rows that made images

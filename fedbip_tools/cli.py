@@ -30,6 +30,7 @@ from fedbip_flwr.partitions import DataError
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.payload import load_payload
 from fedbip_flwr.report import write_report
+from fedbip_flwr.results import SENT_IMAGES, SENT_SKIPPED
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write
 from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
@@ -318,9 +319,9 @@ def _run_personalize(args: argparse.Namespace) -> int:
     except click.ClickException as err:  # Flower's parser of --run-config 'k=v ...'
         print(f"fedbip personalize: --run-config: {err.format_message()}", file=sys.stderr)
         return 1
-    skipped = metrics["unreadable-files-skipped"]
+    skipped = metrics[SENT_SKIPPED]
     left_out = f" ({skipped} unreadable files left out)" if skipped else ""
-    print(f"wrote {args.out}: {len(blob)} bytes, {metrics['num-examples']} images of "
+    print(f"wrote {args.out}: {len(blob)} bytes, {metrics[SENT_IMAGES]} images of "
           f"'{args.client_id}'{left_out}; audit it with: fedbip inspect {args.out}")
     return 0
 
@@ -344,13 +345,15 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
                        help="run folders (large: synthetic shards)")  # fmt: skip
     bench.add_argument("--out", type=Path, default=Path("benchmarks"), help="methods.json and pictures")
     bench.add_argument("--report-only", action="store_true")
+    bench.add_argument("--mix-machine-kinds", action="store_true",
+                       help="average a row over seeds of different machine kinds (the table says so)")  # fmt: skip
     bench.add_argument("--remeasure", action="store_true",
                        help="measure cached rows again from their run folders (new columns, no new run)")  # fmt: skip
     bench.set_defaults(func=_run_benchmark)
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
-    from fedbip_tools import benchmark
+    from fedbip_tools import benchmark, provenance
 
     setup_logging()
     root = project_dir() or Path.cwd()
@@ -364,9 +367,14 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     if not args.report_only:
         benchmark.run(bench, args.seeds, names, remeasure=args.remeasure)
     command = shlex.join(["fedbip", "benchmark", *sys.argv[2:]])  # quoted: row names have spaces
-    summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md")
-    for name, entry in summary.items():
-        print(f"{name:32s} {100 * entry['mean']:5.1f} ± {100 * entry['std']:4.1f}  ({len(entry['seeds'])} seeds)")
+    try:
+        summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md",
+                                   mix_machine_kinds=args.mix_machine_kinds)  # fmt: skip
+    except provenance.MixedMachineKinds as err:
+        print(f"fedbip benchmark: {err}", file=sys.stderr)
+        return 1
+    for line in benchmark.console_lines(summary):
+        print(line)
     return 0
 
 

@@ -8,15 +8,19 @@ import json
 import math
 import os
 import statistics
+import subprocess
+from datetime import datetime
+from importlib import metadata
 
 import pytest
 import torch
 
 from fedbip_flwr.classifier import batches_per_epoch
 from fedbip_flwr.server import RunFolder
-from fedbip_tools import benchmark
+from fedbip_tools import benchmark, provenance
 from fedbip_tools.benchmark import Bench, Settings
 from fedbip_tools.judges import load_judges
+from fedbip_tools.machine import this_machine
 
 pytestmark = pytest.mark.long(minutes=1.6)
 
@@ -77,6 +81,122 @@ def test_dcr_cells_give_the_difference_from_the_no_data_control_on_the_same_seed
     assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49), control) == ["0.560 (+0.020)", "0.490 (-0.010)", "0.010"]
     assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == ["0.560", "0.490", "0.010"], "other seeds"
     assert benchmark.dcr_cells({"seeds": [0], "dcr": None}, control) == ["–", "–", "–"]
+
+
+def made(kind, commit="c1", date="2026-11-25T10:00:00+00:00"):
+    """A row's provenance as :func:`provenance.record` writes it."""
+    machine = {"cpu": "CPU X", "kind": kind, "threads": 2}
+    versions = {"torch": "2.1", "diffusers": "0.4", "flwr": "1.4"}
+    return {"commit": commit, "machine": machine, **versions, "date": date}
+
+
+def row(mean, made_with=None):
+    out = {"per_domain": {"a": mean}, "mean": mean}
+    return {**out, "provenance": made_with} if made_with else out
+
+
+def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
+    """The row run_seed caches: commit, machine kind and CPU, threads, versions, date."""
+    bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results", threads=3)
+    monkeypatch.setattr(benchmark, "run_variant", lambda *_: None)
+    monkeypatch.setattr(benchmark, "measure", lambda *_: row(0.5))
+    made_with = benchmark.run_seed(bench, 0, ["Central"], judges=None)["Central"]["provenance"]
+    assert json.loads(bench.cache(0).read_text())["results"]["Central"]["provenance"] == made_with
+    machine = this_machine()
+    assert made_with["machine"] == {**machine.model_dump(), "threads": 3, "kind": machine.kind}
+    assert {p: made_with[p] for p in ("torch", "diffusers", "flwr")} == {
+        p: metadata.version(p) for p in ("torch", "diffusers", "flwr")}  # fmt: skip
+    assert made_with["commit"] == provenance.commit(benchmark.project_dir(), [bench.results])
+    assert datetime.fromisoformat(made_with["date"]).tzinfo is not None
+
+
+def test_the_commit_is_head_dirty_where_tracked_code_changed_and_unknown_outside_git(tmp_path):
+    root, outputs = tmp_path / "repo", tmp_path / "repo" / "results"
+    outputs.mkdir(parents=True)
+    (root / "code.py").write_text("a = 1\n")
+    (outputs / "seed-0.json").write_text("{}\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run([*git, *args], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    head = head.stdout.strip()
+    assert provenance.commit(root, [outputs]) == head
+    (outputs / "seed-0.json").write_text("{\"new\": 1}\n")
+    (root / "untracked.txt").write_text("x")
+    assert provenance.commit(root, [outputs]) == head, "the benchmark's own outputs do not count"
+    assert provenance.commit(root) == head + "-dirty"
+    (root / "code.py").write_text("a = 2\n")
+    assert provenance.commit(root, [outputs]) == head + "-dirty"
+    (tmp_path / "plain").mkdir()
+    assert provenance.commit(tmp_path / "plain") == "unknown"
+
+
+def test_the_summary_refuses_to_average_machine_kinds_unless_asked():
+    later = made("AVX2", "c2", "2026-11-26T10:00:00+00:00")
+    runs = {
+        0: {"FedBiP-S": row(0.8, made("AVX2")), "Central": row(0.9, made("AVX2"))},
+        1: {"FedBiP-S": row(0.7, made("AVX2")), "Central": row(0.9, later)},
+        2: {"FedBiP-S": row(0.9, made("AVX512+bf16"))},
+    }
+    with pytest.raises(provenance.MixedMachineKinds) as refused:
+        benchmark.summarize(runs)
+    message = str(refused.value)
+    assert "FedBiP-S: AVX2: 2 seeds (0, 1); AVX512+bf16: 1 seed (2)" in message
+    assert "--mix-machine-kinds" in message and "Central" not in message
+    summary = benchmark.summarize(runs, mix_machine_kinds=True)
+    assert summary["FedBiP-S"]["mean"] == pytest.approx(0.8)
+    table = benchmark.accuracy_table(summary, ["FedBiP-S", "Central"]).splitlines()
+    mixed = "| mixed kinds, AVX2: 2 seeds (0, 1); AVX512+bf16: 1 seed (2), 1 commit, 2026-11-25 |"
+    assert table[2].endswith(mixed)
+    assert table[3].endswith("| AVX2, 2 commits, 2026-11-25 to 2026-11-26 |"), "commits: counted"
+    assert table[0].endswith("| seeds | made with |")
+    assert table[1].count("---") == table[0].count("|") - 1
+
+
+def test_rows_cached_without_provenance_are_unrecorded_and_never_merged():
+    old = {seed: {"Central": row(0.9)} for seed in (0, 1)}
+    assert provenance.kind(old[0]["Central"]) == provenance.UNRECORDED
+    assert benchmark.accuracy_table(benchmark.summarize(old), ["Central"]).splitlines()[2].endswith(
+        "| unrecorded |")  # fmt: skip
+    with pytest.raises(provenance.MixedMachineKinds, match=r"unrecorded: 2 seeds \(0, 1\)"):
+        benchmark.summarize({**old, 2: {"Central": row(0.9, made("AVX2"))}})
+
+
+def test_the_printed_summary_carries_the_provenance_columns():
+    runs = {0: {"Central": row(0.9, made("AVX2", "abc-dirty"))}}
+    (line,) = benchmark.console_lines(benchmark.summarize(runs))
+    assert line.startswith("Central") and "90.0 ±  0.0  (1 seeds)" in line
+    software = "torch 2.1, diffusers 0.4, flwr 1.4"
+    assert line.endswith(f"AVX2, 1 commit, 2026-11-25; CPU X; {software}; abc-dirty")
+
+
+def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
+    mean, half = benchmark.t_interval([1.0, 2.0, 3.0])
+    # t(0.975, 2) = 4.303 times the std (1) over sqrt(3)
+    assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
+    runs = {s: {"FedBiP-L": row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
+            for s, d in enumerate([0.10, 0.11, 0.12])}  # fmt: skip
+    # a seed whose two rows are of other kinds is not paired
+    runs[3] = {"FedBiP-L": row(0.9), "Prompts-only": row(0.1, made("AVX2"))}
+    found = benchmark.differences(runs)
+    assert [(d.a, d.b) for d in found] == [("FedBiP-L", "Prompts-only"), ("FedBiP-L", "Central")]
+    apart, close = found
+    assert apart.per_seed == pytest.approx({0: 0.10, 1: 0.11, 2: 0.12})
+    assert (apart.mean, apart.half_width) == pytest.approx((0.11, 0.02484), abs=1e-5)
+    assert apart.distinguishable and close.mean == pytest.approx(0.0) and not close.distinguishable
+    lines = benchmark.differences_table(found).splitlines()
+    assert lines[2].endswith("| +11.0 | [+8.5, +13.5] | FedBiP-L higher |")
+    assert lines[3].endswith(f"| [-2.5, +2.5] | {benchmark.NOT_DISTINGUISHABLE} |")
+    one = benchmark.paired_difference({0: runs[0]}, "FedBiP-L", "Prompts-only")
+    assert one.half_width is None and not one.distinguishable, "one seed gives no interval"
+
+
+def test_the_accuracy_heading_states_the_pinned_sampler_steps_and_t(tmp_path):
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+    sampled = benchmark.sampling(bench)
+    assert sampled == benchmark.Sampling("pndm", 25, "leading", 961)
+    assert benchmark.accuracy_heading(sampled) == (
+        "### Accuracy (%): sampler `pndm` (leading spacing), 25 steps, T = 961\n")  # fmt: skip
 
 
 def test_report_section_is_replaced_in_place(tmp_path):
@@ -196,6 +316,9 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     text = md.read_text()
     assert "| FedBiP-S |" in text and "| FedBiP-L |" in text
     assert "| MIA AUC, pooled | TPR at 1% FPR |" in text and "reconstruction PSNR (dB), own / same-class" in text
+    assert "### Accuracy (%): sampler `pndm` (leading spacing), 4 steps, T = " in text
+    assert f"| 1 | {this_machine().kind}, 1 commit, " in text, "the made-with column"
+    assert "### Paired differences in mean accuracy (points)" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
     assert (bench.results / "pictures" / "methods-sketch.png").exists()
     saved = json.loads((bench.results / "methods.json").read_text())
