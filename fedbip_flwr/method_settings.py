@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from typing_extensions import Self
 
 from .flat import FlatConfig
 
@@ -218,6 +219,67 @@ class FedAvgSettings(MethodSettings):
     local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
 
 
+# Covariance types a FedPFT upload may carry; "full" and "tied" are refused with this reason.
+FEDPFT_COVARIANCES = ("spherical", "diag")
+
+
+class FedPFTSettings(MethodSettings):
+    """FedPFT's own run-config keys (table ``fedpft``): the client's per-class Gaussian
+    mixtures of its features (scikit-learn's GaussianMixture; the Flower baseline's defaults),
+    the server's linear head trained on draws from them, and the opt-in DP upload."""
+
+    WHAT: ClassVar[str] = "fedpft settings"
+
+    components: int = Field(
+        1, ge=1, le=64, description="Gaussians per class (the Flower baseline: 1); a class "
+        "with fewer images gets one per image, the rest weight-0 padding."
+    )  # fmt: skip
+    covariance_type: str = Field(
+        "spherical", description="spherical (one variance per component, the baseline's) or "
+        "diag (one per feature)."
+    )  # fmt: skip
+    tol: float = Field(1e-12, gt=0.0, description="EM's convergence tolerance (the baseline's).")
+    max_iter: int = Field(1000, ge=1, description="At most this many EM iterations (the baseline's).")
+    draws_per_image: int = Field(
+        10, ge=1, description="Features the server draws per claimed image (each class's count "
+        "clipped to max-images-per-class); the baseline draws 1."
+    )  # fmt: skip
+    head_epochs: int = Field(50, ge=1, description="Epochs of the server's linear head over the draws.")
+    head_lr: float = Field(1e-3, gt=0.0, description="AdamW's lr for the head (the baseline's optimiser).")
+    head_batch_size: int = Field(32, ge=1, description="Draws per step (the baseline's 32).")
+    dp_epsilon: float = Field(
+        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private "
+        "image (docs/methods.md): per class one Gaussian from dp.py's noisy sum, sum of squares "
+        "and count of the clipped features. Needs components = 1. 0: off."
+    )  # fmt: skip
+    dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
+    dp_clip: float = Field(
+        1.0, gt=0.0, description="The DP upload clips each feature vector to L2 norm this many "
+        "times sqrt(D) (D = 512)."
+    )  # fmt: skip
+
+    @field_validator("covariance_type")
+    @classmethod
+    def _supported_covariance(cls, value: str) -> str:
+        if value in ("full", "tied"):
+            raise ValueError(
+                f"{value!r} covariances are not supported: one is D x D = 262,144 floats (1 MiB) "
+                "and needs more images of a class than D = 512 to be well-posed; use 'spherical' "
+                "(the baseline's) or 'diag'"
+            )
+        if value not in FEDPFT_COVARIANCES:
+            raise ValueError(f"must be 'spherical' or 'diag', not {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _dp_is_one_gaussian(self) -> Self:
+        if self.dp_epsilon and self.components != 1:
+            raise ValueError(
+                f"the DP upload (dp-epsilon > 0) releases one Gaussian per class: set components = 1, not {self.components}"
+            )
+        return self
+
+
 # Every method by name, with the model of its table (the run config's ``method`` accepts
 # exactly these names; each has its class in fedbip_flwr.methods).
 METHOD_SETTINGS: dict[str, type[MethodSettings]] = {
@@ -227,6 +289,7 @@ METHOD_SETTINGS: dict[str, type[MethodSettings]] = {
     "fedbip": MethodSettings,
     "fedbip-mixture": FedBiPMixtureSettings,
     "fedld": FedLDSettings,
+    "fedpft": FedPFTSettings,
     "fedlmg": FedLMGSettings,
     "local": LocalSettings,
     "oscar": OSCARSettings,

@@ -26,7 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 from torch import nn
 
 from fedbip_flwr import dataset, methods, results
-from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier
+from fedbip_flwr.classifier import check_classifier_init, fit_to_classifier, save_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.distributed import RunSynthesis, SynthesisTimeout, wait_for_shards
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
@@ -296,6 +296,8 @@ def _classifier(
         )
     else:
         curves = None
+        if GLOBAL in models:  # one classifier of the method's own: the institutions score it too
+            save_classifier(models[GLOBAL], folder.classifier, {"class_names": ",".join(job.class_names)})
         scores = _server_scores(models, tests, job.cfg, job.device)
         accuracy = Accuracy(models=sorted(models), **scores)
     seconds.classifier = _since(started)

@@ -157,7 +157,7 @@ METHOD_CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-step
        "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
 
 
-ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg", "fedld", "fedbip-mixture", "espresso")
+ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg", "fedld", "fedbip-mixture", "espresso", "fedpft")
 
 
 def method_config(method: str, **values) -> FedBiPConfig:

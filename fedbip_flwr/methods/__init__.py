@@ -1,7 +1,7 @@
 """One registry of one-shot FL methods, each one module, created by name (like timm's models).
 
-FedBiP and its instance-free mixture mode (fedbip-mixture), its peers OSCAR, FedLMG, FedLD and
-Espresso, and the references Prompts-only, Central and Local, all have the shape of
+FedBiP and its instance-free mixture mode (fedbip-mixture), its peers OSCAR, FedLMG, FedLD,
+Espresso and FedPFT, and the references Prompts-only, Central and Local, all have the shape of
 :class:`~fedbip_flwr.methods.base.Method`; FedAvg (multi-round, Flower's own strategy) is a
 :class:`~fedbip_flwr.methods.base.MultiRound`. Their names and settings are listed in
 :data:`fedbip_flwr.method_settings.METHOD_SETTINGS`. ``flwr run`` (run config ``method``), the
@@ -33,6 +33,7 @@ from . import (
     fedbip_mixture,
     fedld,
     fedlmg,
+    fedpft,
     local,
     oscar,
     prompts_only,
@@ -56,7 +57,7 @@ from .base import (
 __all__ = [
     "ClientJob", "Method", "MethodSettings", "MultiRound", "ServerJob", "Teacher", "Upload",
     "audit_upload", "central", "create", "espresso", "create_for", "create_one_shot", "fedavg", "fedbip",
-    "fedbip_mixture", "fedld", "fedlmg", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
+    "fedbip_mixture", "fedld", "fedlmg", "fedpft", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
     "register",
 ]  # fmt: skip
 
