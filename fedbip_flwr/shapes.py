@@ -38,6 +38,10 @@ from PIL import Image, ImageChops, ImageDraw, ImageFilter
 from .viz import to_uint8
 
 CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "heart")
+# Shapes no task of this world uses: the miniature's "ImageNet", public classes a classifier may
+# be pretrained on without ever seeing a task's labels (scripts/pretrain_backbone.py).
+PUBLIC_CLASSES: tuple[str, ...] = ("pentagon", "hexagon", "arrow", "crescent", "trapezoid", "bolt", "ell", "house")
+_ALL_CLASSES = CLASSES + PUBLIC_CLASSES
 DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting", "sketch", "quickdraw")
 COMMON_DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting")
 RARE_DOMAINS: tuple[str, ...] = ("sketch", "quickdraw")
@@ -49,7 +53,7 @@ RARE_DOMAINS: tuple[str, ...] = ("sketch", "quickdraw")
 CAPTION_TEMPLATE = "a {S} of a {V}"
 
 # Split codes enter the per-image seed, which keeps the splits disjoint.
-_SPLITS: dict[str, int] = {"train": 0, "test": 1, "pretrain": 2}
+_SPLITS: dict[str, int] = {"train": 0, "test": 1, "pretrain": 2, "public": 3}
 _SUPERSAMPLE = 4  # draw at 4x, then box-downsample: cheap antialiasing
 
 Point = tuple[float, float]
@@ -97,9 +101,9 @@ def _check_names(kind: str, names: Sequence[str], valid: tuple[str, ...]) -> tup
     return out
 
 
-def _check_classes(classes: Sequence[str]) -> tuple[str, ...]:
+def _check_classes(classes: Sequence[str], valid: tuple[str, ...] = CLASSES) -> tuple[str, ...]:
     """Exact-match class names (no duplicates, at least one)."""
-    out = _check_names("class", classes, CLASSES)
+    out = _check_names("class", classes, valid)
     if len(set(out)) != len(out):
         raise ValueError(f"duplicate class names in {out}")
     return out
@@ -148,7 +152,30 @@ def _unit_shape(cls: str) -> list[Point]:
             y = 13 * math.cos(t) - 5 * math.cos(2 * t) - 2 * math.cos(3 * t) - math.cos(4 * t)
             pts.append((x / 16.5, (y + 2.5) / 15.5))
         return pts
-    raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(CLASSES)}")
+    return _public_shape(cls)
+
+
+def _public_shape(cls: str) -> list[Point]:
+    """Outlines of :data:`PUBLIC_CLASSES`, in the unit coordinates of :func:`_unit_shape`."""
+    if cls == "pentagon":
+        return _regular(5, 1.0)
+    if cls == "hexagon":
+        return _regular(6, 0.95, 0.0)
+    if cls == "arrow":
+        return [(-0.95, 0.22), (0.2, 0.22), (0.2, 0.6), (0.95, 0.0), (0.2, -0.6), (0.2, -0.22), (-0.95, -0.22)]
+    if cls == "crescent":
+        outer = [(0.9 * math.cos(t), 0.9 * math.sin(t)) for t in np.linspace(math.pi / 2, 3 * math.pi / 2, 25)]
+        inner = [(0.25 + 0.6 * math.cos(t), 0.9 * math.sin(t)) for t in np.linspace(3 * math.pi / 2, math.pi / 2, 25)]
+        return outer + inner
+    if cls == "trapezoid":
+        return [(-0.95, -0.55), (0.95, -0.55), (0.45, 0.55), (-0.45, 0.55)]
+    if cls == "bolt":
+        return [(0.15, 1.0), (-0.55, -0.05), (-0.05, -0.05), (-0.25, -1.0), (0.55, 0.15), (0.05, 0.15)]
+    if cls == "ell":
+        return [(-0.7, 0.95), (-0.25, 0.95), (-0.25, -0.45), (0.7, -0.45), (0.7, -0.9), (-0.7, -0.9)]
+    if cls == "house":
+        return [(-0.7, -0.85), (0.7, -0.85), (0.7, 0.15), (0.0, 0.95), (-0.7, 0.15)]
+    raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(_ALL_CLASSES)}")
 
 
 @dataclass(frozen=True)
@@ -423,8 +450,8 @@ def render(cls: str, domain: str, rng: np.random.Generator, size: int = 64) -> n
     Position, scale, rotation and colours are drawn from ``rng``; the same generator state
     always gives the same image. Geometry is drawn at 4x and box-downsampled (antialiasing).
     """
-    if cls not in CLASSES:
-        raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(CLASSES)}")
+    if cls not in _ALL_CLASSES:
+        raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(_ALL_CLASSES)}")
     _check_domain(domain)
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 8:
         raise ValueError(f"size must be an integer >= 8, got {size!r}")
@@ -437,7 +464,7 @@ def render(cls: str, domain: str, rng: np.random.Generator, size: int = 64) -> n
 
 def _image_rng(seed: int, split: str, domain: str, client_index: int, cls: str, i: int) -> np.random.Generator:
     """Independent RNG per image; the key uses global indices so subsets of classes agree."""
-    key = [seed, _SPLITS[split], DOMAINS.index(domain), client_index, CLASSES.index(cls), i]
+    key = [seed, _SPLITS[split], DOMAINS.index(domain), client_index, _ALL_CLASSES.index(cls), i]
     return np.random.default_rng(np.random.SeedSequence(key))
 
 
@@ -445,7 +472,7 @@ def _generate(domain: str, per_class: int, split: str, client_index: int, seed: 
               classes: Sequence[str]) -> ImageSet:
     """Render ``per_class`` images of each class (class-major order) into an :class:`ImageSet`."""
     _check_domain(domain)
-    cls_tuple = _check_classes(classes)
+    cls_tuple = _check_classes(classes, PUBLIC_CLASSES if split == "public" else CLASSES)
     per_class = _check_nonneg("per_class", per_class)
     client_index = _check_nonneg("client_index", client_index)
     seed = _check_nonneg("seed", seed)
@@ -485,6 +512,21 @@ def pretrain_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
                  classes: Sequence[str] = CLASSES) -> ImageSet:
     """Images for pretraining the miniature LDM, disjoint from every client and the test split."""
     return _generate(domain, per_class, "pretrain", 0, seed, size, classes)
+
+
+def public_set(domain: str, per_class: int, seed: int = 0, size: int = 64) -> ImageSet:
+    """Images of :data:`PUBLIC_CLASSES` (labels index them), a split of their own: no task's
+    class and no image of any client, test or LDM-pretraining split."""
+    return _generate(domain, per_class, "public", 0, seed, size, PUBLIC_CLASSES)
+
+
+def public_corpus(per_class: int, seed: int = 0) -> ImageSet:
+    """The classifier's public pretraining corpus: :func:`public_set` of the common domains
+    only, ``per_class`` per class each, domain by domain; its ``domain`` is "public". No rare
+    domain, as ImageNet holds hardly any sketch or quickdraw: with a rare sliver in it, the
+    start alone took Prompts-only to FedBiP's rare-domain accuracy (BENCHMARKS.md)."""
+    parts = [public_set(domain, per_class, seed) for domain in COMMON_DOMAINS]
+    return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), PUBLIC_CLASSES, "public")
 
 
 # The miniature LDM's pretraining captions (scripts/pretrain_miniature.py): rare domains are a

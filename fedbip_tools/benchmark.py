@@ -173,6 +173,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
     Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),
+    # the Flower user's first one-shot try: feature mixtures of the frozen shipped backbone, no LDM
+    Variant("FedPFT", {"method": "fedpft"}),
 )
 # sees no client image: the DCR AUC the member and non-member images give by themselves
 NO_DATA_CONTROL = "Prompts-only"
@@ -186,6 +188,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     (HEADLINE, "Prompts-only"),
     (HEADLINE, "FedLMG-FT"),
     (HEADLINE, "Central"),
+    (HEADLINE, "FedPFT"),
     # the mixture mode against FedBiP from as many z(T) per image (as many images per client)
     ("FedBiP-S (2 z(T) per image)", "FedBiP-mixture (2 z(T) per image)"),
     *zip(ABLATION, ABLATION[1:]),

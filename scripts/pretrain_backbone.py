@@ -1,21 +1,23 @@
-"""Pretrain the miniature's ResNet-18 backbone (its "ImageNet") on the LDM's own corpus; run once.
+"""Pretrain the miniature's ResNet-18 backbone, its "ImageNet"; run once.
 
 ``classifier-init = "pretrained"`` starts the global classifier from this backbone, as the SD
-configurations start it from ImageNet weights. It is trained on exactly the public corpus the
-miniature LDM was pretrained on (:func:`fedbip_flwr.shapes.pretraining_corpus`, with the
-``per_class`` and ``seed`` of ``models/miniature-ldm/pretrain_log.json``): the seeded
-"pretrain" split of the shapes world, which shares no image with any client's training split
-or any test split (``tests/test_classifier_init.py`` checks the pixels). The labels are the
-corpus images' shape classes; a seeded held-out slice of the corpus gives a validation accuracy.
+configurations start it from ImageNet weights. The shipped one is a fair start (``--corpus
+public``): trained on :func:`fedbip_flwr.shapes.public_corpus`, shapes no task of this world uses
+(:data:`~fedbip_flwr.shapes.PUBLIC_CLASSES`) in the common domains only, a split of its own that
+shares no image with any client's, test or LDM-pretraining split (``tests/test_classifier_init.py``
+checks the pixels). It never sees a task's label nor a rare domain, as ImageNet holds hardly any
+sketch or quickdraw. ``--corpus ldm`` trains on the LDM's corpus labelled with the task's own
+classes instead: its head solves the task before any upload (BENCHMARKS.md). A seeded held-out
+slice of the corpus gives a validation accuracy.
 
 The recipe is the server's (``fedbip_flwr.classifier``): torchvision's resnet18 from random
 weights, inputs in [-1, 1] at 64 px, random padded crop and flip, SGD with momentum, batch 64,
 ``train_classifier`` itself. Deterministic given ``--seed`` (and ``--threads``): the step count
 comes from ``--epochs`` (or ``--steps``), never from the clock. Saves the whole state dict (its
-``fc`` is for the corpus's 6 classes; "pretrained" replaces it) in float16 as
+``fc`` is for the corpus's classes; "pretrained" replaces it) in float16 as
 ``<out>/model.safetensors`` (about 23 MB), and ``<out>/train_log.json``.
 
-    python scripts/pretrain_backbone.py --epochs 30 --threads 2
+    python scripts/pretrain_backbone.py --per-class 300 --epochs 12 --threads 2
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from fedbip_flwr.classifier import (
 from fedbip_flwr.viz import quantize
 
 CORPUS_FUNCTION = "fedbip_flwr.shapes.pretraining_corpus"
+PUBLIC_FUNCTION = "fedbip_flwr.shapes.public_corpus"
 LDM_LOG = Path(__file__).resolve().parents[1] / "models" / "miniature-ldm" / "pretrain_log.json"
 IMAGE_SIZE = 64  # the run config's classifier-image-size, and the corpus's own size
 
@@ -79,6 +82,20 @@ def labelled_corpus(per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return quantize(images), torch.tensor(labels), domains
 
 
+def public_labelled(per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """:func:`shapes.public_corpus` as uint8 images, labels of :data:`shapes.PUBLIC_CLASSES` and
+    each image's domain."""
+    corpus = shapes.public_corpus(per_class, seed)
+    domains = [d for d in shapes.COMMON_DOMAINS for _ in range(per_class * len(shapes.PUBLIC_CLASSES))]
+    return quantize(corpus.images), corpus.labels, domains
+
+
+CORPORA = {  # --corpus: (function, its classes, what the labels are)
+    "public": (public_labelled, shapes.PUBLIC_CLASSES, PUBLIC_FUNCTION),
+    "ldm": (labelled_corpus, shapes.CLASSES, CORPUS_FUNCTION),
+}
+
+
 def split(n: int, val_share: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train rows, held-out validation rows): a seeded permutation's last ``val_share``."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
@@ -89,6 +106,9 @@ def split(n: int, val_share: float, seed: int) -> tuple[torch.Tensor, torch.Tens
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("models/miniature-ldm/classifier-backbone"))
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="public",
+                        help="public: shapes no task uses (the fair start); ldm: the LDM's corpus, "
+                        "labelled with the task's own classes (solves the task before any upload)")  # fmt: skip
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--steps", type=int, default=0, help="> 0: exactly this many SGD steps instead of --epochs")
     parser.add_argument("--per-class", type=int, default=0,
@@ -108,7 +128,8 @@ def main() -> None:
     ldm_per_class, ldm_seed = ldm_corpus_args()
     per_class = args.per_class or ldm_per_class
     corpus_seed = ldm_seed if args.corpus_seed < 0 else args.corpus_seed
-    images, labels, domains = labelled_corpus(per_class, corpus_seed)
+    make_corpus, classes, corpus_function = CORPORA[args.corpus]
+    images, labels, domains = make_corpus(per_class, corpus_seed)
     train_rows, val_rows = split(len(labels), args.val_share, args.seed)
     print(f"corpus: {len(labels)} images ({len(train_rows)} train, {len(val_rows)} held out) "
           f"in {time.time() - started:.0f} s", flush=True)  # fmt: skip
@@ -116,7 +137,7 @@ def main() -> None:
     settings = TrainSettings(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
                              batch_size=args.batch, image_size=IMAGE_SIZE, steps=args.steps)  # fmt: skip
     torch.manual_seed(args.seed)
-    model = build_classifier(len(shapes.CLASSES), "random")
+    model = build_classifier(len(classes), "random")
     losses: list[float] = []
     t0 = time.time()
 
@@ -139,14 +160,14 @@ def main() -> None:
     # One metadata entry: safetensors writes several in no fixed order, and the file's bytes
     # (its sha256 in the log) should depend on the seed alone.
     path = save_backbone(model.cpu(), args.out, {"backbone": json.dumps({
-        "classes": list(shapes.CLASSES), "corpus": CORPUS_FUNCTION,
+        "classes": list(classes), "corpus": corpus_function,
         "per_class": per_class, "corpus_seed": corpus_seed, "seed": args.seed,
     }, sort_keys=True)})  # fmt: skip
     log = {
-        "corpus": {"function": CORPUS_FUNCTION, "per_class": per_class, "seed": corpus_seed,
+        "corpus": {"function": corpus_function, "per_class": per_class, "seed": corpus_seed,
                    "images": len(labels), "train_images": len(train_rows), "val_images": len(val_rows),
-                   "val_share": args.val_share, "labels": "shape class (shapes.CLASSES order)"},
-        "classes": list(shapes.CLASSES),
+                   "val_share": args.val_share, "labels": f"shape class ({args.corpus} corpus's classes)"},
+        "classes": list(classes),
         "recipe": {"lr": args.lr, "momentum": args.momentum, "batch_size": args.batch,
                    "image_size": IMAGE_SIZE, "augment": True, "init": "random", "seed": args.seed},
         "epochs": settings.epochs_for(len(train_rows)), "steps": steps,

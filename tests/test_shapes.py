@@ -94,6 +94,22 @@ def test_determinism_and_disjointness() -> None:
     assert torch.unique(flat, dim=0).shape[0] == flat.shape[0]
 
 
+def test_public_classes_are_no_tasks_and_their_images_are_their_own() -> None:
+    """The classifier's public pretraining shapes (its "ImageNet") name no task class, clients
+    cannot be given them, and their split shares no image with the task's splits."""
+    assert not set(ds.PUBLIC_CLASSES) & set(CLASSES) and len(set(ds.PUBLIC_CLASSES)) == 8
+    with pytest.raises(ValueError, match="unknown class 'pentagon'"):
+        client_train_set("sketch", 2, classes=("pentagon",))
+    public = ds.public_set("sketch", 3)
+    assert public.classes == ds.PUBLIC_CLASSES and torch.bincount(public.labels).tolist() == [3] * 8
+    corpus = ds.public_corpus(4)
+    assert len(corpus) == 8 * 3 * 4 and corpus.domain == "public"  # the common domains only
+    task = torch.cat([client_train_set("sketch", 3).images, test_set("sketch", 3).images,
+                      ds.pretrain_set("sketch", 3).images])  # fmt: skip
+    flat = torch.cat([task, public.images]).flatten(1)
+    assert torch.unique(flat, dim=0).shape[0] == flat.shape[0]
+
+
 def test_more_shots_extend_fewer_shots() -> None:
     """Image i of a class is the same whether a client holds 2 or 4 shots."""
     small = client_train_set("painting", 2, client_index=3)

@@ -1,0 +1,98 @@
+"""The README's first command, run as a newcomer runs it: N times, each from a fresh FLWR_HOME.
+
+Each run is the exact command (``flwr run . --stream --federation-config "num-supernodes=3"``,
+the project's defaults, no run config), timed from the outside. Recorded per run: accuracy per
+domain and their mean, the server's phase seconds, the wall time and the load average before
+it started; once: the provenance (commit, machine kind, library versions, date). The README's
+first row quotes ``benchmarks/default_run.json``.
+
+    python scripts/default_runs.py --runs 5 --out benchmarks/default_run.json
+
+Run it on an idle machine: the wall times are the figures. Each run leaves its run folder
+under outputs/ as the command always does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fedbip_flwr import results
+from fedbip_flwr.paths import project_dir
+from fedbip_flwr.server import RunFolder
+from fedbip_tools import provenance
+from fedbip_tools.simulation import flwr_tool, stop_local_superlink
+
+COMMAND = ["run", ".", "--stream", "--federation-config", "num-supernodes=3"]
+
+
+def one_run(root: Path, timeout: float) -> dict:
+    """The README's first command from a fresh FLWR_HOME; what it wrote and how long it took."""
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
+        env = {**os.environ, "FLWR_HOME": home, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        started = time.monotonic()
+        try:
+            done = subprocess.run([flwr_tool("flwr"), *COMMAND], cwd=root, env=env, capture_output=True,
+                                  text=True, timeout=timeout, check=False)  # fmt: skip
+            wall = time.monotonic() - started
+        finally:
+            stop_local_superlink(Path(home))
+    output = done.stdout + done.stderr
+    match = re.search(r"Successfully started run (\d+)", output)
+    folder = RunFolder(root / "outputs" / f"run-{match.group(1)}") if match else None
+    if done.returncode != 0 or folder is None or not folder.metrics.exists():
+        raise SystemExit(f"the README's first command failed (exit {done.returncode}):\n{output[-3000:]}")
+    record = results.read(folder.metrics)
+    if record.status != "completed" or record.accuracy is None or record.accuracy.per_domain is None:
+        raise SystemExit(f"{folder.root}: the run did not complete ({record.status})")
+    return {"run": str(folder.root.relative_to(root)), "wall_seconds": wall, "load_before": load,
+            "per_domain": record.accuracy.per_domain, "mean": record.accuracy.mean,
+            "seconds": record.seconds.phases() if record.seconds else {}}  # fmt: skip
+
+
+def summary(runs: list[dict]) -> dict:
+    means, walls = [r["mean"] for r in runs], [r["wall_seconds"] for r in runs]
+    classifier = [r["seconds"].get("classifier", float("nan")) for r in runs]
+    return {"mean": statistics.fmean(means), "std": statistics.stdev(means) if len(means) > 1 else 0.0,
+            "min": min(means), "max": max(means), "wall_min": min(walls),
+            "wall_median": statistics.median(walls), "wall_max": max(walls),
+            "classifier_median": statistics.median(classifier)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/default_run.json"))
+    args = parser.parse_args()
+    root = project_dir() or Path.cwd()
+    record = {"command": "python scripts/default_runs.py --runs " + str(args.runs),
+              "readme_command": "flwr " + " ".join(COMMAND),
+              "provenance": provenance.record(root, torch.get_num_threads(), [root / "outputs"]),
+              "runs": []}  # fmt: skip
+    for i in range(args.runs):
+        record["runs"].append(one_run(root, args.timeout))
+        r = record["runs"][-1]
+        print(f"run {i + 1}/{args.runs}: {100 * r['mean']:.1f}% ("
+              + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items())
+              + f") in {r['wall_seconds']:.0f} s, classifier {r['seconds'].get('classifier', 0):.0f} s, "
+              f"load before {r['load_before']:.2f}", flush=True)  # fmt: skip
+    record["summary"] = s = summary(record["runs"])
+    args.out.write_text(json.dumps(record, indent=1))
+    print(f"mean {100 * s['mean']:.1f} ± {100 * s['std']:.1f} (min {100 * s['min']:.1f}), wall "
+          f"{s['wall_min']:.0f} / {s['wall_median']:.0f} / {s['wall_max']:.0f} s (min / median / max), "
+          f"classifier median {s['classifier_median']:.0f} s; written {args.out}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
