@@ -282,24 +282,13 @@ def check_mixture_moments(
 def check_stats_release(
     release: DPRelease | None, own: DPMixtureSettings, tensor_names: Sequence[str], mixture: LatentMixture
 ) -> None:
-    """What the server can check of a class-statistics DP upload before its epsilon: one is
-    there where the run asks for one and is no weaker, it covers every tensor, it is the two
-    releases at the run's clip, and the tensors have a release's structure (a fitted mixture
-    under a DP header would carry what the guarantee does not cover)."""
+    """What the server can check of a class-statistics DP upload before its epsilon: the
+    header as :func:`check_release_header` has it, the two releases at the run's clip, and the
+    tensors have a release's structure (a fitted mixture under a DP header would carry what
+    the guarantee does not cover)."""
+    check_release_header(release, own.dp_epsilon, own.dp_delta, tensor_names)
     if release is None:
-        if own.dp_epsilon:
-            raise PayloadError(
-                f"the run asks for ({own.dp_epsilon:g}, {own.dp_delta:g})-DP uploads (dp-epsilon) "
-                "and this one states no guarantee"
-            )
         return
-    if own.dp_epsilon and (release.epsilon > own.dp_epsilon or release.delta > own.dp_delta):
-        raise PayloadError(
-            f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the run's "
-            f"({own.dp_epsilon:g}, {own.dp_delta:g}) (dp-epsilon, dp-delta)"
-        )
-    if uncovered := sorted(set(tensor_names) - set(release.covers)):
-        raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
     clip = own.dp_clip * math.sqrt(mixture.means.shape[-1])
     refuse_mismatch([
         ("statistics releases", release.releases, STATS_RELEASES, "per class a noisy sum and a noisy count"),
@@ -313,6 +302,27 @@ def check_stats_release(
             "its tensors are not a DP release's: per class one component of weight 1 and variance 1 "
             "(the others its copies at weight 0), which is all the guarantee covers"
         )
+
+
+def check_release_header(
+    release: DPRelease | None, epsilon: float, delta: float, tensor_names: Sequence[str]
+) -> None:
+    """A DP header where the run asks for (``epsilon``, ``delta``)-DP (``epsilon`` 0: none
+    asked), no weaker than that, covering every tensor the upload holds."""
+    if release is None:
+        if epsilon:
+            raise PayloadError(
+                f"the run asks for ({epsilon:g}, {delta:g})-DP uploads (dp-epsilon) "
+                "and this one states no guarantee"
+            )
+        return
+    if epsilon and (release.epsilon > epsilon or release.delta > delta):
+        raise PayloadError(
+            f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the run's "
+            f"({epsilon:g}, {delta:g}) (dp-epsilon, dp-delta)"
+        )
+    if uncovered := sorted(set(tensor_names) - set(release.covers)):
+        raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
 
 
 def check_claimed_epsilon(claimed: float, accounted: float, delta: float, noise: str) -> None:

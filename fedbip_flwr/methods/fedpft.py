@@ -74,7 +74,7 @@ from .base import (
     encode_upload,
     register,
 )
-from .fedld import DPRelease, check_claimed_epsilon
+from .fedld import DPRelease, check_claimed_epsilon, check_release_header
 
 WEIGHTS, MEANS, COVARIANCES = "gmm_weights", "gmm_means", "gmm_covariances"
 # scikit-learn's default reg_covar (the baseline keeps it): added to every fitted variance, so
@@ -302,20 +302,9 @@ class FedPFT(Method):
         """A DP header where the run asks for one, no weaker, covering every tensor, the three
         releases at the run's clip, one component per class, and the epsilon its noise gives."""
         own = self.settings
+        check_release_header(release, own.dp_epsilon, own.dp_delta, self.tensor_names)
         if release is None:
-            if own.dp_epsilon:
-                raise PayloadError(
-                    f"the run asks for ({own.dp_epsilon:g}, {own.dp_delta:g})-DP uploads "
-                    "(fedpft.dp-epsilon) and this one states no guarantee"
-                )
             return
-        if own.dp_epsilon and (release.epsilon > own.dp_epsilon or release.delta > own.dp_delta):
-            raise PayloadError(
-                f"its guarantee, ({release.epsilon:g}, {release.delta:g})-DP, is weaker than the "
-                f"run's ({own.dp_epsilon:g}, {own.dp_delta:g}) (fedpft.dp-epsilon, dp-delta)"
-            )
-        if uncovered := sorted(set(self.tensor_names) - set(release.covers)):
-            raise PayloadError(f"its guarantee does not cover {uncovered}, which the upload holds")
         refuse_mismatch([
             ("statistics releases", release.releases, DP_RELEASES, "per class a noisy sum, sum of squares and count"),
             ("DP clip", release.clip, own.dp_clip * math.sqrt(dim), "fedpft.dp-clip times sqrt(D)"),
