@@ -106,7 +106,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))
     model = load_classifier_bytes(blob, cfg.class_list)
     test = dataset.institution_test_set(cfg.data, node, domain)
-    scores = score_classifier(model, test, cfg.classifier_image_size)
+    scores = score_classifier(model, test, cfg.classifier_image_size, method.settings.private)
     kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
     atomic_write(kept, blob)
     log.info("[%s] classifier accuracy %.3f on %d held-out images; kept as %s",

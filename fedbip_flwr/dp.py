@@ -244,16 +244,25 @@ def _check_rows(rows: torch.Tensor) -> None:
         raise ValueError(f"rows must be (n, ...) with one example per row, got shape {tuple(rows.shape)}")
 
 
+def finite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` without those holding a non-finite value. Dropping one is removing its image,
+    which the add/remove adjacency covers; kept, one NaN would make its class's sum NaN and the
+    upload a refusal that says something about that one image."""
+    keep = rows.isfinite().all(1)
+    return rows if bool(keep.all()) else rows[keep]
+
+
 def noisy_estimate(rows: torch.Tensor, guarantee: DPGuarantee, generator: torch.Generator) -> DPGaussianEstimate:
     """A diagonal Gaussian of one class's per-example ``rows`` ((n, ...), each flattened to D
-    values): the statistics ``guarantee.covers`` of the rows clipped to ``guarantee.clip``, each
+    values): the statistics ``guarantee.covers`` of the finite rows (:func:`finite_rows`)
+    clipped to ``guarantee.clip``, each
     with Gaussian noise of std ``guarantee.noise_multiplier`` times its sensitivity, drawn from
     the client's ``generator``. The noise multiplier is calibrated by the caller, for these
     releases alone (:func:`gaussian_guarantee`) or with others (:func:`split_budget`)."""
     _check_positive("clip", guarantee.clip)
     _check_rows(rows)
     sigma, clip, covers = guarantee.noise_multiplier, guarantee.clip, guarantee.covers
-    clipped = clip_rows(rows.flatten(1).float(), clip)
+    clipped = clip_rows(finite_rows(rows.flatten(1).float()), clip)
     width = (clipped.shape[1],)
     sum_rows = clipped.sum(0) + _noise(width, sigma * clip, generator).to(clipped.device)
     sum_squares = (

@@ -25,6 +25,7 @@ are read (:func:`fedbip_flwr.images.open_rgb`) when a client or the server takes
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 TEST_FRACTION = 0.2  # held out per class where a dataset ships no official test split
 SPLIT_SEED = 0  # fixed: the test split must not move with the run seed
+HOLDOUT_KEY = b"fedbip-flwr held-out split"  # an institution's own folder: held_out_by_content
 IMAGE_SUFFIXES = frozenset(IMG_EXTENSIONS)  # torchvision's ImageFolder convention
 MEDMNIST_SIZES = (28, 64, 128, 224)
 SPLITS = ("train", "test")
@@ -241,9 +243,10 @@ def _listing(root: Path, bad: Sequence[BadImage]) -> str:
 
 
 class UnreadableImages(DataError):
-    """Files of an institution's folder that do not decode. ``str()`` names every one, for the
-    institution's own eyes; :meth:`for_server` says only how many, because file names (a
-    patient's id, a date) must not leave the institution in an error reply."""
+    """Files of an institution's folder that do not decode. ``str()`` names and counts every
+    one, for the institution's own eyes; :meth:`for_server` neither names nor counts them: file
+    names (a patient's id, a date) must not leave the institution in an error reply, and counts
+    are what a DP upload's guarantee hides."""
 
     FIX = ('Fix or remove them, or leave them out with node config bad-images = "skip" '
            "(fedbip personalize --bad-images skip)")  # fmt: skip
@@ -256,10 +259,7 @@ class UnreadableImages(DataError):
         )
 
     def for_server(self) -> DataError:
-        return DataError(
-            f"{self.count} of {self.total} image files of this institution cannot be read "
-            f"(named in its own log). {self.FIX}"
-        )
+        return DataError(f"image files of this institution cannot be read (named and counted in its own log). {self.FIX}")
 
 
 def _readable(
@@ -291,9 +291,9 @@ def own_folder_split(
 ) -> Split:
     """An institution's own folder: ``<root>/train/`` and ``<root>/test/`` above the class
     folders, or the class folders directly in ``root`` (or in ``train/`` alone); without a
-    ``test/`` folder, :data:`TEST_FRACTION` of each class is held out with a fixed seed, as for
-    the paper's datasets without official splits. Unreadable files fail the split or are left
-    out, as ``bad_images`` says."""
+    ``test/`` folder, each file is held out with probability :data:`TEST_FRACTION` by a hash of
+    its content (:func:`held_out_by_content`). Unreadable files fail the split or are left out,
+    as ``bad_images`` says."""
     if not root.is_dir():
         raise DataError(f"data-root {root} is not a folder; {LAYOUT_HELP}")
     if (root / "test").is_dir():
@@ -305,6 +305,18 @@ def own_folder_split(
     folder = root / "train" if (root / "train").is_dir() else root
     [(paths, labels)], skipped = _readable(root, [_own_class_files(folder, classes)], bad_images)
     pool = _file_pool(paths, labels)
-    train, test = holdout(pool.labels, TEST_FRACTION, (SPLIT_SEED,))
-    log.info("%s has no test/ folder: %.0f%% of each class held out", root, 100 * TEST_FRACTION)
-    return Split(pool.subset(train), pool.subset(test), skipped)
+    held = np.array([held_out_by_content(path) for path in paths], dtype=bool)
+    log.info("%s has no test/ folder: each file held out with probability %.0f%% by a hash of its "
+             "content (%d of %d)", root, 100 * TEST_FRACTION, held.sum(), len(held))  # fmt: skip
+    return Split(pool.subset(np.flatnonzero(~held)), pool.subset(np.flatnonzero(held)), skipped)
+
+
+def held_out_by_content(path: Path, fraction: float = TEST_FRACTION) -> bool:
+    """Whether an institution's file is a test image: a keyed hash of its bytes below
+    ``fraction``. Each file's side depends on that file alone, so adding or removing one moves
+    no other file between train and test (a permutation of the class would move several), which
+    is what a DP upload's guarantee per image of the folder needs; the same bytes under another
+    name stay on the same side, so a copy never straddles the split. The key is public: it only
+    separates this hash's uses from any other."""
+    digest = hashlib.blake2b(path.read_bytes(), digest_size=8, key=HOLDOUT_KEY).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64

@@ -27,6 +27,12 @@ class MethodSettings(FlatConfig):
 
     WHAT: ClassVar[str] = "method settings"
 
+    @property
+    def private(self) -> bool:
+        """Whether the upload is differentially private: then nothing leaves the client that its
+        guarantee does not cover, its evaluation reply included."""
+        return False
+
 
 class MixtureSettings(MethodSettings):
     """How a client summarizes its z(T) per class."""
@@ -56,6 +62,10 @@ class DPMixtureSettings(MixtureSettings):
         1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
         "(an honest z(T) at T near 1000 has norm about sqrt(D))."
     )  # fmt: skip
+
+    @property
+    def private(self) -> bool:
+        return self.dp_epsilon > 0
 
 
 class FedLDSettings(DPMixtureSettings):
@@ -217,6 +227,14 @@ class FedAvgSettings(MethodSettings):
 
     rounds: int = Field(10, ge=1, description="Rounds of Flower's FedAvg.")
     local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
+    part: Literal["all", "head"] = Field(
+        "all", description="What is federated. all: the whole ResNet-18 from classifier-init, "
+        "trained with the shared classifier recipe. head: only a linear head (512 -> classes) on "
+        "the frozen backbone shipped with the base model (FedPFT's encoder, the Flower FedPFT "
+        "baseline's comparison), trained on the client's features with FedPFT's head recipe "
+        "(AdamW, fedpft.head-lr and fedpft.head-batch-size; local-epochs per round); only the "
+        "head's weight and bias travel."
+    )  # fmt: skip
 
 
 # Covariance types a FedPFT upload may carry; "full" and "tied" are refused with this reason.
@@ -257,6 +275,10 @@ class FedPFTSettings(MethodSettings):
         1.0, gt=0.0, description="The DP upload clips each feature vector to L2 norm this many "
         "times sqrt(D) (D = 512)."
     )  # fmt: skip
+
+    @property
+    def private(self) -> bool:
+        return self.dp_epsilon > 0
 
     @field_validator("covariance_type")
     @classmethod

@@ -95,7 +95,7 @@ def _accuracy_per_institution(record: RunResults) -> list[str]:
     if evaluation is None or not evaluation.per_client:
         return []
     rows = [
-        [client, _percent(score.accuracy), str(score.num_examples), score.status, ""]
+        [client, _percent(score.accuracy), str(score.num_examples or "not sent"), score.status, ""]
         if isinstance(score, Scored)
         else [client, _percent(None), "", score.status, _text(score.reason)]
         for client, score in sorted(evaluation.per_client.items())
@@ -105,7 +105,9 @@ def _accuracy_per_institution(record: RunResults) -> list[str]:
              f'(run config `evaluation = "{evaluation.where}"`).')  # fmt: skip
     lines = ["## Accuracy per institution", "", intro, "", *_table(header, rows, "lrrll")]
     mean = _percent(evaluation.weighted_mean)
-    return [*lines, "", f"Mean weighted by test images: **{mean}**."]
+    counted = all(s.counted for s in evaluation.per_client.values() if isinstance(s, Scored))
+    how = "weighted by test images" if counted else "unweighted (a DP run's institutions send their accuracy alone)"
+    return [*lines, "", f"Mean {how}: **{mean}**."]
 
 
 def _clients(record: RunResults) -> list[str]:

@@ -40,6 +40,7 @@ SENT_BYTES = "payload-bytes"
 SENT_CONCEPT_LOSSES = "concept-losses"
 SENT_ACCURACY = "accuracy"
 SENT_CORRECT, SENT_TOTAL = "per-class-correct", "per-class-total"
+PRIVATE_ACCURACY_DIGITS = 2  # what a DP institution's accuracy is rounded to
 
 
 class ResultsError(ValueError):
@@ -97,17 +98,29 @@ ACCURACY_ROUNDING = 1e-6
 class Scored(_Part):
     """An institution's scores of the classifier on its own held-out images, consistent with
     themselves: per-class counts with 0 <= correct <= total, totals summing to num_examples and
-    accuracy their ratio (an evaluate reply is untrusted; one that is not is refused)."""
+    accuracy their ratio (an evaluate reply is untrusted; one that is not is refused). An
+    institution whose upload is differentially private sends its accuracy alone, to two decimals
+    (:data:`PRIVATE_ACCURACY_DIGITS`): its held-out counts would give back the class counts its
+    release adds noise to."""
 
     status: Literal["ok"] = "ok"
     accuracy: float = Field(ge=0.0, le=1.0)
-    num_examples: int = Field(ge=1)
-    per_class_correct: list[Annotated[int, Field(ge=0)]]
-    per_class_total: list[Annotated[int, Field(ge=0)]]
+    num_examples: int | None = Field(None, ge=1)
+    per_class_correct: list[Annotated[int, Field(ge=0)]] | None = None
+    per_class_total: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Whether the scores carry their counts (every institution but a DP one)."""
+        return self.num_examples is not None
 
     @model_validator(mode="after")
     def _consistent(self) -> Scored:
         correct, total = self.per_class_correct, self.per_class_total
+        if (self.num_examples, correct, total).count(None) not in (0, 3):
+            raise ValueError("the test-image count and the per-class counts come together or not at all")
+        if correct is None or total is None or self.num_examples is None:
+            return self
         if len(correct) != len(total):
             raise ValueError(f"{len(correct)} per-class correct counts for {len(total)} classes")
         if any(c > t for c, t in zip(correct, total, strict=True)):
@@ -202,10 +215,15 @@ class RunResults(_Part):
 
 
 def weighted_mean(per_client: Mapping[str, Scored | Unscored]) -> float:
-    """Example-weighted mean accuracy over the institutions that scored the classifier."""
-    scored = [s for s in per_client.values() if isinstance(s, Scored) and s.num_examples]
-    total = sum(s.num_examples for s in scored)
-    return sum(s.accuracy * s.num_examples for s in scored) / total if total else math.nan
+    """Mean accuracy over the institutions that scored the classifier, weighted by their test
+    images; the plain mean where one sent its accuracy alone (a DP run's institutions)."""
+    scored = [s for s in per_client.values() if isinstance(s, Scored)]
+    if not scored:
+        return math.nan
+    if not all(s.counted for s in scored):
+        return math.fsum(s.accuracy for s in scored) / len(scored)
+    total = sum(s.num_examples or 0 for s in scored)
+    return sum(s.accuracy * (s.num_examples or 0) for s in scored) / total
 
 
 def write(results: RunResults, target: str | Path) -> Path:

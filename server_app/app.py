@@ -317,7 +317,8 @@ def _evaluate_at_institutions(
     if not _at_institutions(cfg) or GLOBAL not in models or not folder.classifier.exists():
         return None
     started = time.perf_counter()
-    bounds = ScoreBounds(len(dataset.class_names(cfg.data)), cfg.max_images_per_client)
+    private = methods.create_for(cfg).settings.private  # its institutions send accuracy alone
+    bounds = ScoreBounds(len(dataset.class_names(cfg.data)), cfg.max_images_per_client, private)
     per_client = strategy.evaluate_at_institutions(
         grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
         timeout=cfg.reply_timeout_s, bounds=bounds,

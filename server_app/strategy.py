@@ -327,10 +327,13 @@ class OneShotStrategy(Strategy):
 @dataclass(frozen=True)
 class ScoreBounds:
     """What an institution's scores can be: one count per server class, and no more held-out
-    images than run config max-images-per-client lets an institution hold."""
+    images than run config max-images-per-client lets an institution hold; under a DP upload
+    (``private``) the accuracy alone, which elsewhere is refused (it would change the mean's
+    weights)."""
 
     classes: int
     max_examples: int
+    private: bool = False
 
 
 def _scores(reply: Message, bounds: ScoreBounds) -> Scored | Unscored:
@@ -349,9 +352,11 @@ def _scores(reply: Message, bounds: ScoreBounds) -> Scored | Unscored:
             for e in err.errors()
         )  # fmt: skip
         return Unscored(reason=f"its scores are malformed ({problems})")
-    if len(score.per_class_total) != bounds.classes:
-        return Unscored(reason=f"its scores count {len(score.per_class_total)} classes, not the server's {bounds.classes}")
-    if score.num_examples > bounds.max_examples:
+    if not score.counted:
+        return score if bounds.private else Unscored(reason="its scores carry no counts (only a DP run's may)")
+    if len(score.per_class_total or ()) != bounds.classes:
+        return Unscored(reason=f"its scores count {len(score.per_class_total or ())} classes, not the server's {bounds.classes}")
+    if (score.num_examples or 0) > bounds.max_examples:
         return Unscored(reason=f"its scores claim {score.num_examples} held-out images, more than "
                                f"max-images-per-client {bounds.max_examples}")  # fmt: skip
     return score

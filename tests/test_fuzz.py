@@ -410,7 +410,7 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
     assert scores["a"] == Scored(accuracy=0.5, num_examples=4, per_class_correct=[1, 1],
                                  per_class_total=[2, 2])  # fmt: skip
     assert isinstance(scores["b"], Unscored) and "accuracy: " in scores["b"].reason
-    assert isinstance(scores["c"], Unscored) and "num-examples: Field required" in scores["c"].reason
+    assert isinstance(scores["c"], Unscored) and "together or not at all" in scores["c"].reason
     for client, (_, reason) in inconsistent.items():
         assert isinstance(scores[client], Unscored) and reason in scores[client].reason, scores[client]
     assert Evaluation.of("clients", scores).weighted_mean == 0.5, "only the consistent score counts"

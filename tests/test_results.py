@@ -94,7 +94,7 @@ def test_clients_json_holds_what_metrics_json_holds(tmp_path: Path) -> None:
         (lambda m: m.update({"started-unix": 1.0}), "started-unix"),
         (lambda m: m.update(status="running"), "status"),
         (lambda m: m["accuracy"].update(mean="high"), "accuracy.mean"),
-        (lambda m: m["evaluation"]["per_client"]["sketch-0"].pop("num_examples"), "num_examples"),
+        (lambda m: m["evaluation"]["per_client"]["sketch-0"].pop("num_examples"), "per_client.sketch-0"),
         (lambda m: m.pop("config"), "config"),
     ],
     ids=["old phase spelling", "old key spelling", "unknown status", "wrong type",

@@ -89,10 +89,11 @@ def institution_upload(
     started = time.perf_counter()
     data = dataset.institution_data(cfg.data, node)
     if len(data) > cfg.max_images_per_client:  # the server would refuse the upload: fail before the work
+        log.error("[%s] holds %d private images", data.client_id, len(data))  # its count stays here
         raise DataError(
-            f"{data.client_id} holds {len(data)} private images, above the run's max-images-per-client "
-            f"{cfg.max_images_per_client}: the server refuses an upload that stands for more (ask its "
-            "operator to raise it, or hold fewer images)"
+            f"{data.client_id} holds more private images than the run's max-images-per-client "
+            f"{cfg.max_images_per_client} (counted in its own log): the server refuses an upload that "
+            "stands for more (ask its operator to raise it, or hold fewer images)"
         )
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
