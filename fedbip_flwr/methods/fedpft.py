@@ -354,19 +354,28 @@ def train_head(
     features: torch.Tensor, labels: torch.Tensor, num_classes: int, own: FedPFTSettings,
     seed: int, device: torch.device | str = "cpu",
 ) -> nn.Linear:  # fmt: skip
-    """``nn.Linear(D, C)`` trained with AdamW and cross-entropy on (``features``, ``labels``),
-    ``head-epochs`` over them in batches of ``head-batch-size``; initialised and shuffled from
-    ``seed`` alone."""
+    """``nn.Linear(D, C)`` initialised from ``seed`` and trained by :func:`fit_head` for
+    ``head-epochs``; initialised and shuffled from ``seed`` alone."""
     generator = torch.Generator().manual_seed(seed)
     head = nn.Linear(features.shape[1], num_classes)
     bound = 1 / math.sqrt(features.shape[1])  # nn.Linear's own init, from this generator
     with torch.no_grad():
         head.weight.uniform_(-bound, bound, generator=generator)
         head.bias.uniform_(-bound, bound, generator=generator)
+    return fit_head(head, features, labels, own.head_epochs, own, generator, device)
+
+
+def fit_head(
+    head: nn.Linear, features: torch.Tensor, labels: torch.Tensor, epochs: int, own: FedPFTSettings,
+    generator: torch.Generator, device: torch.device | str = "cpu",
+) -> nn.Linear:  # fmt: skip
+    """``head`` trained in place from where it stands: AdamW at ``head-lr``, cross-entropy,
+    ``epochs`` over (``features``, ``labels``) in batches of ``head-batch-size`` shuffled by
+    ``generator``. FedPFT's server and FedAvg's head-only clients both train with it."""
     head.to(device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=own.head_lr)
     x, y = features.to(device), labels.to(device)
-    for _ in range(own.head_epochs if len(y) else 0):
+    for _ in range(epochs if len(y) else 0):
         for rows in torch.randperm(len(y), generator=generator).split(own.head_batch_size):
             rows = rows.to(device)
             loss = F.cross_entropy(head(x[rows]), y[rows])
