@@ -99,7 +99,10 @@ class LDM:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LDM:
         for module in (self.vae, self.unet, self.text_encoder):
-            module.to(device=device, dtype=dtype)
+            # a dtype the module already has is not passed: diffusers warns on any dtype given
+            # to to() ("modules ... should be kept in float32: []"), even where none must be
+            cast = dtype is not None and dtype != module.dtype
+            module.to(device=device, **({"dtype": dtype} if cast else {}))
         return self
 
     def save(self, folder: str | Path) -> Path:

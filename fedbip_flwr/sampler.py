@@ -20,6 +20,7 @@ The payload records the scheduler and T; the server refuses an upload noised for
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
@@ -89,7 +90,11 @@ class Sampler:
     def _fresh(self) -> SchedulerMixin:
         """A copy of the scheduler with this step count's timesteps set, ready to step."""
         scheduler = copy.deepcopy(self.scheduler)
-        scheduler.set_timesteps(self.num_inference_steps)
+        with warnings.catch_warnings():
+            # diffusers' UniPC calls np.array() on a torch tensor, which numpy 2 warns about
+            # (torch's __array__ takes no copy keyword); the values are the same either way
+            warnings.filterwarnings("ignore", r"__array__ implementation doesn't accept a copy keyword", DeprecationWarning)
+            scheduler.set_timesteps(self.num_inference_steps)
         return scheduler
 
     def first_timestep(self, requested: int = 0) -> int:
