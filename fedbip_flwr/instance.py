@@ -70,7 +70,8 @@ class InstanceLatents:
     """What instance-level personalization produces; z0 is kept for concept learning.
 
     ``zT`` holds ``draws`` independent z(T) per image (each its own partner, gamma and
-    noise), draw by draw: row ``k * N + i`` comes from image ``i``.
+    noise), draw by draw: row ``k * N + i`` comes from image ``i`` (uploaded in
+    :func:`upload_order`, which hides that).
     """
 
     z0: torch.Tensor
@@ -84,6 +85,16 @@ class InstanceLatents:
     def zT_labels(self) -> torch.Tensor:
         """The label of every row of ``zT`` (what the payload's labels are)."""
         return self.labels.repeat(len(self.zT) // len(self.labels))
+
+
+def upload_order(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """The order z(T) rows are uploaded in: upload row j is row ``order[j]`` of
+    :class:`InstanceLatents`. A uniform permutation, so the server cannot tell which rows come
+    from one image (in draw order it could average an image's K rows, cutting their noise by
+    sqrt(K), before testing a candidate against them). Drawn first from the client's generator,
+    so a run that lets the server replay that generator (``replayable-client-noise``, the
+    benchmark's oracle measurements) can replay the order too, and nothing else can."""
+    return torch.randperm(rows, generator=generator)
 
 
 def personalize_instances(

@@ -56,10 +56,12 @@ from fedbip_flwr.classifier import (
     load_classifier_bytes,
 )
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.instance import upload_order
 from fedbip_flwr.paths import project_dir, resolve
 from fedbip_flwr.results import SENT_SECONDS
 from fedbip_flwr.results import read as read_results
 from fedbip_flwr.sampler import Sampler
+from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.viz import image_grid
@@ -140,6 +142,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("Central", {"method": "central"}),
     Variant("Local", {"method": "local"}, sized=local_budget),
     Variant("FedAvg", {"method": "fedavg"}, sized=fedavg_budget),
+    # the Flower FedPFT baseline's comparison: FedAvg of a linear head on FedPFT's frozen encoder
+    Variant("FedAvg-head", {"method": "fedavg", "fedavg.part": "head"}, sized=fedavg_budget),
     Variant("Prompts-only", {"method": "prompts-only"}),
     Variant("OSCAR", {"method": "oscar"}),
     Variant("FedLMG-FT", {"method": "fedlmg", "fedlmg.global": "ft"}, sized=fedlmg_budget),
@@ -316,8 +320,9 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         outcomes = [c for c in record.clients if c.status in ("accepted", "kept")]
         result["upload_bytes"] = {c.client_id: c.payload_bytes for c in outcomes}
         result["client_seconds"] = {c.client_id: (c.metrics or {}).get(SENT_SECONDS) for c in outcomes}
-    else:  # FedAvg: the global weights go up from every client each round
-        weights = sum(t.numel() * t.element_size() for t in load_classifier(folder, cfg).state_dict().values())
+    else:  # FedAvg: what it federates (the whole model, or the head) goes up from every client each round
+        sent = methods.create_for(cfg).federated(load_classifier(folder, cfg)).state_dict()
+        weights = sum(t.numel() * t.element_size() for t in sent.values())
         result["upload_bytes"] = {"every client": weights * cfg.settings_of("fedavg").rounds}
         result["fedavg_rounds"] = cfg.settings_of("fedavg").rounds
     clients = client_sets(cfg)
@@ -426,27 +431,45 @@ def membership_inference(
 
 def reconstructs_images(cfg: FedBiPConfig) -> bool:
     """Whether the server's synthetic rows are its reconstructions of given private images:
-    FedBiP denoising uploaded z(T), whose row k * N + i comes from private image i."""
+    FedBiP denoising uploaded z(T), each row from one private image."""
     return cfg.method == "fedbip" and cfg.synthesis_start == "uploaded"
+
+
+def row_sources(client_id: str, n: int, cfg: FedBiPConfig, rows: int) -> torch.Tensor:
+    """Which of its ``n`` private images each of a client's ``rows`` synthetic images comes from: pass p's
+    image j is denoised from upload row j, which is drawn row ``order[j]``
+    (:func:`~fedbip_flwr.instance.upload_order`), from image ``order[j] % N``. The order is
+    replayed from the client's generator, which the benchmark's ``replayable-client-noise``
+    lets it do (an oracle: a server without that flag cannot)."""
+    if not cfg.replayable_client_noise:
+        raise ValueError("the server's reconstructions are matched to their images by replaying the "
+                         "client's upload order: the run needs replayable-client-noise")  # fmt: skip
+    uploaded = n * cfg.latents_per_image
+    if rows % uploaded:
+        raise ValueError(f"{client_id}: {rows} synthetic images are not whole passes over {uploaded} z(T)")
+    generator = torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
+    return (upload_order(uploaded, generator) % n).repeat(rows // uploaded)
 
 
 def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConfig) -> dict[str, float]:
     """The server's reconstructions of each of the client's N private images scored by PSNR and
     SSIM against that image and, as the baseline of knowing only the class, against an image of
     the same class no client holds (the shapes world's NON_MEMBER_CLIENT, in the same class
-    order). Two reconstructions: one image (its first N synthetic rows: the first z(T) of image
-    i, first pass), and the mean of all ``images_averaged`` images made from image i (keys
-    ``averaged_*``), which is what a server holding several z(T) or passes of an image can do."""
+    order). Two reconstructions: one image (the first synthetic image made from image i), and
+    the mean of all ``images_averaged`` images made from image i (keys ``averaged_*``), which is
+    what a server that knew which rows come from one image could do (:func:`row_sources`)."""
     n = len(client.images)
     size = client.images.shape[-1]
     unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
     if not torch.equal(unrelated.labels, client.labels):
         raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
     every = pixels_like(data[torch.arange(len(data))][0], client.images)
-    averaged = reconstruction_score(averaged_reconstructions(every, n), client.images, unrelated.images)
+    sources = row_sources(client.client_id, n, cfg, len(every))
+    first = torch.stack([every[(sources == i).nonzero()[0, 0]] for i in range(n)])
+    scored = reconstruction_score(averaged_reconstructions(every, sources, n), client.images, unrelated.images)
     return {
-        **asdict(reconstruction_score(every[:n], client.images, unrelated.images)),
-        **{f"averaged_{k}": v for k, v in asdict(averaged).items()},
+        **asdict(reconstruction_score(first, client.images, unrelated.images)),
+        **{f"averaged_{k}": v for k, v in asdict(scored).items()},
         "images_averaged": len(data) // n,
     }
 

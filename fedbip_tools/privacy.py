@@ -12,6 +12,9 @@ Three questions, each asked of what an outsider (or the server) ends up holding:
   reconstruction only counts as one where it beats that baseline.
 * **Does the global classifier remember its training images?** A loss-threshold membership
   attack (lower loss = member): AUC and true-positive rate at a low false-positive rate.
+* **Does the upload itself give away which images a client held?** The server holds every
+  client's z(T) rows and the base model's VAE: it encodes a candidate image and tests it against
+  the rows of its class (:func:`zT_membership`), before anything is synthesized.
 
 Images are float tensors (N, 3, H, W) in [-1, 1].
 """
@@ -223,14 +226,18 @@ def reconstruction_score(
     )
 
 
-def averaged_reconstructions(images: torch.Tensor, n: int) -> torch.Tensor:
-    """The mean of the server's images of each of ``n`` private images, where row ``j * n + i``
-    of ``images`` comes from private image i (every z(T) of it, every pass): what differs
-    between them (the partner, gamma, the noise, the pass's concept shift) averages out,
-    what they share (image i) does not."""
-    if n < 1 or len(images) % n:
-        raise ValueError(f"{len(images)} images are not whole sets of {n} private images")
-    return images.reshape(len(images) // n, n, *images.shape[1:]).float().mean(0)
+def averaged_reconstructions(images: torch.Tensor, sources: torch.Tensor, n: int) -> torch.Tensor:
+    """The mean of the server's images of each of ``n`` private images, where ``images[j]``
+    comes from private image ``sources[j]`` (every z(T) of it, every pass): what differs between
+    them (the partner, gamma, the noise, the pass's concept shift) averages out, what they share
+    (image i) does not. Every image needs at least one row."""
+    if sources.shape != (len(images),):
+        raise ValueError(f"{len(sources)} sources for {len(images)} images")
+    counts = torch.bincount(sources, minlength=n)
+    if len(counts) > n or not counts.all():
+        raise ValueError(f"the sources must name each of the {n} private images, and only them")
+    sums = torch.zeros(n, *images.shape[1:]).index_add_(0, sources, images.float())
+    return sums / counts.view(-1, *[1] * (images.dim() - 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,6 +268,234 @@ def loss_membership_inference(
     members = -torch.as_tensor(member_losses, dtype=torch.float64).flatten()
     non_members = -torch.as_tensor(non_member_losses, dtype=torch.float64).flatten()
     auc, stderr = _auc_with_stderr(members, non_members)
+    return LossAttackResult(auc, stderr, tpr_at_fpr(members, non_members, max_fpr), max_fpr)
+
+
+def tpr_at_fpr(
+    member_scores: torch.Tensor | Sequence[float],
+    non_member_scores: torch.Tensor | Sequence[float],
+    fpr: float = LOW_FPR,
+) -> float:
+    """The true-positive rate of the best threshold (higher score = member) whose false-positive
+    rate is at most ``fpr``: an operating point the attacker can actually pick, not an
+    interpolation between two. Every threshold is kept (``drop_intermediate=False``): dropped
+    collinear points can be exactly that threshold. With n non-members, an ``fpr`` below 1/n
+    allows no false positive at all."""
+    members = torch.as_tensor(member_scores, dtype=torch.float64).flatten()
+    non_members = torch.as_tensor(non_member_scores, dtype=torch.float64).flatten()
+    if not len(members) or not len(non_members):
+        raise ValueError("membership needs at least one member and one non-member")
     labels = [1] * len(members) + [0] * len(non_members)
-    fpr, tpr, _ = roc_curve(labels, torch.cat([members, non_members]).numpy(), drop_intermediate=False)
-    return LossAttackResult(auc, stderr, float(tpr[fpr <= max_fpr].max()), max_fpr)
+    rates, tpr, _ = roc_curve(labels, torch.cat([members, non_members]).numpy(), drop_intermediate=False)
+    return float(tpr[rates <= fpr].max())
+
+
+# --------------------------------------------------------------------------------------------
+# membership inference on the z(T) upload (the server, before any synthesis)
+# --------------------------------------------------------------------------------------------
+ZTStatistic = Literal["likelihood-ratio", "max-correlation"]
+
+
+def class_means(latents: torch.Tensor, labels: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The mean latent of every label present (float64, flattened)."""
+    return {int(y): latents[labels == y].double().flatten(1).mean(0) for y in labels.unique()}
+
+
+@dataclass(frozen=True)
+class LatentReference:
+    """What the server learns from reference latents it encoded itself (public images of the
+    domain and classes, none of them a candidate): each class's centre, and the class-centred
+    latents pooled over classes, scaled so that ``spread.T @ spread`` is the within-class
+    covariance (rank at most the reference's size less its classes)."""
+
+    centres: dict[int, torch.Tensor]
+    spread: torch.Tensor  # (references, values)
+
+    @classmethod
+    def of(cls, latents: torch.Tensor, labels: torch.Tensor) -> LatentReference:
+        centres = class_means(latents, labels)
+        flat = latents.double().flatten(1)
+        centred = flat - torch.stack([centres[int(y)] for y in labels])
+        dof = max(1, len(flat) - len(centres))
+        return cls(centres, centred / math.sqrt(dof))
+
+
+def group_rows(
+    rows: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mean of each group's rows, its label and its row count, groups in ascending id.
+    A group is what an oracle (or an upload in image order) says are one image's rows: their
+    independent noise averages down by sqrt(count), the image they share does not."""
+    if len(groups) != len(rows) or len(labels) != len(rows):
+        raise ValueError(f"{len(rows)} rows, {len(labels)} labels and {len(groups)} group ids")
+    ids, index, counts = groups.unique(return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(ids), *rows.shape[1:], dtype=torch.float64).index_add_(0, index, rows.double())
+    group_labels = torch.full((len(ids),), -1, dtype=labels.dtype).scatter_(0, index, labels)
+    if (group_labels[index] != labels).any():
+        raise ValueError("a group mixes rows of different labels")
+    return sums / counts.view(-1, *[1] * (rows.dim() - 1)), group_labels, counts
+
+
+def zT_membership_scores(
+    candidate_latents: torch.Tensor,
+    candidate_labels: torch.Tensor,
+    upload_rows: torch.Tensor,
+    upload_labels: torch.Tensor,
+    *,
+    signal_scale: float,
+    reference: LatentReference | None = None,
+    groups: torch.Tensor | None = None,
+    latents_per_image: int = 1,
+    gamma_mean: float = 0.5,
+    gamma_std: float = 0.1,
+    statistic: ZTStatistic = "likelihood-ratio",
+    whiten: bool = True,
+) -> torch.Tensor:
+    """Membership scores (higher = member) of candidate latents z(0) against a z(T) upload.
+
+    Every upload row is ``r = a (g z_i + (1 - g) z_i') + s eps`` (``a = signal_scale`` =
+    sqrt(abar_T), ``s = sqrt(1 - a^2)``, g ~ N(``gamma_mean``, ``gamma_std``^2), i' a
+    same-class partner). The candidate's latent centred by its class's centre is ``u = c - m``,
+    a row centred likewise ``v = r - a m``. A row that does not carry the candidate is
+    ``v ~ N(0, S)``, ``S = s^2 I + a^2 k C`` (C the within-class covariance of latents,
+    k = E[g^2 + (1 - g)^2]); one that carries it, as image or as partner (g and 1 - g are both
+    ~``gamma_mean``), has mean ``gamma_mean a u``. The matched filter ``w = S^-1 u`` gives
+    ``t = <w, v> / sqrt(u' S^-1 u)``: N(0, 1), or N(mu, 1) with
+    ``mu = gamma_mean a sqrt(u' S^-1 u)``, and a row's log likelihood ratio (it carries the
+    candidate / it does not) ``x = mu t - mu^2 / 2``. The eps part of S is white; the other
+    images' part, a^2 k C, is small per value at T near 1000 but not along the few directions
+    in which images of a class vary most, where it is of the order of s^2 once latents are
+    large (4x64x64): ``whiten`` (with a ``reference``) takes C from the reference's spread
+    (Woodbury: an n x n solve). Without it, S = sigma^2 I with sigma the class's centred rows'
+    spread per value.
+
+    ``statistic``:
+
+    * ``"max-correlation"``: the largest cosine between u and the class's v (the first
+      measurement's test, never whitened); with ``groups``, each group's rows averaged first.
+    * ``"likelihood-ratio"`` (default): the log likelihood ratio of "the candidate is one of the
+      client's images". Rows as given (order unknown): each row of the class carries it
+      independently with probability p = 2 / n (n = rows of the class / ``latents_per_image``
+      images; per draw a member is one row's image and, on average, one row's partner), so the
+      score is ``sum_r log(1 - p + p e^x_r)``: it adds up every row that carries the candidate,
+      where the max keeps one, and weighs candidates by the signal mu their own u promises.
+      With ``groups`` (one id per row: rows known to be one image's, an oracle or an upload in
+      image order): the candidate is the image of exactly one of the class's n groups (its
+      rows' x summed: the averaged rows' matched filter) and the partner of any other row with
+      probability q = 1 / (n - 1): ``log((1/n) sum_j exp(X_j - P_j)) + P``, with X_j the sum
+      of group j's x, P_j of its rows' ``log(1 - q + q e^x)``, P of every row's. The order
+      then only ever adds to what the rows as given tell.
+
+    ``reference``: the server's class centres and spread (:meth:`LatentReference.of`); without
+    it, a class is centred by its upload rows' mean over ``a``, whose noise s / (a sqrt(M)) per
+    value swamps the centre at T near 1000. ``latents_per_image`` (K, a public run setting) is
+    only read for the rows as given.
+    """
+    if candidate_latents.shape[1:] != upload_rows.shape[1:]:
+        raise ValueError(
+            f"candidates {tuple(candidate_latents.shape[1:])} and rows {tuple(upload_rows.shape[1:])} differ in shape"
+        )
+    if not 0 < signal_scale <= 1:
+        raise ValueError(f"signal_scale is sqrt(abar_T), in (0, 1]; got {signal_scale}")
+    if latents_per_image < 1:
+        raise ValueError(f"latents_per_image must be >= 1, got {latents_per_image}")
+    if statistic not in ("likelihood-ratio", "max-correlation"):
+        raise ValueError(f"unknown statistic {statistic!r}")
+    if groups is not None and len(groups) != len(upload_rows):
+        raise ValueError(f"{len(groups)} group ids for {len(upload_rows)} rows")
+    a = signal_scale
+    candidates = candidate_latents.double().flatten(1)
+    rows = upload_rows.double().flatten(1)
+    noise = _row_noise(a, gamma_mean, gamma_std, reference) if whiten and reference is not None else None
+    scores = torch.empty(len(candidates), dtype=torch.float64)
+    for y in candidate_labels.unique().tolist():
+        mine, theirs = candidate_labels == y, upload_labels == y
+        if not theirs.any():
+            raise ValueError(f"the upload holds no row of class {y}")
+        centre = reference.centres[y] if reference is not None else rows[theirs].mean(0) / a
+        u = candidates[mine] - centre
+        v = rows[theirs] - a * centre
+        class_groups = groups[theirs] if groups is not None else None
+        tiny = torch.finfo(torch.float64).tiny
+        if statistic == "max-correlation":
+            if class_groups is not None:
+                v = group_rows(v, torch.zeros(len(v), dtype=torch.long), class_groups)[0]
+            scores[mine] = (F.normalize(u, dim=1, eps=tiny) @ F.normalize(v, dim=1).T).amax(dim=1)
+            continue
+        if noise is None:
+            w = u / v.square().mean()  # S = sigma^2 I
+        else:
+            w = noise(u)
+        energy = (u * w).sum(dim=1, keepdim=True).clamp_min(tiny)  # u' S^-1 u
+        mu = gamma_mean * a * energy.sqrt()
+        x = mu * (w @ v.T) / energy.sqrt() - mu.square() / 2  # (candidates, rows)
+        if class_groups is None:
+            scores[mine] = _carried(x, 2 * latents_per_image / len(v)).sum(dim=1)
+            continue
+        ids, index = class_groups.unique(return_inverse=True)
+        n = len(ids)
+        partner = _carried(x, 1 / (n - 1)) if n > 1 else torch.zeros_like(x)
+        per_group = torch.zeros(len(x), n, dtype=torch.float64)
+        per_group.index_add_(1, index, x - partner)
+        scores[mine] = per_group.logsumexp(dim=1) - math.log(n) + partner.sum(dim=1)
+    return scores
+
+
+def _row_noise(
+    a: float, gamma_mean: float, gamma_std: float, reference: LatentReference
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """u -> S^-1 u for S = s^2 I + a^2 k R'R (R the reference's spread), by Woodbury:
+    S^-1 = (I - R' (s^2 / (a^2 k) I + R R')^-1 R) / s^2."""
+    s2 = 1 - a * a
+    k = gamma_mean**2 + (1 - gamma_mean) ** 2 + 2 * gamma_std**2
+    spread = reference.spread
+    if s2 <= 0:  # no noise at all: the images' spread is all there is
+        s2 = torch.finfo(torch.float64).eps * float(spread.square().sum(1).mean())
+    inner = torch.eye(len(spread), dtype=torch.float64) * (s2 / (a * a * k)) + spread @ spread.T
+    factor = torch.linalg.cholesky(inner)
+
+    def solve(u: torch.Tensor) -> torch.Tensor:
+        return (u - torch.cholesky_solve(spread @ u.T, factor).T @ spread) / s2
+
+    return solve
+
+
+def _carried(x: torch.Tensor, p: float) -> torch.Tensor:
+    """log(1 - p + p e^x): a row's log likelihood ratio where it carries the candidate with
+    probability p (x: its log likelihood ratio if it surely does), without overflow."""
+    if p >= 1:
+        return x
+    return torch.logaddexp(torch.full_like(x, math.log1p(-p)), math.log(p) + x)
+
+
+@dataclass(frozen=True)
+class ZTAttackResult:
+    """A z(T) membership test's AUC (0.5: nothing leaks), its standard error, and the
+    true-positive rate at false-positive rate at most ``max_fpr``."""
+
+    statistic: str
+    grouped: bool
+    auc: float
+    auc_stderr: float
+    tpr_at_max_fpr: float
+    max_fpr: float
+    member_scores: torch.Tensor
+    non_member_scores: torch.Tensor
+
+    def summary(self) -> dict[str, float | str | bool]:
+        return {"statistic": self.statistic, "grouped": self.grouped, "auc": self.auc,
+                "auc_stderr": self.auc_stderr, "tpr_at_max_fpr": self.tpr_at_max_fpr,
+                "max_fpr": self.max_fpr, "members": len(self.member_scores),
+                "non_members": len(self.non_member_scores)}  # fmt: skip
+
+
+def zT_membership(
+    member_scores: torch.Tensor, non_member_scores: torch.Tensor, *, statistic: str = "likelihood-ratio",
+    grouped: bool = False, max_fpr: float = LOW_FPR,
+) -> ZTAttackResult:
+    """AUC (Hanley-McNeil standard error) and TPR at ``max_fpr`` of scores from
+    :func:`zT_membership_scores`, members' and non-members' (pooled over uploads as wished)."""
+    members, non_members = member_scores.double().flatten(), non_member_scores.double().flatten()
+    auc, stderr = _auc_with_stderr(members, non_members)
+    tpr = tpr_at_fpr(members, non_members, max_fpr)
+    return ZTAttackResult(statistic, grouped, auc, stderr, tpr, max_fpr, members, non_members)

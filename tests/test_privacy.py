@@ -14,10 +14,11 @@ import torch
 
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
-from fedbip_flwr.instance import encode_images, pick_partners, sample_gammas
+from fedbip_flwr.instance import encode_images, pick_partners, sample_gammas, upload_order
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import Payload
 from fedbip_flwr.seeds import client_generator, client_seed
+from fedbip_tools.benchmark import row_sources
 
 CLIENT = "sketch-0"
 
@@ -25,7 +26,9 @@ CLIENT = "sketch-0"
 def replay_attack(payload: Payload, cfg: FedBiPConfig, alphas_cumprod: torch.Tensor) -> torch.Tensor:
     """The server's estimate of every z_i(0), from the payload and the run config alone."""
     generator = torch.Generator().manual_seed(client_seed(cfg.seed, payload.meta.client_id))
-    labels, z_t = payload.labels, payload.latents.float()
+    order = upload_order(len(payload.labels), generator)
+    labels, z_t = torch.empty_like(payload.labels), torch.empty_like(payload.latents.float())
+    labels[order], z_t[order] = payload.labels, payload.latents.float()  # the rows as drawn
     partners = pick_partners(labels, generator)
     gammas = sample_gammas(len(labels), cfg.gamma_mean, cfg.gamma_std, generator)
     noise = torch.randn(z_t.shape, generator=generator)
@@ -97,24 +100,40 @@ def test_default_noise_is_fresh_on_every_upload_and_no_seed_travels(tiny_ldm, cl
     assert not any("seed" in field for field in first.meta.model_dump())
 
 
-def averaging_attack(payload: Payload, draws: int, alphas_cumprod: torch.Tensor) -> torch.Tensor:
-    """With ``latents-per-image = k`` the server knows which k rows come from one image (row
-    ``j * N + i``): their mean halves the noise's variance per doubling of k, and divided by
-    sqrt(abar_T) it is its best guess of the image's latent without the client's noise."""
-    views = payload.latents.float().view(draws, -1, *payload.latents.shape[1:])
-    abar = alphas_cumprod[payload.meta.timestep]
-    return views.mean(0) / abar.sqrt()
+def identified(estimates: torch.Tensor, truth: torch.Tensor) -> float:
+    """The share of images whose estimate correlates best with their own latent (both centred
+    on their set's mean: the scale sqrt(abar_T) and what all images share drop out)."""
+    a, b = (x.flatten(1) - x.flatten(1).mean(0) for x in (estimates, truth))
+    best = (torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T).argmax(1)
+    return float((best == torch.arange(len(truth))).float().mean())
 
 
-def test_averaging_the_k_z_T_of_one_image_does_not_reveal_it(tiny_ldm, client_images):
-    """Independent z(T) per image are k noised views of one private
-    latent; at the default start timestep their mean is still dominated by the noise."""
+def test_the_upload_gives_away_no_order(tiny_ldm, client_images):
+    """With k z(T) per image, a server that knew which k rows come from one image could average
+    them before testing a candidate. The rows are uploaded in a random order: at a T low enough
+    that averaging the right rows identifies every image, averaging rows by their position
+    (all a server without the client's generator can do) identifies few."""
+    draws, seed = 5, 1234
+    cfg = config(latents_per_image=draws, start_timestep=5, num_inference_steps=200)
+    payload = upload(tiny_ldm, client_images, cfg, NodeConfig(seed=seed))
     truth = encode_images(tiny_ldm.vae, client_images[0])
-    errors = {}
-    for draws in (1, 2, 5):
-        cfg = config(latents_per_image=draws, num_inference_steps=FedBiPConfig().num_inference_steps)
-        payload = upload(tiny_ldm, client_images, cfg, NodeConfig())
-        errors[draws] = relative_error(averaging_attack(payload, draws, tiny_ldm.scheduler.alphas_cumprod), truth)
-    print(f"averaging attack, relative error by z(T) per image: {errors}")
-    assert errors[1] > errors[2] > errors[5], "more views, less noise: the attack is real"
-    assert errors[5] > 1.0, "five views of one image gave away its latent"
+    n, rows = len(truth), payload.latents.float()
+    source = upload_order(len(rows), torch.Generator().manual_seed(seed)) % n  # replayed with the seed
+    grouped = torch.stack([rows[source == i].mean(0) for i in range(n)])
+    by_position = rows.view(draws, n, *rows.shape[1:]).mean(0)
+
+    assert identified(grouped, truth) >= 0.9, "the right rows identify their image at this T"
+    assert identified(by_position, truth) <= 0.3, "rows in draw order: the order gave images away"
+
+
+def test_the_benchmarks_oracle_replays_the_upload_order(tiny_ldm, client_images):
+    """Under replayable-client-noise the benchmark matches each row to its image (its
+    reconstruction scores need it): at a low T the rows it assigns to an image identify it."""
+    cfg = config(latents_per_image=3, start_timestep=5, num_inference_steps=200, replayable_client_noise=True)
+    payload = upload(tiny_ldm, client_images, cfg, NodeConfig())
+    truth = encode_images(tiny_ldm.vae, client_images[0])
+    rows = payload.latents.float()
+    sources = row_sources(CLIENT, len(truth), cfg, 2 * len(rows))[: len(rows)]  # two passes: the first
+    assert torch.equal(torch.bincount(sources), torch.full((len(truth),), 3))
+    grouped = torch.stack([rows[sources == i].mean(0) for i in range(len(truth))])
+    assert identified(grouped, truth) >= 0.5, "a wrong order identifies about 1 in 24"

@@ -25,7 +25,7 @@ from ..clusters import cluster_images, public_encoder
 from ..concepts import DPSGD, LearnedConcepts, PromptLayout, learn_concepts, prompt_layout
 from ..config import FedBiPConfig
 from ..expectations import expectations
-from ..instance import personalize_instances
+from ..instance import personalize_instances, upload_order
 from ..ldm import LDM
 from ..payload import (
     TENSOR_NAMES,
@@ -86,6 +86,7 @@ def personalize(
     sampler = SynthesisSettings.from_config(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
     timestep = sampler.first_timestep(cfg.start_timestep)
 
+    order = upload_order(len(labels) * cfg.latents_per_image, generator)
     started = time.perf_counter()
     instances = personalize_instances(
         ldm.vae,
@@ -131,13 +132,13 @@ def personalize(
         class_clusters=clusters,
     )
     payload = Payload(
-        latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
-        labels=instances.zT_labels.to(torch.int64),
+        latents=instances.zT[order].to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
+        labels=instances.zT_labels[order].to(torch.int64),
         domain_concept=concepts.domain,
         class_concepts=concepts.classes,
         meta=meta,
         # each z(T) is denoised with its own image's sub-cluster's concept
-        latent_clusters=sub.repeat(cfg.latents_per_image) if clusters > 1 else None,
+        latent_clusters=sub.repeat(cfg.latents_per_image)[order] if clusters > 1 else None,
     )
     return payload, report
 

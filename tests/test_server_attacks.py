@@ -1,0 +1,241 @@
+"""The server's membership test on z(T) uploads (fedbip_tools.privacy.zT_membership_scores)
+against its definition, on synthetic latents run through the client's own instance step.
+
+Latents are drawn per class (a class mean plus independent per-image variation) and handed to
+:func:`fedbip_flwr.instance.personalize_instances` through an identity "VAE", with Stable
+Diffusion v1-x's noise schedule: the rows are exactly what a client uploads, only the encoder
+is left out (it is not what these tests are about). Checked at both ends, as in
+tests/test_privacy_measures.py: nothing to find (AUC within 3 standard errors of 0.5) and
+everything to find (large sqrt(abar), or no noise at all: AUC 1).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers import PNDMScheduler
+
+from fedbip_flwr.instance import InstanceLatents, personalize_instances
+from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
+from fedbip_tools.privacy import (
+    LatentReference,
+    _row_noise,
+    group_rows,
+    tpr_at_fpr,
+    zT_membership,
+    zT_membership_scores,
+)
+
+SHAPE = (4, 8, 8)  # 256 values per latent
+CLASSES = 3
+PER_CLASS = 16  # the default federation's shots per class
+SCHEDULE = PNDMScheduler(**SD_SCHEDULER_CONFIG)
+
+
+class IdentityVAE:
+    """What encode_images reads of a VAE, returning its input: "images" are latents here."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+    config = SimpleNamespace(scaling_factor=1.0)
+
+    def encode(self, batch: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(latent_dist=SimpleNamespace(mean=batch))
+
+
+def null_stderr(n1: int, n2: int) -> float:
+    """The exact standard error of the AUC when both groups are drawn alike (Mann-Whitney)."""
+    return math.sqrt((n1 + n2 + 1) / (12 * n1 * n2))
+
+
+def draw(means: torch.Tensor, per_class: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    labels = torch.arange(len(means)).repeat_interleave(per_class)
+    return means[labels] + torch.randn(len(labels), *SHAPE, generator=generator), labels
+
+
+def world(seed: int, shape: tuple[int, ...] = SHAPE) -> dict:
+    """Members, as many non-members, and the server's reference, all of the same classes."""
+    generator = torch.Generator().manual_seed(seed)
+    means = 0.5 * torch.randn(CLASSES, *shape, generator=generator)
+    members, labels = draw(means, PER_CLASS, generator)
+    non_members, non_labels = draw(means, PER_CLASS, generator)
+    others, _ = draw(means, PER_CLASS, generator)  # a client that holds none of the members
+    reference, reference_labels = draw(means, 30, generator)
+    return {"members": members, "labels": labels, "non_members": non_members, "non_labels": non_labels,
+            "others": others, "reference": LatentReference.of(reference, reference_labels)}  # fmt: skip
+
+
+def upload(members: torch.Tensor, labels: torch.Tensor, timestep: int, draws: int, seed: int = 0) -> InstanceLatents:
+    return personalize_instances(
+        IdentityVAE(), SCHEDULE, members, labels, timestep, draws=draws,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def sqrt_abar(timestep: int) -> float:
+    return float(SCHEDULE.alphas_cumprod[timestep].sqrt())
+
+
+def run(seeds, timestep: int, draws: int, *, oracle: bool | str = False, rows_of_members: bool = True, **options):
+    """Members' and non-members' scores pooled over one client per seed (each scored against its
+    own client's upload). ``rows_of_members=False``: the upload is of other images of the same
+    classes, so the "members" are no more in it than the non-members."""
+    members, non_members = [], []
+    for seed in seeds:
+        w = world(seed)
+        uploaded = w["members"] if rows_of_members else w["others"]
+        inst = upload(uploaded, w["labels"], timestep, draws, seed)
+        groups = _image_of_row(len(inst.zT), len(w["labels"]), wrong=oracle == "wrong") if oracle else None
+        kwargs = {"signal_scale": sqrt_abar(timestep), "reference": w["reference"], "groups": groups,
+                  "latents_per_image": draws, **options}  # fmt: skip
+        members.append(zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs))
+        non_members.append(zT_membership_scores(w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs))
+    return torch.cat(members), torch.cat(non_members)
+
+
+def _image_of_row(rows: int, images: int, wrong: bool = False) -> torch.Tensor:
+    """The image of every row of a K-draw upload in the client's order (row k N + i: image i);
+    ``wrong``: draw k's row of image i put with image i + k of its class instead."""
+    image, draw_index = torch.arange(rows) % images, torch.arange(rows) // images
+    if not wrong:
+        return image
+    return image // PER_CLASS * PER_CLASS + (image % PER_CLASS + draw_index) % PER_CLASS
+
+
+# --- tpr_at_fpr ------------------------------------------------------------------------------------
+
+
+def test_tpr_at_fpr_on_known_scores() -> None:
+    members = torch.tensor([10.0, 9.0, 5.0, 0.5])
+    non_members = torch.arange(100, dtype=torch.float64) / 10  # 0.0 .. 9.9
+    # FPR <= 1 %: one false positive at most, so the threshold is 9.9: only 10.0 is above it
+    assert tpr_at_fpr(members, non_members, 0.01) == 0.25
+    # FPR <= 2 %: the threshold may be 9.8 (9.9 and 9.8 false): still only 10.0 is found
+    assert tpr_at_fpr(members, non_members, 0.02) == 0.25
+    # FPR <= 10 %: threshold 9.0 (9.0 .. 9.9 false, 10 of 100): 10.0 and 9.0 found
+    assert tpr_at_fpr(members, non_members, 0.10) == 0.5
+    assert tpr_at_fpr(members, non_members, 1.0) == 1.0
+    # separated sets: every member at FPR 0
+    assert tpr_at_fpr([5.0, 6.0], [1.0, 2.0, 3.0], 0.0) == 1.0
+    # FPR below 1 / n allows no false positive: members tied with the best non-member are not found
+    assert tpr_at_fpr([3.0, 3.0, 4.0], [3.0, 1.0], 0.4) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="at least one"):
+        tpr_at_fpr([], [1.0])
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+
+
+def test_group_rows_averages_each_images_rows() -> None:
+    rows = torch.arange(12, dtype=torch.float64).view(6, 2)
+    labels = torch.tensor([0, 1, 0, 0, 1, 0])
+    means, group_labels, counts = group_rows(rows, labels, torch.tensor([0, 1, 2, 0, 1, 2]))
+    torch.testing.assert_close(means, torch.tensor([[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], dtype=torch.float64))
+    assert group_labels.tolist() == [0, 1, 0] and counts.tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="mixes"):
+        group_rows(rows, labels, torch.tensor([0, 0, 1, 1, 2, 2]))
+
+
+def test_reference_spread_is_the_within_class_covariance_and_whitening_solves_it() -> None:
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(20, 3, 2, 2, generator=generator) + torch.arange(2).repeat(10).view(-1, 1, 1, 1)
+    labels = torch.arange(2).repeat(10)
+    reference = LatentReference.of(latents, labels)
+    flat = latents.double().flatten(1)
+    centred = torch.cat([flat[labels == y] - flat[labels == y].mean(0) for y in (0, 1)])
+    torch.testing.assert_close(reference.spread.T @ reference.spread, centred.T @ centred / (20 - 2))
+    # S^-1 u by Woodbury against a direct solve of S = s^2 I + a^2 k C
+    a, mean, std = 0.3, 0.5, 0.1
+    k = mean**2 + (1 - mean) ** 2 + 2 * std**2
+    covariance = (1 - a * a) * torch.eye(12, dtype=torch.float64) + a * a * k * centred.T @ centred / 18
+    u = torch.randn(5, 12, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(_row_noise(a, mean, std, reference)(u), torch.linalg.solve(covariance, u.T).T)
+
+
+def test_rows_statistic_ignores_the_order_of_the_rows() -> None:
+    w = world(0)
+    inst = upload(w["members"], w["labels"], 999, draws=2)
+    order = torch.randperm(len(inst.zT), generator=torch.Generator().manual_seed(1))
+    for statistic in ("likelihood-ratio", "max-correlation"):
+        kwargs = {"signal_scale": sqrt_abar(999), "reference": w["reference"], "latents_per_image": 2,
+                  "statistic": statistic}  # fmt: skip
+        as_given = zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs)
+        shuffled = zT_membership_scores(w["members"], w["labels"], inst.zT[order], inst.zT_labels[order], **kwargs)
+        torch.testing.assert_close(shuffled, as_given, rtol=1e-9, atol=1e-9)
+
+
+# --- the attack at both ends -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("statistic", ["likelihood-ratio", "max-correlation"])
+def test_positive_control_large_sqrt_abar_finds_the_members(statistic: str) -> None:
+    # T = 200: sqrt(abar) = 0.87, each row mostly its two images
+    members, non_members = run([0, 1], timestep=200, draws=1, statistic=statistic)
+    result = zT_membership(members, non_members, statistic=statistic)
+    assert result.auc > 0.99
+    assert result.tpr_at_max_fpr > 0.5
+    # the same scores with membership drawn at random: chance, within 3 standard errors
+    pooled = torch.cat([members, non_members])
+    order = torch.randperm(len(pooled), generator=torch.Generator().manual_seed(0))
+    shuffled = zT_membership(pooled[order[: len(members)]], pooled[order[len(members) :]])
+    assert shuffled.auc_stderr == pytest.approx(null_stderr(len(members), len(non_members)), rel=0.1)
+    assert abs(shuffled.auc - 0.5) < 3 * shuffled.auc_stderr
+
+
+def test_an_upload_of_other_images_gives_chance() -> None:
+    # the "members" are not in the upload (other images of their classes are): nothing to find,
+    # even at T = 200 where the rows are mostly image
+    members, non_members = run([0, 1, 2], timestep=200, draws=2, rows_of_members=False)
+    result = zT_membership(members, non_members)
+    assert abs(result.auc - 0.5) < 3 * result.auc_stderr
+
+
+@pytest.mark.parametrize("statistic", ["likelihood-ratio", "max-correlation"])
+def test_without_noise_the_attack_is_perfect(statistic: str) -> None:
+    # a schedule with no noise at all (every beta 0: sqrt(abar) = 1, sqrt(1 - abar) = 0): the
+    # client's rows are its mixes g z_i + (1 - g) z_i' exactly
+    noiseless = PNDMScheduler(num_train_timesteps=1000, trained_betas=[0.0] * 1000)
+    w = world(0)
+    inst = personalize_instances(IdentityVAE(), noiseless, w["members"], w["labels"], 999,
+                                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    g = inst.gammas.view(-1, 1, 1, 1)
+    torch.testing.assert_close(inst.zT, g * inst.z0 + (1 - g) * inst.z0[inst.partners])
+    kwargs = {"signal_scale": 1.0, "reference": w["reference"], "statistic": statistic}
+    members = zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs)
+    non_members = zT_membership_scores(w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs)
+    result = zT_membership(members, non_members)
+    assert result.auc == 1.0 and result.tpr_at_max_fpr == 1.0
+
+
+def test_oracle_grouping_beats_rows_as_given_at_k_above_one() -> None:
+    # T = 999 with K = 10 rows per image: averaging an image's rows cuts their noise by sqrt(10),
+    # where the best single row of the rows as given carries one row's worth
+    seeds = range(4)
+    rows = zT_membership(*run(seeds, 999, draws=10, statistic="max-correlation"))
+    oracle = zT_membership(*run(seeds, 999, draws=10, oracle=True, statistic="max-correlation"))
+    assert rows.auc < 0.7  # not saturated: there is room to improve
+    assert oracle.auc - rows.auc > 3 * math.hypot(rows.auc_stderr, oracle.auc_stderr)
+
+
+def test_likelihood_ratio_uses_the_grouping() -> None:
+    # The rows-as-given likelihood ratio already adds up every row that carries a member, so the
+    # order adds less to it (measured: 0.75 -> 0.78 here, 0.66 -> 0.69 on the 64 px shapes at
+    # K = 10); it must still add, and a wrong grouping (each group one row of each of K images
+    # of the class) must take it away.
+    seeds = range(12)
+    rows = zT_membership(*run(seeds, 999, draws=10))
+    oracle = zT_membership(*run(seeds, 999, draws=10, oracle=True))
+    wrong = zT_membership(*run(seeds, 999, draws=10, oracle="wrong"))
+    assert oracle.auc > rows.auc > wrong.auc
+    assert oracle.auc - wrong.auc > 2 * math.hypot(oracle.auc_stderr, wrong.auc_stderr)
+
+
+def test_whitening_is_no_worse_and_scores_are_finite_at_the_default() -> None:
+    seeds = range(4)
+    whitened = zT_membership(*run(seeds, 999, draws=2))
+    plain = zT_membership(*run(seeds, 999, draws=2, whiten=False))
+    for result in (whitened, plain):
+        assert torch.isfinite(result.member_scores).all() and torch.isfinite(result.non_member_scores).all()
+    assert whitened.auc > plain.auc - 2 * plain.auc_stderr
