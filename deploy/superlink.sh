@@ -6,7 +6,7 @@
 # CREDENTIALS_DIR holds ca.crt, server.pem and server.key (the superlink/ folder written by
 # deploy/make-credentials.sh, or the server's real certificate). --host is required: the one
 # port it opens carries the Fleet API (SuperNodes), the Runtime API (executors) and the Control
-# API (`flwr run`, `flwr supernode register`), which open-source Flower 1.41 does not
+# API (`flwr run`, `flwr supernode register`), which open-source Flower 1.42 does not
 # authenticate: whoever reaches the port and trusts its certificate can register a key or run
 # an app on every institution's SuperNode. So name the address deliberately: 127.0.0.1 when
 # everything runs on this host; otherwise the interface the institutions reach, with a firewall
@@ -45,7 +45,7 @@ case $host in
     echo "$0: warning: listening on every interface ($host); the unauthenticated Control API" \
       "shares this port, so a firewall must admit only the institutions and the operator" >&2 ;;
 esac
-# Set to 1, these internal variables of Flower 1.41 would also open its legacy gRPC Control and
+# Set to 1, these internal variables of Flower 1.42 would also open its legacy gRPC Control and
 # Fleet APIs on 0.0.0.0:9093 and 0.0.0.0:9092, whatever --host says.
 unset FLWR_INTERNAL_GRPC_CONTROL_API FLWR_INTERNAL_GRPC_FLEET_API
 exec flower-superlink \

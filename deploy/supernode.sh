@@ -9,10 +9,10 @@
 # match a name in the SuperLink certificate. NODE_CONFIG is what this node's ClientApp reads
 # from context.node_config, e.g. 'partition-id=0 data-root="/srv/fedbip/data"'.
 # Further options go to flower-supernode, e.g. --port 9094 (each SuperNode on one host needs
-# its own) or --isolation process. No --trusted-entities: in Flower 1.41 a SuperNode with them
+# its own) or --isolation process. No --trusted-entities: in Flower 1.42 a SuperNode with them
 # refuses every FAB not fetched from Flower Hub, this federation's own `flwr run .` included,
 # so any app the SuperLink accepts runs here; what guards that is who reaches the SuperLink's
-# Control API (docs/deployment.md, "What they cannot enforce with Flower 1.41").
+# Control API (docs/deployment.md, "What they cannot enforce with Flower 1.42").
 set -euo pipefail
 [[ $# -ge 3 ]] || {
   echo "usage: $0 CREDENTIALS_DIR SUPERLINK_ADDRESS NODE_CONFIG [flower-supernode options...]" >&2

@@ -6,9 +6,9 @@
 #
 # Builds, each only if podman does not have it as its recipe says:
 #   localhost/fedbip-debian:bookworm   Debian minbase with python3, made by debootstrap (root)
-#   localhost/flwr-local:1.41.0        stand-in for flwr/superlink, flwr/supernode and
-#                                      flwr/superexec 1.41.0 (docker/flwr-local.Dockerfile)
-#   localhost/flwr-local-torch:1.41.0  the same plus torch from local wheels, the executor's base
+#   localhost/flwr-local:1.42.0        stand-in for flwr/superlink, flwr/supernode and
+#                                      flwr/superexec 1.42.0 (docker/flwr-local.Dockerfile)
+#   localhost/flwr-local-torch:1.42.0  the same plus torch from local wheels, the executor's base
 #                                      (docker/local-torch.Dockerfile)
 # Each image carries the label fedbip.recipe: a hash of what made it (its Dockerfile or the
 # debootstrap command, the build arguments and the parent image's ID). An image whose label
@@ -28,8 +28,8 @@ wheel_dirs=${LOCAL_WHEEL_DIRS:-/opt/pypi/files /opt/pypi-more/files /opt/wheels}
 extra_wheels=${EXTRA_WHEELS:-cuda-bindings>=13.0.3,<14}
 pip_cert=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 debian=localhost/fedbip-debian:bookworm
-flwr=localhost/flwr-local:1.41.0
-torch=localhost/flwr-local-torch:1.41.0
+flwr=localhost/flwr-local:1.42.0
+torch=localhost/flwr-local-torch:1.42.0
 debootstrap_args=(--variant=minbase --include=python3,python3-venv,ca-certificates bookworm)
 
 for tool in podman debootstrap; do

@@ -3,7 +3,7 @@
 # the executor image never downloads the multi-GB torch stack. docker/local-images.sh mounts
 # the folders under /wheels. torch's CPU-only wheel cannot be paired with PyPI's torchvision
 # (whose ops need libtorch_cuda), so the regular CUDA build of both is used; it runs on CPU.
-ARG BASE_IMAGE=localhost/flwr-local:1.41.0
+ARG BASE_IMAGE=localhost/flwr-local:1.42.0
 FROM ${BASE_IMAGE}
 ARG TORCH_REQUIREMENTS="torch==2.14.1 torchvision==0.29.1"
 RUN links="" \

@@ -33,8 +33,8 @@ from tests.helpers import FLWR, ROOT, SMALL, as_run_config, free_port
 pytestmark = [pytest.mark.compose, pytest.mark.long(minutes=8)]
 
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
-FLOWER_STAND_IN = "localhost/flwr-local:1.41.0"
-EXECUTOR_BASE = "localhost/flwr-local-torch:1.41.0"
+FLOWER_STAND_IN = "localhost/flwr-local:1.42.0"
+EXECUTOR_BASE = "localhost/flwr-local-torch:1.42.0"
 PIP_CERT = "/etc/ssl/certs/ca-certificates.crt"
 BUILD_ARGS = "--network host --ulimit nofile=20000:20000 -v /etc/ssl/certs:/etc/ssl/certs:ro"
 EXECUTOR_IMAGE = "fedbip-flwr-superexec:0.1.0"  # built by compose (service "serverapp")
