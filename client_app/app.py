@@ -74,20 +74,31 @@ def train(msg: Message, context: Context) -> Message:
     cfg, node = configs(context)
     method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
-        return Message(content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg)
+        return Message(
+            content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg
+        )
     _, client_id = dataset.institution_identity(cfg.data, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return Message(content=skipped_content(client_id), reply_to=msg)
     ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    log.info("[%s] computing its upload (%s) with %d torch threads", client_id, cfg.method,
-             torch.get_num_threads())  # fmt: skip
+    log.info(
+        "[%s] computing its upload (%s) with %d torch threads",
+        client_id,
+        cfg.method,
+        torch.get_num_threads(),
+    )
     device = select_device(cfg.device)
     blob, metrics = institution_upload(cfg, node, ldm, device)
     if (released := release_cached_memory(device)) is not None:
-        log.info("[%s] CUDA memory reserved after the step: %.0f MiB, %.0f MiB once the cache was "
-                 "released (%.0f MiB allocated)", client_id, released[0] / 2**20, released[1] / 2**20,
-                 torch.cuda.memory_allocated(device) / 2**20)  # fmt: skip
+        log.info(
+            "[%s] CUDA memory reserved after the step: %.0f MiB, %.0f MiB once the cache was "
+            "released (%.0f MiB allocated)",
+            client_id,
+            released[0] / 2**20,
+            released[1] / 2**20,
+            torch.cuda.memory_allocated(device) / 2**20,
+        )
     log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
     return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
 
@@ -109,6 +120,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     scores = score_classifier(model, test, cfg.classifier_image_size, method.settings.private)
     kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
     atomic_write(kept, blob)
-    log.info("[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
-             client_id, scores[SENT_ACCURACY], len(test.labels), kept)
+    log.info(
+        "[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
+        client_id,
+        scores[SENT_ACCURACY],
+        len(test.labels),
+        kept,
+    )
     return Message(content=RecordDict({METRICS_RECORD: MetricRecord(scores)}), reply_to=msg)

@@ -103,13 +103,20 @@ class BlipCaptioner(Captioner):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             for start in range(0, len(pixels), self.BATCH_SIZE):
-                inputs = self.processor(images=pixels[start : start + self.BATCH_SIZE], return_tensors="pt")
+                inputs = self.processor(
+                    images=pixels[start : start + self.BATCH_SIZE], return_tensors="pt"
+                )
                 ids = self.model.generate(
                     pixel_values=inputs.pixel_values.to(device, self.model.dtype),
-                    do_sample=True, top_p=self.TOP_P, max_length=self.MAX_LENGTH,
-                    min_length=self.MIN_LENGTH, repetition_penalty=self.REPETITION_PENALTY,
-                )  # fmt: skip
-                captions += [c.strip() for c in self.processor.batch_decode(ids, skip_special_tokens=True)]
+                    do_sample=True,
+                    top_p=self.TOP_P,
+                    max_length=self.MAX_LENGTH,
+                    min_length=self.MIN_LENGTH,
+                    repetition_penalty=self.REPETITION_PENALTY,
+                )
+                captions += [
+                    c.strip() for c in self.processor.batch_decode(ids, skip_special_tokens=True)
+                ]
         return captions
 
 
@@ -151,9 +158,13 @@ class MiniatureCaptionNet(nn.Module):
         width = 3
         for channels in cfg.channels:
             layers += [
-                nn.Conv2d(width, channels, 3, stride=2, padding=1), nn.BatchNorm2d(channels), nn.SiLU(),
-                nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.SiLU(),
-            ]  # fmt: skip
+                nn.Conv2d(width, channels, 3, stride=2, padding=1),
+                nn.BatchNorm2d(channels),
+                nn.SiLU(),
+                nn.Conv2d(channels, channels, 3, padding=1),
+                nn.BatchNorm2d(channels),
+                nn.SiLU(),
+            ]
             width = channels
         self.encoder = nn.Sequential(*layers, MeanMaxPool(), nn.Linear(2 * width, cfg.hidden_dim))
         self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim)
@@ -164,8 +175,9 @@ class MiniatureCaptionNet(nn.Module):
         """(N, hidden) from images in [-1, 1] at any size (resized to the captioner's)."""
         size = self.cfg.image_size
         if images.shape[-1] != size or images.shape[-2] != size:
-            images = F.interpolate(images, size=(size, size), mode="bilinear", antialias=True,
-                                   align_corners=False)  # fmt: skip
+            images = F.interpolate(
+                images, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+            )
         return self.encoder(images)
 
     def step(
@@ -174,7 +186,9 @@ class MiniatureCaptionNet(nn.Module):
         """Next-token logits (N, T, V) after ``tokens`` (N, T), and the GRU state."""
         if state is None:
             state = torch.tanh(features)[None]
-        inputs = torch.cat([self.embed(tokens), features[:, None].expand(-1, tokens.shape[1], -1)], -1)
+        inputs = torch.cat(
+            [self.embed(tokens), features[:, None].expand(-1, tokens.shape[1], -1)], -1
+        )
         out, state = self.gru(inputs, state)
         return self.head(out), state
 
@@ -231,10 +245,12 @@ class MiniatureCaptioner(Captioner):
     def build(cls, tokenizer: CLIPTokenizer, **architecture: object) -> MiniatureCaptioner:
         """A randomly initialised captioner over ``tokenizer``'s vocabulary (for training)."""
         cfg = MiniatureConfig(
-            vocab_size=len(tokenizer), max_length=int(tokenizer.model_max_length),
-            bos_token_id=int(tokenizer.bos_token_id), eos_token_id=int(tokenizer.eos_token_id),
+            vocab_size=len(tokenizer),
+            max_length=int(tokenizer.model_max_length),
+            bos_token_id=int(tokenizer.bos_token_id),
+            eos_token_id=int(tokenizer.eos_token_id),
             **architecture,  # type: ignore[arg-type]
-        )  # fmt: skip
+        )
         return cls(MiniatureCaptionNet(cfg), tokenizer, MINIATURE_TYPE)
 
     @classmethod
@@ -250,8 +266,9 @@ class MiniatureCaptioner(Captioner):
         folder.mkdir(parents=True, exist_ok=True)
         config = {"model_type": MINIATURE_TYPE, **asdict(self.net.cfg)}
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        safetensors.torch.save_file({k: v.contiguous() for k, v in self.net.state_dict().items()},
-                                    folder / WEIGHTS)  # fmt: skip
+        safetensors.torch.save_file(
+            {k: v.contiguous() for k, v in self.net.state_dict().items()}, folder / WEIGHTS
+        )
         self.tokenizer.save_pretrained(folder / "tokenizer")
         return folder
 
@@ -261,8 +278,13 @@ class MiniatureCaptioner(Captioner):
 
     def token_ids(self, captions: list[str]) -> torch.Tensor:
         """(N, max_length) ids of captions as training targets: start, words, end, end..."""
-        return self.tokenizer(captions, padding="max_length", max_length=self.net.cfg.max_length,
-                              truncation=True, return_tensors="pt").input_ids  # fmt: skip
+        return self.tokenizer(
+            captions,
+            padding="max_length",
+            max_length=self.net.cfg.max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
 
     def caption(self, images: torch.Tensor, generator: torch.Generator) -> list[str]:
         device = next(self.net.parameters()).device

@@ -61,10 +61,10 @@ def backbone_path(model: str | Path) -> Path:
 
 def _missing_backbone(path: Path) -> ClassifierInitError:
     return ClassifierInitError(
-        f"classifier-init = \"pretrained\" needs the ResNet-18 backbone shipped with the base "
+        f'classifier-init = "pretrained" needs the ResNet-18 backbone shipped with the base '
         f"model at {path}, which is missing: make it with `python {BACKBONE_SCRIPT} --out "
         f"{path.parent}` (trained on the miniature LDM's public pretraining corpus) or set run "
-        "config classifier-init = \"imagenet\" or \"random\"."
+        'config classifier-init = "imagenet" or "random".'
     )
 
 
@@ -77,20 +77,24 @@ def check_classifier_init(init: str, model: str | Path = "") -> None:
     path = imagenet_weights_path()
     if init == "imagenet" and not path.is_file():
         raise ClassifierInitError(
-            f"classifier-init = \"imagenet\" needs the ResNet-18 ImageNet weights at {path} "
+            f'classifier-init = "imagenet" needs the ResNet-18 ImageNet weights at {path} '
             f"(torch's hub cache, $TORCH_HOME/hub/checkpoints), which is missing: download "
             f"{IMAGENET_WEIGHTS.url} there once where the network is reachable, or set run "
-            "config classifier-init = \"random\"."
+            'config classifier-init = "random".'
         )
     if init == "pretrained" and not backbone_path(model).is_file():
         raise _missing_backbone(backbone_path(model))
 
 
-def save_backbone(model: nn.Module, folder: str | Path, metadata: dict[str, str] | None = None) -> Path:
+def save_backbone(
+    model: nn.Module, folder: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
     """The whole ResNet-18 state dict (its ``fc`` for the classes it was trained on) as
     ``folder/model.safetensors``: floating tensors in float16 (about 23 MB), BatchNorm's
     batch counts as they are."""
-    state = {name: t.half() if t.is_floating_point() else t for name, t in model.state_dict().items()}
+    state = {
+        name: t.half() if t.is_floating_point() else t for name, t in model.state_dict().items()
+    }
     return write_tensors(Path(folder) / BACKBONE_FILE, state, metadata)
 
 
@@ -99,7 +103,9 @@ def load_backbone(path: str | Path) -> nn.Module:
     path = Path(path)
     if not path.is_file():
         raise _missing_backbone(path)
-    state = {name: t.float() if t.is_floating_point() else t for name, t in read_tensors(path).items()}
+    state = {
+        name: t.float() if t.is_floating_point() else t for name, t in read_tensors(path).items()
+    }
     if "fc.weight" not in state:
         raise ClassifierInitError(f"{path} holds no ResNet-18 state dict (no fc.weight)")
     model = torchvision.models.resnet18(num_classes=state["fc.weight"].shape[0])
@@ -121,7 +127,7 @@ def build_classifier(num_classes: int, init: str = "imagenet", model: str | Path
     except (OSError, RuntimeError) as err:  # URLError is an OSError
         raise ClassifierInitError(
             "ResNet-18 ImageNet weights are not in the torch hub cache and cannot be "
-            "downloaded here; set run config classifier-init = \"random\" or copy "
+            'downloaded here; set run config classifier-init = "random" or copy '
             f"{weights.url.rsplit('/', 1)[-1]} into $TORCH_HOME/hub/checkpoints ({err})."
         ) from None
     net.fc = nn.Linear(net.fc.in_features, num_classes)
@@ -142,7 +148,9 @@ class TrainSettings:
 
     def epochs_for(self, n: int) -> int:
         """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""
-        return -(-self.steps // batches_per_epoch(n, self.batch_size)) if self.steps else self.epochs
+        return (
+            -(-self.steps // batches_per_epoch(n, self.batch_size)) if self.steps else self.epochs
+        )
 
 
 def batches_per_epoch(n: int, batch_size: int) -> int:
@@ -194,7 +202,9 @@ class Distillation:
     weight: float = 1.0
 
 
-def distillation_loss(student: torch.Tensor, teacher: torch.Tensor, divergence: Divergence) -> torch.Tensor:
+def distillation_loss(
+    student: torch.Tensor, teacher: torch.Tensor, divergence: Divergence
+) -> torch.Tensor:
     """Batch mean of the divergence between softmax(student) and softmax(teacher) logits."""
     log_s, log_t = student.float().log_softmax(-1), teacher.float().log_softmax(-1)
     if divergence == "kl-student-teacher":
@@ -365,8 +375,11 @@ def _train_step(
 
     With ``distillation``, the teacher scores the same (augmented) ``x`` whose rows came from
     ``sources``, and its divergence joins the cross-entropy."""
-    with torch.autocast(x.device.type, dtype=precision.autocast or torch.float32,
-                        enabled=precision.autocast is not None):  # fmt: skip
+    with torch.autocast(
+        x.device.type,
+        dtype=precision.autocast or torch.float32,
+        enabled=precision.autocast is not None,
+    ):
         logits = model(x)
         loss = F.cross_entropy(logits, y)
         if distillation is not None:
@@ -421,16 +434,22 @@ def train_classifier(
         batches = [batch for batch in order.split(settings.batch_size) if len(batch) >= 2]
         if steps_left is not None:
             batches, steps_left = batches[:steps_left], steps_left - len(batches[:steps_left])
-        loader = DataLoader(data, sampler=batches, batch_size=None,
-                            num_workers=settings.num_workers, pin_memory=device.type == "cuda")  # fmt: skip
+        loader = DataLoader(
+            data,
+            sampler=batches,
+            batch_size=None,
+            num_workers=settings.num_workers,
+            pin_memory=device.type == "cuda",
+        )
         total, seen = 0.0, 0
         for rows, (x, y) in zip(batches, loader, strict=True):  # the loader keeps this order
             x = _prepare(x.to(device, non_blocking=True), settings.image_size)
             x = _augment(x, generator) if settings.augment else x
             x = x.contiguous(memory_format=precision.memory_format)
             sources = data.sources(rows) if distillation is not None else None
-            loss = _train_step(model, optimizer, scaler, x, y.to(device), precision,
-                               distillation, sources)  # fmt: skip
+            loss = _train_step(
+                model, optimizer, scaler, x, y.to(device), precision, distillation, sources
+            )
             total, seen = total + loss.item() * len(y), seen + len(y)
         if on_epoch is not None:
             on_epoch(epoch, total / max(seen, 1))

@@ -19,7 +19,9 @@ from .results import PRIVATE_ACCURACY_DIGITS, SENT_ACCURACY, SENT_CORRECT, SENT_
 from .shapes import ImageSet
 
 
-def score_classifier(model: torch.nn.Module, test: ImageSet, image_size: int, private: bool = False) -> dict:
+def score_classifier(
+    model: torch.nn.Module, test: ImageSet, image_size: int, private: bool = False
+) -> dict:
     """What an institution reports about the classifier it got back: metrics only, no images.
 
     ``private`` (a DP upload): the accuracy alone, to :data:`PRIVATE_ACCURACY_DIGITS` decimals,
@@ -45,5 +47,7 @@ def kept_classifier_path(output_dir: str, run_folder: str, client_id: str) -> Pa
     The run folder's name comes from the server, so it must be a plain name, never a path.
     """
     if not re.fullmatch(r"\w[\w.-]{0,127}", run_folder):
-        raise ValueError(f"the server named the run folder {run_folder!r}, which is not a plain name")
+        raise ValueError(
+            f"the server named the run folder {run_folder!r}, which is not a plain name"
+        )
     return resolve(output_dir) / run_folder / "institutions" / client_id / "classifier.safetensors"

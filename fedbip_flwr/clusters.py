@@ -33,7 +33,10 @@ ENCODER_BATCH = 64
 
 
 def public_encoder(
-    model: str | Path, image_size: int, device: torch.device | str = "cpu", batch_size: int = ENCODER_BATCH
+    model: str | Path,
+    image_size: int,
+    device: torch.device | str = "cpu",
+    batch_size: int = ENCODER_BATCH,
 ) -> Encoder:
     """Penultimate (512-d) features of the ResNet-18 backbone shipped with the base ``model``.
 
@@ -55,14 +58,21 @@ def public_encoder(
     @torch.no_grad()
     def encode(images: torch.Tensor) -> torch.Tensor:
         return torch.cat(
-            [net(_prepare(part.to(device), image_size)).float().cpu() for part in images.split(batch_size)]
+            [
+                net(_prepare(part.to(device), image_size)).float().cpu()
+                for part in images.split(batch_size)
+            ]
         )
 
     return encode
 
 
 def cluster_images(
-    images: torch.Tensor, labels: torch.Tensor, clusters: int, encoder: Encoder, linkage: Linkage = "ward"
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    clusters: int,
+    encoder: Encoder,
+    linkage: Linkage = "ward",
 ) -> torch.Tensor:
     """:func:`cluster_classes` of the ``encoder``'s features of ``images``."""
     return cluster_classes(encoder(images), labels, clusters, linkage)
@@ -81,7 +91,9 @@ def cluster_classes(
     are numbered in order of their first image, not by sklearn's tree internals.
     """
     if features.ndim != 2 or labels.shape != (len(features),):
-        raise ValueError(f"features {tuple(features.shape)} and labels {tuple(labels.shape)} are not (N, F) and (N,).")
+        raise ValueError(
+            f"features {tuple(features.shape)} and labels {tuple(labels.shape)} are not (N, F) and (N,)."
+        )
     if clusters < 1:
         raise ValueError(f"clusters is {clusters}; a class needs at least 1.")
     unit = F.normalize(features.detach().cpu().double(), dim=1).numpy()
@@ -99,13 +111,17 @@ def effective_clusters(labels: torch.Tensor, num_classes: int, clusters: int) ->
     return torch.bincount(labels.cpu().long(), minlength=num_classes).clamp(max=clusters)
 
 
-def condition_rows(counts: torch.Tensor, clusters: int, labels: torch.Tensor, seed: int) -> torch.Tensor:
+def condition_rows(
+    counts: torch.Tensor, clusters: int, labels: torch.Tensor, seed: int
+) -> torch.Tensor:
     """For each image a server makes without a per-image latent, the row of its conditioning
     in a class-major (C J) table: one of its class's sub-clusters, uniformly. A class of n < J
     private images has n sub-clusters (:func:`effective_clusters`); one without images only
     its first, never learned, row."""
     usable = counts.clamp(min=1, max=clusters)[labels]
-    chosen = (torch.rand(len(labels), generator=torch.Generator().manual_seed(seed)) * usable).long()
+    chosen = (
+        torch.rand(len(labels), generator=torch.Generator().manual_seed(seed)) * usable
+    ).long()
     return labels * clusters + chosen
 
 

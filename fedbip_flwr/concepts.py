@@ -92,17 +92,20 @@ def count_tokens(tokenizer: CLIPTokenizer, phrase: str) -> int:
     return len(_segment_ids(tokenizer, phrase))
 
 
-def _concept_ids(
-    tokenizer: CLIPTokenizer, phrase: str, n: int, what: str, warn: bool
-) -> list[int]:
+def _concept_ids(tokenizer: CLIPTokenizer, phrase: str, n: int, what: str, warn: bool) -> list[int]:
     ids = _segment_ids(tokenizer, phrase)
     if warn and len(ids) > n:
         pieces = " ".join(tokenizer.convert_ids_to_tokens(ids)).replace("</w>", "")
         log.warning(
             "%s '%s' is %d tokens for this tokenizer (%s): its concept gets %d vectors instead "
             "of run config %d, so that it starts from the whole phrase",
-            what, phrase, len(ids), pieces, len(ids), n,
-        )  # fmt: skip
+            what,
+            phrase,
+            len(ids),
+            pieces,
+            len(ids),
+            n,
+        )
     return _fill(ids, concept_slots(n, len(ids)))
 
 
@@ -218,7 +221,9 @@ def encode_prompts(
 
 
 @torch.no_grad()
-def initial_concepts(ldm: LDM, layout: PromptLayout, space: str) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_concepts(
+    ldm: LDM, layout: PromptLayout, space: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """S0 (n_s, d) and V0 (C, n_v, d) from the init words, in the chosen space; unused rows 0."""
     used = layout.v_mask.unsqueeze(-1)
     if space == "token":
@@ -291,7 +296,9 @@ def conditioned_loss(
     v-prediction one (SD 2.x); load_ldm refuses any other kind.
     """
     zt = ldm.scheduler.add_noise(z0, noise, t).to(ldm.device, ldm.dtype)
-    pred = ldm.unet(zt, t.to(ldm.device), encoder_hidden_states=cond.to(ldm.device, ldm.dtype)).sample
+    pred = ldm.unet(
+        zt, t.to(ldm.device), encoder_hidden_states=cond.to(ldm.device, ldm.dtype)
+    ).sample
     if ldm.scheduler.config.prediction_type == "v_prediction":
         target = velocity(ldm.scheduler, z0, noise, t)
     else:
@@ -353,10 +360,19 @@ def learn_concepts(
     if privacy is not None:
         privacy = replace(privacy, trainable=(None, layout.v_mask.unsqueeze(-1)))
     (s, v), losses = optimise_embeddings(
-        ldm, [s0, v0], concept_batch_loss(ldm, layout, space, z0, labels), z0.shape, max_timestep,
-        concept_scale(ldm, space), epochs=epochs, batch_size=batch_size, lr=lr, generator=generator,
-        on_epoch=on_epoch, privacy=privacy,
-    )  # fmt: skip
+        ldm,
+        [s0, v0],
+        concept_batch_loss(ldm, layout, space, z0, labels),
+        z0.shape,
+        max_timestep,
+        concept_scale(ldm, space),
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        generator=generator,
+        on_epoch=on_epoch,
+        privacy=privacy,
+    )
     return _result(s, v, s0, v0, losses)
 
 
@@ -369,7 +385,9 @@ def concept_batch_loss(
 ) -> BatchLoss:
     """Eq. 4 on the images ``batch`` of ``z0``, for the embeddings [S, V]."""
 
-    def batch_loss(shifts: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def batch_loss(
+        shifts: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
         s, v = shifts
         return diffusion_loss(ldm, layout, space, s, v, z0[batch], labels[batch], t, noise)
 
@@ -435,7 +453,9 @@ def optimise_embeddings(
         for batch in order.split(batch_size):
             noise = torch.randn((len(batch), *latent_rows[1:]), generator=generator)
             t = torch.randint(1, max_timestep + 1, (len(batch),), generator=generator)
-            loss = batch_loss([c + scale * u for c, u in zip(starts, shifts, strict=True)], batch, t, noise)
+            loss = batch_loss(
+                [c + scale * u for c, u in zip(starts, shifts, strict=True)], batch, t, noise
+            )
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -447,13 +467,26 @@ def optimise_embeddings(
         if privacy is None:
             losses.append(epoch_of_batches())
         else:
-            losses.append(_private_epoch(
-                optimizer, batch_loss, starts, shifts, latent_rows, max_timestep, scale,
-                batch_size, privacy, generator, _private_loss_scale(ldm),
-            ))  # fmt: skip
+            losses.append(
+                _private_epoch(
+                    optimizer,
+                    batch_loss,
+                    starts,
+                    shifts,
+                    latent_rows,
+                    max_timestep,
+                    scale,
+                    batch_size,
+                    privacy,
+                    generator,
+                    _private_loss_scale(ldm),
+                )
+            )
         if on_epoch is not None:
             on_epoch(epoch, losses[-1])
-    return [(c + scale * u).detach().float().cpu() for c, u in zip(starts, shifts, strict=True)], losses
+    return [
+        (c + scale * u).detach().float().cpu() for c, u in zip(starts, shifts, strict=True)
+    ], losses
 
 
 def _private_loss_scale(ldm: LDM) -> float:
@@ -479,7 +512,11 @@ def _private_epoch(
     """One epoch of DP-SGD steps; returns the mean loss over the images its batches held."""
     total, seen = 0.0, 0
     for _ in range(privacy.steps_per_epoch):
-        batch = (torch.rand(latent_rows[0], generator=generator) < privacy.sample_rate).nonzero().flatten()
+        batch = (
+            (torch.rand(latent_rows[0], generator=generator) < privacy.sample_rate)
+            .nonzero()
+            .flatten()
+        )
         noise = torch.randn((len(batch), *latent_rows[1:]), generator=generator)
         t = torch.randint(1, max_timestep + 1, (len(batch),), generator=generator)
         summed, loss = private_gradient(
@@ -516,13 +553,29 @@ def private_gradient(
     dtype = torch.promote_types(shifts[0].dtype, torch.float32)  # fp16 gradients summed in float32
     flat = torch.zeros(sum(u.numel() for u in shifts), device=shifts[0].device, dtype=dtype)
     loss_sum = 0.0
-    for part in torch.arange(len(batch)).split(chunk) if len(batch) else ():  # a sample can be empty
-        copies = [u.detach().unsqueeze(0).repeat(len(part), *([1] * u.dim())).requires_grad_(True) for u in shifts]
-        loss = batch_loss([c + scale * u for c, u in zip(starts, copies, strict=True)], batch[part], t[part], noise[part])
+    for part in (
+        torch.arange(len(batch)).split(chunk) if len(batch) else ()
+    ):  # a sample can be empty
+        copies = [
+            u.detach().unsqueeze(0).repeat(len(part), *([1] * u.dim())).requires_grad_(True)
+            for u in shifts
+        ]
+        loss = batch_loss(
+            [c + scale * u for c, u in zip(starts, copies, strict=True)],
+            batch[part],
+            t[part],
+            noise[part],
+        )
         grads = torch.autograd.grad(loss * loss_scale, copies, allow_unused=True)
-        rows = torch.cat([
-            (g if g is not None else torch.zeros_like(u)).flatten(1).to(dtype) for g, u in zip(grads, copies, strict=True)
-        ], 1) * (len(part) / loss_scale)  # the batch's mean loss: each image's own loss has len(part) x its gradient
+        rows = torch.cat(
+            [
+                (g if g is not None else torch.zeros_like(u)).flatten(1).to(dtype)
+                for g, u in zip(grads, copies, strict=True)
+            ],
+            1,
+        ) * (
+            len(part) / loss_scale
+        )  # the batch's mean loss: each image's own loss has len(part) x its gradient
         rows = torch.where(rows.isfinite().all(1, keepdim=True), rows, torch.zeros_like(rows))
         flat += clip_rows(rows, clip).sum(0)
         loss_sum += loss.item() * len(part)
@@ -537,7 +590,9 @@ def add_gradient_noise(
     N(0, (sigma C)^2) on each trainable coordinate."""
     out = []
     for g, mask in zip(summed, privacy.trainable or (None,) * len(summed), strict=True):
-        noise = torch.randn(g.shape, generator=generator) * (privacy.noise_multiplier * privacy.clip)
+        noise = torch.randn(g.shape, generator=generator) * (
+            privacy.noise_multiplier * privacy.clip
+        )
         if mask is not None:
             noise = noise * mask.to(noise.dtype)
         out.append(g + noise.to(g.device))
@@ -550,6 +605,9 @@ def _result(
     s, v, s0, v0 = (x.detach().float().cpu() for x in (s, v, s0, v0))
     domain_drift = relative_drift(s, s0)
     class_drift = sum(relative_drift(a, b) for a, b in zip(v, v0, strict=True)) / len(v)
-    log.info("concepts moved: ||S-S0||/||S0|| = %.3f, mean ||V-V0||/||V0|| = %.3f",
-             domain_drift, class_drift)  # fmt: skip
+    log.info(
+        "concepts moved: ||S-S0||/||S0|| = %.3f, mean ||V-V0||/||V0|| = %.3f",
+        domain_drift,
+        class_drift,
+    )
     return LearnedConcepts(s, v, losses, domain_drift, class_drift)

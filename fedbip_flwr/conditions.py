@@ -73,13 +73,28 @@ def learn_conditions(
     flat = start.reshape(-1, *start.shape[2:])
     index = labels.long() * start.shape[1] + clusters.long()
 
-    def batch_loss(current: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        return conditioned_loss(ldm, current[0][index[batch].to(current[0].device)], z0[batch], t, noise)
+    def batch_loss(
+        current: list[torch.Tensor], batch: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
+        return conditioned_loss(
+            ldm, current[0][index[batch].to(current[0].device)], z0[batch], t, noise
+        )
 
     (learned,), losses = optimise_embeddings(
-        ldm, [flat], batch_loss, z0.shape, max_timestep, concept_scale(ldm, SPACE),
-        epochs=epochs, batch_size=batch_size, lr=lr, generator=generator, on_epoch=on_epoch,
-    )  # fmt: skip
+        ldm,
+        [flat],
+        batch_loss,
+        z0.shape,
+        max_timestep,
+        concept_scale(ldm, SPACE),
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        generator=generator,
+        on_epoch=on_epoch,
+    )
     used = index.unique()
-    drift = sum(relative_drift(learned[i], flat[i].cpu()) for i in used.tolist()) / max(1, len(used))
+    drift = sum(relative_drift(learned[i], flat[i].cpu()) for i in used.tolist()) / max(
+        1, len(used)
+    )
     return LearnedConditions(learned.reshape(start.shape), losses, drift)

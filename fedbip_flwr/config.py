@@ -100,7 +100,9 @@ def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> 
 
 # Class concepts per class at most: a sub-cluster per image of a 16-shot class.
 MAX_CLASS_CLUSTERS = 16
-DatasetName = Literal["shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"]
+DatasetName = Literal[
+    "shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"
+]
 Partitioning = Literal["domain", "dirichlet", "iid"]
 
 
@@ -158,12 +160,15 @@ class FedBiPConfig(FlatConfig):
         if "method-settings" in data or "method_settings" in data:
             raise ValueError("method settings are given as '<method>.<key>' run-config keys")
         shared = cls.keys() | set(cls.model_fields)
-        data["method_settings"] = _split_tables(data, shared - {"method-settings", "method_settings"})
+        data["method_settings"] = _split_tables(
+            data, shared - {"method-settings", "method_settings"}
+        )
         return data
 
     def settings_of(self, method: str) -> MethodSettings:
         """The run's settings of ``method`` (its table, defaults filled)."""
         return self.method_settings[method]
+
     images_per_class: int = Field(
         0,
         ge=0,
@@ -185,7 +190,8 @@ class FedBiPConfig(FlatConfig):
         "under bfloat16 autocast (weights and concept learning stay float32).",
     )
     channels_last: bool = Field(
-        False, description="Server's UNet in channels-last memory format (measured in BENCHMARKS.md)."
+        False,
+        description="Server's UNet in channels-last memory format (measured in BENCHMARKS.md).",
     )
     compile_unet: bool = Field(
         False,
@@ -208,12 +214,12 @@ class FedBiPConfig(FlatConfig):
     classes: str = Field(
         "",
         description="Comma-separated class names in label order, also the words each V_y "
-        "starts from; required by imagefolder, \"\" = the dataset's.",
+        'starts from; required by imagefolder, "" = the dataset\'s.',
     )
     domains: str = Field(
         "",
         description="Comma-separated domains, each also the words S starts from; "
-        "\"\" = the dataset's defaults. Partition p gets domains[p % len(domains)].",
+        '"" = the dataset\'s defaults. Partition p gets domains[p % len(domains)].',
     )
     partitioning: Partitioning = Field(
         "domain",
@@ -253,7 +259,7 @@ class FedBiPConfig(FlatConfig):
     # --- concept level (eq. 4) ---------------------------------------------------------------
     prompt_template: str = Field(
         "",
-        description="Must contain {S} (domain) and {V} (class); \"\" = the dataset's (Table 5).",
+        description='Must contain {S} (domain) and {V} (class); "" = the dataset\'s (Table 5).',
     )
     n_s: int = Field(
         0,
@@ -470,13 +476,13 @@ class FedBiPConfig(FlatConfig):
     def _check_own_folders(self) -> FedBiPConfig:
         """imagefolder: the run names the classes; every institution brings its own domain."""
         if not self.class_list:
-            raise ValueError("dataset imagefolder needs classes = \"name,name,...\" (label order)")
+            raise ValueError('dataset imagefolder needs classes = "name,name,..." (label order)')
         if len(set(self.class_list)) != len(self.class_list):
             raise ValueError(f"classes must be unique; got {self.classes!r}")
         if self.evaluation != "clients":
             raise ValueError(
                 "the server holds no institution's images: imagefolder needs "
-                "evaluation = \"clients\""
+                'evaluation = "clients"'
             )
         return self
 
@@ -511,11 +517,17 @@ class FedBiPConfig(FlatConfig):
     def data(self) -> DataDescription:
         """The data layer's part of this config."""
         return DataDescription(
-            dataset=self.dataset, data_root=self.data_root, classes=tuple(self.class_list),
-            domains=tuple(self.domain_list), partitioning=self.partitioning,
-            dirichlet_beta=self.dirichlet_beta, shots_per_class=self.shots_per_class,
-            test_per_class=self.test_per_class, image_size=self.image_size, seed=self.seed,
-        )  # fmt: skip
+            dataset=self.dataset,
+            data_root=self.data_root,
+            classes=tuple(self.class_list),
+            domains=tuple(self.domain_list),
+            partitioning=self.partitioning,
+            dirichlet_beta=self.dirichlet_beta,
+            shots_per_class=self.shots_per_class,
+            test_per_class=self.test_per_class,
+            image_size=self.image_size,
+            seed=self.seed,
+        )
 
     def to_flat(self) -> dict[str, Any]:
         """The kebab-case dict form, as written to metrics.json and accepted by from_flat:
@@ -542,13 +554,13 @@ class NodeConfig(FlatConfig):
     num_partitions: int | None = Field(None, ge=1)
     data_root: str = Field("", description="This institution's data folder.")
     domain: str = Field(
-        "", description="imagefolder: the words S starts from, e.g. \"dermatoscopic image\"."
+        "", description='imagefolder: the words S starts from, e.g. "dermatoscopic image".'
     )
     client_id: str = Field("", description="imagefolder: the name this institution uploads under.")
     bad_images: BadImagePolicy = Field(
         "fail",
-        description="imagefolder: an unreadable image file fails the job (\"fail\", naming "
-        "every one) or is left out (\"skip\", listed in a warning, counted in the metrics).",
+        description='imagefolder: an unreadable image file fails the job ("fail", naming '
+        'every one) or is left out ("skip", listed in a warning, counted in the metrics).',
     )
     model: str = Field("", description="This institution's copy of the run's base model.")
     captioner: str = Field("", description="oscar: this institution's copy of the run's captioner.")
@@ -560,14 +572,17 @@ class NodeConfig(FlatConfig):
         "institution. Unset: the operating system's entropy.",
     )
     output_dir: str = Field(
-        "", description="Where the classifier sent back is kept; \"\" = the run's output-dir."
+        "", description='Where the classifier sent back is kept; "" = the run\'s output-dir.'
     )
 
     # the run-config keys an institution may set for itself: its paths and its hardware
     RUN_KEYS: ClassVar[dict[str, str]] = {
-        "data_root": "data-root", "model": "model", "captioner": "oscar.captioner",
-        "device": "device", "half_precision": "half-precision",
-    }  # fmt: skip
+        "data_root": "data-root",
+        "model": "model",
+        "captioner": "oscar.captioner",
+        "device": "device",
+        "half_precision": "half-precision",
+    }
 
     def run_overrides(self) -> dict[str, Any]:
         """The run-config keys this institution sets for itself (they win over the server's)."""

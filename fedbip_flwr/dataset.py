@@ -34,10 +34,17 @@ from .shapes import ImageSet
 from .specs import FEATURE, OWN_FOLDER, SPECS, DatasetSpec
 
 __all__ = [
-    "ClientSet", "DataError", "DatasetSpec", "ImageSet",
-    "class_names", "institution_data", "institution_test_set", "load_client_data",
-    "load_test_sets", "verify",
-]  # fmt: skip
+    "ClientSet",
+    "DataError",
+    "DatasetSpec",
+    "ImageSet",
+    "class_names",
+    "institution_data",
+    "institution_test_set",
+    "load_client_data",
+    "load_test_sets",
+    "verify",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,9 @@ def class_names(data: DataDescription) -> list[str]:
 
 def _own_split(data: DataDescription, node: NodeConfig) -> Split:
     if not data.data_root:
-        raise DataError("dataset imagefolder: set data-root to this institution's folder in its node config")
+        raise DataError(
+            "dataset imagefolder: set data-root to this institution's folder in its node config"
+        )
     return own_folder_split(resolve(data.data_root), list(data.classes), node.bad_images)
 
 
@@ -64,7 +73,9 @@ def _identity(node: NodeConfig) -> tuple[str, str]:
     """(domain phrase, client id) an institution names for itself in its node config."""
     missing = [key for key in ("domain", "client-id") if not getattr(node, key.replace("-", "_"))]
     if missing:
-        raise DataError(f"dataset imagefolder: set {' and '.join(missing)} in this institution's node config")
+        raise DataError(
+            f"dataset imagefolder: set {' and '.join(missing)} in this institution's node config"
+        )
     return node.domain, node.client_id
 
 

@@ -102,10 +102,17 @@ def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunS
         method = one_shot_for(cfg)
     except ValueError as err:  # a multi-round run has no uploads to synthesize from
         raise ConfigError(f"{folder.root}: {err}") from None
-    loader = functools.cache(functools.partial(
-        load_for_run, cfg.model, device, cfg.half_precision, cfg.image_size,
-        channels_last=cfg.channels_last, compile_unet=cfg.compile_unet,
-    ))  # fmt: skip
+    loader = functools.cache(
+        functools.partial(
+            load_for_run,
+            cfg.model,
+            device,
+            cfg.half_precision,
+            cfg.image_size,
+            channels_last=cfg.channels_last,
+            compile_unet=cfg.compile_unet,
+        )
+    )
     job = ServerJob(cfg, dataset.class_names(cfg.data), loader, device)
     uploads, refused = load_persisted(folder, functools.partial(method.accept, server=job))
     for client_id, reason in sorted(refused.items()):  # the ServerApp records them
@@ -153,8 +160,13 @@ def synthesize_share(run: RunSynthesis, state: PartialState) -> list[WorkUnit]:
     broadcast_object_list(todo)
     mine = my_share(todo[0], state)
     desc = f"synthesis (process {state.process_index + 1} of {state.num_processes})"
-    with tqdm(total=sum(u.images for u in mine), desc=desc, unit="img",
-              disable=not state.is_main_process, mininterval=5) as bar:  # fmt: skip
+    with tqdm(
+        total=sum(u.images for u in mine),
+        desc=desc,
+        unit="img",
+        disable=not state.is_main_process,
+        mininterval=5,
+    ) as bar:
         for unit in mine:
             run.make(unit)
             bar.update(unit.images)
@@ -185,8 +197,12 @@ def wait_for_shards(
     if not pending:
         return
     total = sum(u.images for u in units)
-    log.info("waiting for external synthesis of %d image(s) in %d unit(s): run %s",
-             total, len(units), external_command(run.folder))  # fmt: skip
+    log.info(
+        "waiting for external synthesis of %d image(s) in %d unit(s): run %s",
+        total,
+        len(units),
+        external_command(run.folder),
+    )
     started = reported = time.monotonic()
     while pending:
         if time.monotonic() - started > timeout_s:
@@ -204,4 +220,3 @@ def wait_for_shards(
             done = total - sum(u.images for u in pending)
             log.info("external synthesis: %d of %d image(s) on disk", done, total)
     log.info("external synthesis: all %d unit(s) on disk", len(units))
-

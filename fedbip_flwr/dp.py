@@ -66,12 +66,15 @@ def _check_releases(releases: int) -> None:
 def gaussian_releases(noise_multiplier: float, releases: int = 1) -> dp_accounting.DpEvent:
     """``releases`` Gaussian mechanisms on the same data, each of noise std ``noise_multiplier``
     times its sensitivity."""
-    return dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(noise_multiplier), releases)
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(noise_multiplier), releases
+    )
 
 
 def _accountant() -> PLDAccountant:
     return PLDAccountant(
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=PLD_INTERVAL
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        value_discretization_interval=PLD_INTERVAL,
     )
 
 
@@ -84,9 +87,11 @@ def noise_multiplier_for(epsilon: float, delta: float, releases: int = 1) -> flo
     _check_positive("epsilon", epsilon)
     _check_delta(delta)
     _check_releases(releases)
-    return float(dp_accounting.calibrate_dp_mechanism(
-        _accountant, lambda sigma: gaussian_releases(sigma, releases), epsilon, delta
-    ))  # fmt: skip
+    return float(
+        dp_accounting.calibrate_dp_mechanism(
+            _accountant, lambda sigma: gaussian_releases(sigma, releases), epsilon, delta
+        )
+    )
 
 
 def dp_sgd_steps_per_epoch(sample_rate: float) -> int:
@@ -99,7 +104,9 @@ def dp_sgd_steps_per_epoch(sample_rate: float) -> int:
 def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
     """``steps`` steps of DP-SGD: each a Gaussian mechanism of this noise multiplier on a batch
     that holds each image with probability ``sample_rate``."""
-    sampled = dp_accounting.PoissonSampledDpEvent(sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+    sampled = dp_accounting.PoissonSampledDpEvent(
+        sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+    )
     return dp_accounting.SelfComposedDpEvent(sampled, steps)
 
 
@@ -132,7 +139,12 @@ class SplitBudget:
 # Cached: three calibrations of about fifteen PLDs each (about 2 s at epsilon 16).
 @lru_cache(maxsize=64)
 def split_budget(
-    epsilon: float, delta: float, sgd_share: float, sample_rate: float, steps: int, stats_releases: int
+    epsilon: float,
+    delta: float,
+    sgd_share: float,
+    sample_rate: float,
+    steps: int,
+    stats_releases: int,
 ) -> SplitBudget:
     """Noise multipliers for ``steps`` DP-SGD steps at ``sample_rate`` and ``stats_releases``
     Gaussian mechanisms, composed to (``epsilon``, ``delta``).
@@ -157,12 +169,17 @@ def split_budget(
     sgd = calibrate(lambda sigma: dp_sgd_event(sample_rate, sigma, steps), sgd_share * epsilon)
     stats = noise_multiplier_for((1 - sgd_share) * epsilon, delta, stats_releases)
     factor = calibrate(
-        lambda k: dp_accounting.ComposedDpEvent([
-            dp_sgd_event(sample_rate, k * sgd, steps), gaussian_releases(k * stats, stats_releases)
-        ]),
+        lambda k: dp_accounting.ComposedDpEvent(
+            [
+                dp_sgd_event(sample_rate, k * sgd, steps),
+                gaussian_releases(k * stats, stats_releases),
+            ]
+        ),
         epsilon,
-    )  # fmt: skip
-    budget = SplitBudget(0.0, delta, factor * sgd, factor * stats, sample_rate, steps, stats_releases)
+    )
+    budget = SplitBudget(
+        0.0, delta, factor * sgd, factor * stats, sample_rate, steps, stats_releases
+    )
     return dataclasses.replace(budget, epsilon=composed_epsilon(delta, *budget.events()))
 
 
@@ -233,7 +250,11 @@ def gaussian_guarantee(
     it where the second moment's noise (sigma C^2 / n per coordinate) would bury the variance.
     """
     _check_positive("clip", clip)
-    wanted: tuple[tuple[Statistic, bool], ...] = (("sum", True), ("sum of squares", squares), ("count", noise_count))
+    wanted: tuple[tuple[Statistic, bool], ...] = (
+        ("sum", True),
+        ("sum of squares", squares),
+        ("count", noise_count),
+    )
     covers = tuple(name for name, on in wanted if on)
     sigma = noise_multiplier_for(epsilon, delta, len(covers))
     return DPGuarantee(epsilon, delta, sigma, clip, len(covers), covers)
@@ -241,7 +262,9 @@ def gaussian_guarantee(
 
 def _check_rows(rows: torch.Tensor) -> None:
     if rows.dim() < 2:
-        raise ValueError(f"rows must be (n, ...) with one example per row, got shape {tuple(rows.shape)}")
+        raise ValueError(
+            f"rows must be (n, ...) with one example per row, got shape {tuple(rows.shape)}"
+        )
 
 
 def finite_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -252,7 +275,9 @@ def finite_rows(rows: torch.Tensor) -> torch.Tensor:
     return rows if bool(keep.all()) else rows[keep]
 
 
-def noisy_estimate(rows: torch.Tensor, guarantee: DPGuarantee, generator: torch.Generator) -> DPGaussianEstimate:
+def noisy_estimate(
+    rows: torch.Tensor, guarantee: DPGuarantee, generator: torch.Generator
+) -> DPGaussianEstimate:
     """A diagonal Gaussian of one class's per-example ``rows`` ((n, ...), each flattened to D
     values): the statistics ``guarantee.covers`` of the finite rows (:func:`finite_rows`)
     clipped to ``guarantee.clip``, each
@@ -267,7 +292,10 @@ def noisy_estimate(rows: torch.Tensor, guarantee: DPGuarantee, generator: torch.
     sum_rows = clipped.sum(0) + _noise(width, sigma * clip, generator).to(clipped.device)
     sum_squares = (
         clipped.square().sum(0) + _noise(width, sigma * clip**2, generator).to(clipped.device)
-        if "sum of squares" in covers else None
-    )  # fmt: skip
-    count = float(len(clipped)) + (float(_noise((), sigma, generator)) if "count" in covers else 0.0)
+        if "sum of squares" in covers
+        else None
+    )
+    count = float(len(clipped)) + (
+        float(_noise((), sigma, generator)) if "count" in covers else 0.0
+    )
     return DPGaussianEstimate(sum_rows, sum_squares, count, guarantee)

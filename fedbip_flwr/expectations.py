@@ -67,5 +67,7 @@ def concept_init_rms(ldm: LDM, space: str) -> float:
     if space == "token":
         table = ldm.text_encoder.get_input_embeddings().weight.float()
         return float(table.pow(2).mean(-1).sqrt().max())
-    norm = next(m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm"))
+    norm = next(
+        m for name, m in ldm.text_encoder.named_modules() if name.endswith("final_layer_norm")
+    )
     return float(norm.weight.float().abs().max() + norm.bias.float().pow(2).mean().sqrt())

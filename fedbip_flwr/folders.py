@@ -225,7 +225,8 @@ def _own_class_files(folder: Path, classes: Sequence[str]) -> tuple[list[Path], 
     if lacking:
         log.warning(
             "%s has no images of %s: label skew, which FedBiP allows; the upload has none of them",
-            folder, ", ".join(lacking),
+            folder,
+            ", ".join(lacking),
         )
     paths: list[Path] = []
     labels: list[int] = []
@@ -248,8 +249,10 @@ class UnreadableImages(DataError):
     names (a patient's id, a date) must not leave the institution in an error reply, and counts
     are what a DP upload's guarantee hides."""
 
-    FIX = ('Fix or remove them, or leave them out with node config bad-images = "skip" '
-           "(fedbip personalize --bad-images skip)")  # fmt: skip
+    FIX = (
+        'Fix or remove them, or leave them out with node config bad-images = "skip" '
+        "(fedbip personalize --bad-images skip)"
+    )
 
     def __init__(self, root: Path, bad: Sequence[BadImage], total: int) -> None:
         self.count, self.total = len(bad), total
@@ -259,7 +262,9 @@ class UnreadableImages(DataError):
         )
 
     def for_server(self) -> DataError:
-        return DataError(f"image files of this institution cannot be read (named and counted in its own log). {self.FIX}")
+        return DataError(
+            f"image files of this institution cannot be read (named and counted in its own log). {self.FIX}"
+        )
 
 
 def _readable(
@@ -273,14 +278,22 @@ def _readable(
     total = sum(len(paths) for paths, _ in parts)
     if bad_images == "fail":
         raise UnreadableImages(root, bad, total)
-    log.warning("left out %d of %d image files in %s that cannot be read (node config "
-                'bad-images = "skip"): %s', len(bad), total, root, _listing(root, bad))  # fmt: skip
+    log.warning(
+        "left out %d of %d image files in %s that cannot be read (node config "
+        'bad-images = "skip"): %s',
+        len(bad),
+        total,
+        root,
+        _listing(root, bad),
+    )
     unreadable = {b.path for b in bad}
     kept = [
-        ([p for p in paths if p not in unreadable],
-         [y for p, y in zip(paths, labels) if p not in unreadable])
+        (
+            [p for p in paths if p not in unreadable],
+            [y for p, y in zip(paths, labels) if p not in unreadable],
+        )
         for paths, labels in parts
-    ]  # fmt: skip
+    ]
     if any(not paths for paths, _ in kept):
         raise DataError(f"no readable image is left in {root} (or in one of its splits)")
     return kept, tuple(bad)
@@ -306,8 +319,14 @@ def own_folder_split(
     [(paths, labels)], skipped = _readable(root, [_own_class_files(folder, classes)], bad_images)
     pool = _file_pool(paths, labels)
     held = np.array([held_out_by_content(path) for path in paths], dtype=bool)
-    log.info("%s has no test/ folder: each file held out with probability %.0f%% by a hash of its "
-             "content (%d of %d)", root, 100 * TEST_FRACTION, held.sum(), len(held))  # fmt: skip
+    log.info(
+        "%s has no test/ folder: each file held out with probability %.0f%% by a hash of its "
+        "content (%d of %d)",
+        root,
+        100 * TEST_FRACTION,
+        held.sum(),
+        len(held),
+    )
     return Split(pool.subset(np.flatnonzero(~held)), pool.subset(np.flatnonzero(held)), skipped)
 
 

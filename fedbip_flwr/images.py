@@ -126,11 +126,15 @@ def why_unreadable(path: Path) -> str | None:
 def find_unreadable(paths: Sequence[Path], where: Path) -> list[BadImage]:
     """Every file of ``paths`` that does not decode, in order; a progress bar for large folders."""
     bad = []
-    checked = tqdm(paths, desc=f"checking images in {where}", unit="file",
-                   disable=len(paths) < PROGRESS_FROM, leave=False)  # fmt: skip
+    checked = tqdm(
+        paths,
+        desc=f"checking images in {where}",
+        unit="file",
+        disable=len(paths) < PROGRESS_FROM,
+        leave=False,
+    )
     for path in checked:
         reason = why_unreadable(path)
         if reason is not None:
             bad.append(BadImage(path, reason))
     return bad
-

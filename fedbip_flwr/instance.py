@@ -50,9 +50,7 @@ def pick_partners(labels: torch.Tensor, generator: torch.Generator) -> torch.Ten
     return partners
 
 
-def sample_gammas(
-    n: int, mean: float, std: float, generator: torch.Generator
-) -> torch.Tensor:
+def sample_gammas(n: int, mean: float, std: float, generator: torch.Generator) -> torch.Tensor:
     """gamma ~ N(mean, std^2) clipped to [0, 1]."""
     return (mean + std * torch.randn(n, generator=generator)).clamp(0.0, 1.0)
 

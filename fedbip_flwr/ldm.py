@@ -166,7 +166,11 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
     """
     source = str(source)
     local = Path(source).expanduser()
-    if local.exists() and not (local / "model_index.json").exists() and not (local / "unet").is_dir():
+    if (
+        local.exists()
+        and not (local / "model_index.json").exists()
+        and not (local / "unet").is_dir()
+    ):
         raise ModelLoadError(
             f"'{source}' is a folder but not a diffusers model folder (no unet/ or "
             "model_index.json); point run config 'model' at one."
@@ -339,7 +343,7 @@ def cpu_full_size_allowed() -> bool:
 def select_device(choice: str) -> torch.device:
     """``auto`` takes CUDA when present; asking for CUDA without one is an error, not a fallback."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("run config device = \"cuda\" but no CUDA device is visible")
+        raise ModelLoadError('run config device = "cuda" but no CUDA device is visible')
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
@@ -401,7 +405,9 @@ def load_for_run(
     ``device_choice`` is the run config's ``device``, or a device already chosen (accelerate's,
     in `fedbip synthesize`).
     """
-    device = device_choice if isinstance(device_choice, torch.device) else select_device(device_choice)
+    device = (
+        device_choice if isinstance(device_choice, torch.device) else select_device(device_choice)
+    )
     if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE and not cpu_full_size_allowed():
         raise ModelLoadError(
             f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "

@@ -37,13 +37,13 @@ class MethodSettings(FlatConfig):
 class MixtureSettings(MethodSettings):
     """How a client summarizes its z(T) per class."""
 
-    components: int = Field(
-        4, ge=1, description="Gaussians per class (Espresso: 4; 2-4 plateau)."
-    )
+    components: int = Field(4, ge=1, description="Gaussians per class (Espresso: 4; 2-4 plateau).")
     rows_per_component: int = Field(
-        4, ge=1, description="At most one component per this many z(T) of a class, so no "
-        "component is fitted to a handful of rows (its mean would nearly be one private z(T))."
-    )  # fmt: skip
+        4,
+        ge=1,
+        description="At most one component per this many z(T) of a class, so no "
+        "component is fitted to a handful of rows (its mean would nearly be one private z(T)).",
+    )
 
 
 class DPMixtureSettings(MixtureSettings):
@@ -51,17 +51,22 @@ class DPMixtureSettings(MixtureSettings):
     which tensors its guarantee covers)."""
 
     dp_epsilon: float = Field(
-        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private "
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="> 0: an (epsilon, dp-delta)-DP upload per private "
         "image (docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped "
         "z(T) (one per image), its variance the forward process's; counts noisy too. 0: off. At "
         "most 100: beyond that no guarantee means anything, and the accountant's grid grows "
-        "without bound."
-    )  # fmt: skip
+        "without bound.",
+    )
     dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
     dp_clip: float = Field(
-        1.25, gt=0.0, description="The DP upload clips each z(T) to this many times sqrt(D) "
-        "(an honest z(T) at T near 1000 has norm about sqrt(D))."
-    )  # fmt: skip
+        1.25,
+        gt=0.0,
+        description="The DP upload clips each z(T) to this many times sqrt(D) "
+        "(an honest z(T) at T near 1000 has norm about sqrt(D)).",
+    )
 
     @property
     def private(self) -> bool:
@@ -84,21 +89,29 @@ class FedBiPMixtureSettings(DPMixtureSettings):
     WHAT: ClassVar[str] = "fedbip-mixture settings"
 
     dp_grad_clip: float = Field(
-        1e-3, gt=0.0, description="DP-SGD's clip: the L2 norm of each image's gradient with "
+        1e-3,
+        gt=0.0,
+        description="DP-SGD's clip: the L2 norm of each image's gradient with "
         "respect to the concept shifts u (S and V's together). Depends on the model: 1e-3 is "
-        "about the miniature's median per-image norm in token space (7.5e-4)."
-    )  # fmt: skip
+        "about the miniature's median per-image norm in token space (7.5e-4).",
+    )
     dp_sample_rate: float = Field(
-        0.08, gt=0.0, le=1.0, description="DP-SGD's Poisson sampling rate q: each step takes "
+        0.08,
+        gt=0.0,
+        le=1.0,
+        description="DP-SGD's Poisson sampling rate q: each step takes "
         "each image with probability q, ceil(1 / q) steps an epoch. A setting, not "
         "concept-batch-size / N, so that the header does not give away N (0.08: about 8 of the "
-        "miniature's 96 images)."
-    )  # fmt: skip
+        "miniature's 96 images).",
+    )
     dp_concept_share: float = Field(
-        0.5, gt=0.0, lt=1.0, description="The concepts' part of epsilon when each release is "
+        0.5,
+        gt=0.0,
+        lt=1.0,
+        description="The concepts' part of epsilon when each release is "
         "calibrated on its own; both noise multipliers are then scaled by one factor so that "
-        "the two composed are exactly (epsilon, dp-delta)-DP."
-    )  # fmt: skip
+        "the two composed are exactly (epsilon, dp-delta)-DP.",
+    )
 
 
 class EspressoSettings(MixtureSettings):
@@ -122,9 +135,11 @@ class EspressoSettings(MixtureSettings):
         800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z)."
     )
     z_inverse_guidance: float = Field(
-        0.0, ge=0.0, description="Guidance of the inversion step (g2; the paper keeps it below "
-        "the run's guidance)."
-    )  # fmt: skip
+        0.0,
+        ge=0.0,
+        description="Guidance of the inversion step (g2; the paper keeps it below "
+        "the run's guidance).",
+    )
 
 
 class FedLMGSettings(MethodSettings):
@@ -144,7 +159,7 @@ class FedLMGSettings(MethodSettings):
     prompt: str = Field(
         "an image of {class}",
         description="the class-only prompt the server samples with; {class} is the "
-        "class name (paper: \"an image of {class}\").",
+        'class name (paper: "an image of {class}").',
     )
     guidance_scale: float = Field(
         3.0, ge=1.0, description="classifier-free guidance scale (paper: 3)."
@@ -228,13 +243,14 @@ class FedAvgSettings(MethodSettings):
     rounds: int = Field(10, ge=1, description="Rounds of Flower's FedAvg.")
     local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
     part: Literal["all", "head"] = Field(
-        "all", description="What is federated. all: the whole ResNet-18 from classifier-init, "
+        "all",
+        description="What is federated. all: the whole ResNet-18 from classifier-init, "
         "trained with the shared classifier recipe. head: only a linear head (512 -> classes) on "
         "the frozen backbone shipped with the base model (FedPFT's encoder, the Flower FedPFT "
         "baseline's comparison), trained on the client's features with FedPFT's head recipe "
         "(AdamW, fedpft.head-lr and fedpft.head-batch-size; local-epochs per round); only the "
-        "head's weight and bias travel."
-    )  # fmt: skip
+        "head's weight and bias travel.",
+    )
 
 
 # Covariance types a FedPFT upload may carry; "full" and "tied" are refused with this reason.
@@ -249,32 +265,49 @@ class FedPFTSettings(MethodSettings):
     WHAT: ClassVar[str] = "fedpft settings"
 
     components: int = Field(
-        1, ge=1, le=64, description="Gaussians per class (the Flower baseline: 1); a class "
-        "with fewer images gets one per image, the rest weight-0 padding."
-    )  # fmt: skip
+        1,
+        ge=1,
+        le=64,
+        description="Gaussians per class (the Flower baseline: 1); a class "
+        "with fewer images gets one per image, the rest weight-0 padding.",
+    )
     covariance_type: str = Field(
-        "spherical", description="spherical (one variance per component, the baseline's) or "
-        "diag (one per feature)."
-    )  # fmt: skip
+        "spherical",
+        description="spherical (one variance per component, the baseline's) or "
+        "diag (one per feature).",
+    )
     tol: float = Field(1e-12, gt=0.0, description="EM's convergence tolerance (the baseline's).")
-    max_iter: int = Field(1000, ge=1, description="At most this many EM iterations (the baseline's).")
+    max_iter: int = Field(
+        1000, ge=1, description="At most this many EM iterations (the baseline's)."
+    )
     draws_per_image: int = Field(
-        10, ge=1, description="Features the server draws per claimed image (each class's count "
-        "clipped to max-images-per-class); the baseline draws 1."
-    )  # fmt: skip
-    head_epochs: int = Field(50, ge=1, description="Epochs of the server's linear head over the draws.")
-    head_lr: float = Field(1e-3, gt=0.0, description="AdamW's lr for the head (the baseline's optimiser).")
+        10,
+        ge=1,
+        description="Features the server draws per claimed image (each class's count "
+        "clipped to max-images-per-class); the baseline draws 1.",
+    )
+    head_epochs: int = Field(
+        50, ge=1, description="Epochs of the server's linear head over the draws."
+    )
+    head_lr: float = Field(
+        1e-3, gt=0.0, description="AdamW's lr for the head (the baseline's optimiser)."
+    )
     head_batch_size: int = Field(32, ge=1, description="Draws per step (the baseline's 32).")
     dp_epsilon: float = Field(
-        0.0, ge=0.0, le=100.0, description="> 0: an (epsilon, dp-delta)-DP upload per private "
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="> 0: an (epsilon, dp-delta)-DP upload per private "
         "image (docs/methods.md): per class one Gaussian from dp.py's noisy sum, sum of squares "
-        "and count of the clipped features. Needs components = 1. 0: off."
-    )  # fmt: skip
+        "and count of the clipped features. Needs components = 1. 0: off.",
+    )
     dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
     dp_clip: float = Field(
-        1.0, gt=0.0, description="The DP upload clips each feature vector to L2 norm this many "
-        "times sqrt(D) (D = 512)."
-    )  # fmt: skip
+        1.0,
+        gt=0.0,
+        description="The DP upload clips each feature vector to L2 norm this many "
+        "times sqrt(D) (D = 512).",
+    )
 
     @property
     def private(self) -> bool:

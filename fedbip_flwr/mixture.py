@@ -71,7 +71,9 @@ class LatentMixture:
         }
 
 
-def from_tensors(tensors: Mapping[str, torch.Tensor], latent_shape: tuple[int, int, int]) -> LatentMixture:
+def from_tensors(
+    tensors: Mapping[str, torch.Tensor], latent_shape: tuple[int, int, int]
+) -> LatentMixture:
     """The mixture in an upload's tensors, checked (:func:`check_mixture`): they are untrusted.
 
     ``latent_shape`` is the receiver's own (its base model's), so an upload made for another
@@ -106,7 +108,9 @@ def check_mixture(mixture: LatentMixture) -> None:
         raise ValueError(f"{MIXTURE_WEIGHTS} holds negative weights.")
     error = (mixture.weights.double().sum(dim=1) - 1.0).abs().max().item()
     if error > WEIGHT_SUM_TOLERANCE:
-        raise ValueError(f"a class's {MIXTURE_WEIGHTS} sum to 1 +- {error:.3g}, beyond {WEIGHT_SUM_TOLERANCE}.")
+        raise ValueError(
+            f"a class's {MIXTURE_WEIGHTS} sum to 1 +- {error:.3g}, beyond {WEIGHT_SUM_TOLERANCE}."
+        )
     if (mixture.variances <= 0).any():
         raise ValueError(f"{MIXTURE_VARIANCES} holds a variance <= 0.")
 
@@ -116,11 +120,15 @@ def _check_shapes(mixture: LatentMixture) -> None:
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"latent shape {shape} is not three positive sizes (c, h, w).")
     if mixture.weights.ndim != 2 or min(mixture.weights.shape) < 1:
-        raise ValueError(f"{MIXTURE_WEIGHTS} has shape {tuple(mixture.weights.shape)}, not (classes, components).")
+        raise ValueError(
+            f"{MIXTURE_WEIGHTS} has shape {tuple(mixture.weights.shape)}, not (classes, components)."
+        )
     expected = (*mixture.weights.shape, math.prod(shape))
     for name, tensor in ((MIXTURE_MEANS, mixture.means), (MIXTURE_VARIANCES, mixture.variances)):
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, not {expected} for latents of shape {shape}.")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, not {expected} for latents of shape {shape}."
+            )
 
 
 def fit_mixture(
@@ -162,19 +170,25 @@ def fit_mixture(
     )
 
 
-def _check_fit_inputs(z_t: torch.Tensor, labels: torch.Tensor, num_classes: int, components: int) -> None:
+def _check_fit_inputs(
+    z_t: torch.Tensor, labels: torch.Tensor, num_classes: int, components: int
+) -> None:
     if z_t.ndim != 4:
         raise ValueError(f"z_t has shape {tuple(z_t.shape)}, not (N, c, h, w).")
     if labels.shape != (len(z_t),):
         raise ValueError(f"labels have shape {tuple(labels.shape)}, not ({len(z_t)},).")
     if min(num_classes, components) < 1:
-        raise ValueError(f"num_classes {num_classes} and components {components} must both be at least 1.")
+        raise ValueError(
+            f"num_classes {num_classes} and components {components} must both be at least 1."
+        )
     if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"labels must lie in [0, {num_classes}).")
     counts = torch.bincount(labels.cpu().long(), minlength=num_classes)
     for c, count in enumerate(counts.tolist()):
         if 0 < count < MIN_ROWS_PER_CLASS:
-            raise ValueError(f"class {c} has {count} row(s); a mixture needs at least {MIN_ROWS_PER_CLASS}.")
+            raise ValueError(
+                f"class {c} has {count} row(s); a mixture needs at least {MIN_ROWS_PER_CLASS}."
+            )
 
 
 def _fit_class(

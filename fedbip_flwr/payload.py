@@ -50,8 +50,12 @@ TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
 CLUSTER_TENSOR = "latent_clusters"
 
 _LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_FIXED_DTYPES = {"labels": torch.int64, "domain_concept": torch.float32,
-                 "class_concepts": torch.float32, CLUSTER_TENSOR: torch.int64}  # fmt: skip
+_FIXED_DTYPES = {
+    "labels": torch.int64,
+    "domain_concept": torch.float32,
+    "class_concepts": torch.float32,
+    CLUSTER_TENSOR: torch.int64,
+}
 
 
 class PayloadMeta(UploadMeta):
@@ -260,7 +264,9 @@ def latent_bounds(
     )
 
 
-def coordinate_bound(alpha_bar: float, size: int, sigmas: float = SIGMAS, latent_max: float = LATENT_MAX) -> float:
+def coordinate_bound(
+    alpha_bar: float, size: int, sigmas: float = SIGMAS, latent_max: float = LATENT_MAX
+) -> float:
     """The largest |value| one coordinate of an honest z(T) = a zbar + b eps of ``size``
     elements has: |zbar_j| <= M (a convex mix of two latents), and the largest of the image's
     ``size`` |eps_j| stays below k' = sqrt(2 ln(2 size / p)) but with probability p, p the same
@@ -346,7 +352,9 @@ def check_payload(p: Payload) -> None:
         check_finite(name, getattr(p, name))
     check_index("labels", p.labels, len(meta.class_names), "one per class name")
     if p.latent_clusters is not None:
-        check_index("latent_clusters", p.latent_clusters, meta.class_clusters, "sub-clusters per class")
+        check_index(
+            "latent_clusters", p.latent_clusters, meta.class_clusters, "sub-clusters per class"
+        )
 
 
 def _check_dtypes(p: Payload) -> None:
@@ -393,20 +401,50 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     n_s, n_v = expect.concept_sizes(meta.domain)
     checks: list[Check] = [
         *sampling_checks(meta, expect),
-        ("concept dimension", _concept_dim(p), expect.concept_dim,
-         "concepts must come from the server's text encoder"),
-        ("n_s", meta.n_s, n_s, "clients and server must share run config n-s; S has one "
-         "vector per token of the domain phrase, at least n-s"),
-        ("n_v", meta.n_v, max(n_v), "clients and server must share run config n-v; V_y has "
-         "one vector per token of its class name, at least n-v"),
-        ("concept space", meta.concept_space, expect.concept_space,
-         "clients and server must share run config concept-space"),
-        ("class_clusters", meta.class_clusters, expect.class_clusters,
-         "clients and server must share run config class-clusters"),
-        ("class names", tuple(meta.class_names), tuple(expect.class_names),
-         "labels index the class list, so order matters"),
-        ("prompt template", meta.prompt_template, expect.prompt_template,
-         "concepts were learned in this exact prompt"),
+        (
+            "concept dimension",
+            _concept_dim(p),
+            expect.concept_dim,
+            "concepts must come from the server's text encoder",
+        ),
+        (
+            "n_s",
+            meta.n_s,
+            n_s,
+            "clients and server must share run config n-s; S has one "
+            "vector per token of the domain phrase, at least n-s",
+        ),
+        (
+            "n_v",
+            meta.n_v,
+            max(n_v),
+            "clients and server must share run config n-v; V_y has "
+            "one vector per token of its class name, at least n-v",
+        ),
+        (
+            "concept space",
+            meta.concept_space,
+            expect.concept_space,
+            "clients and server must share run config concept-space",
+        ),
+        (
+            "class_clusters",
+            meta.class_clusters,
+            expect.class_clusters,
+            "clients and server must share run config class-clusters",
+        ),
+        (
+            "class names",
+            tuple(meta.class_names),
+            tuple(expect.class_names),
+            "labels index the class list, so order matters",
+        ),
+        (
+            "prompt template",
+            meta.prompt_template,
+            expect.prompt_template,
+            "concepts were learned in this exact prompt",
+        ),
     ]
     refuse_mismatch(checks)
     if expect.domains and meta.domain not in expect.domains:
@@ -442,19 +480,39 @@ def sampling_checks(meta: Any, expect: Expectations) -> list[Check]:
     the LDM, the latent shape and the sampler and its first timestep. ``meta`` has the fields
     ``base_model``, ``latent_shape``, ``scheduler``, ``num_inference_steps`` and ``timestep``."""
     return [
-        ("base model fingerprint", meta.base_model, expect.base_model,
-         "client and server must load the same LDM"),
-        ("latent shape", tuple(meta.latent_shape), tuple(expect.latent_shape),
-         "clients must encode images at the server's image size with the same VAE"),
-        ("scheduler", meta.scheduler, expect.scheduler,
-         "z(T) only matches the sampler it was noised for: clients and server must share "
-         "run config scheduler"),
-        ("num_inference_steps", meta.num_inference_steps, expect.num_inference_steps,
-         "clients and server must share run config num-inference-steps"),
-        ("timestep", meta.timestep, expect.timestep,
-         "z(T) must be noised to the first timestep the server denoises from: clients and "
-         "server must share run config num-inference-steps, timestep-spacing and start-timestep"),
-    ]  # fmt: skip
+        (
+            "base model fingerprint",
+            meta.base_model,
+            expect.base_model,
+            "client and server must load the same LDM",
+        ),
+        (
+            "latent shape",
+            tuple(meta.latent_shape),
+            tuple(expect.latent_shape),
+            "clients must encode images at the server's image size with the same VAE",
+        ),
+        (
+            "scheduler",
+            meta.scheduler,
+            expect.scheduler,
+            "z(T) only matches the sampler it was noised for: clients and server must share "
+            "run config scheduler",
+        ),
+        (
+            "num_inference_steps",
+            meta.num_inference_steps,
+            expect.num_inference_steps,
+            "clients and server must share run config num-inference-steps",
+        ),
+        (
+            "timestep",
+            meta.timestep,
+            expect.timestep,
+            "z(T) must be noised to the first timestep the server denoises from: clients and "
+            "server must share run config num-inference-steps, timestep-spacing and start-timestep",
+        ),
+    ]
 
 
 def refuse_mismatch(checks: Sequence[Check]) -> None:
@@ -485,9 +543,11 @@ def check_latent_moments(latents: torch.Tensor, timestep: int, plaus: Plausibili
     size = math.prod(latents.shape[1:])
     bounds = latent_bounds(plaus.alpha_bar, size, plaus.latent_rms, plaus.sigmas)
     mean, std = _image_moments(latents)
-    why = (f"that z(T) at timestep {timestep} can have (an honest z(T) is sqrt(abar_T) times an "
-           f"image latent plus sqrt(1 - abar_T) = {math.sqrt(1 - plaus.alpha_bar):.3g} times "
-           "N(0, I) noise); was it noised to T with the server's scheduler and VAE?")
+    why = (
+        f"that z(T) at timestep {timestep} can have (an honest z(T) is sqrt(abar_T) times an "
+        f"image latent plus sqrt(1 - abar_T) = {math.sqrt(1 - plaus.alpha_bar):.3g} times "
+        "N(0, I) noise); was it noised to T with the server's scheduler and VAE?"
+    )
     outside = (std < bounds.std_low) | (std > bounds.std_high)
     if bool(outside.any()):
         i = int(outside.nonzero()[0])
@@ -533,11 +593,14 @@ def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility)
     low, high = plaus.concept_range(p.meta.num_examples)
     vectors = {
         **{f"domain_concept[{j}] (S)": row for j, row in enumerate(p.domain_concept)},
-        **{f"class_concepts[{y}][{j}] (V of {name!r})": rows[j]
-           for y, (name, rows, length) in enumerate(
-               zip(p.meta.concept_names, p.class_concepts, lengths, strict=True))
-           for j in range(min(length, len(rows)))},
-    }  # fmt: skip
+        **{
+            f"class_concepts[{y}][{j}] (V of {name!r})": rows[j]
+            for y, (name, rows, length) in enumerate(
+                zip(p.meta.concept_names, p.class_concepts, lengths, strict=True)
+            )
+            for j in range(min(length, len(rows)))
+        },
+    }
     rms = torch.stack(list(vectors.values())).double().pow(2).mean(-1).sqrt()
     outside = (rms < low) | (rms > high)
     if bool(outside.any()):
@@ -558,5 +621,3 @@ def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility)
 def summarize(p: Payload) -> list[dict[str, Any]]:
     """Per-tensor name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
     return [tensor_summary(name, t) for name, t in p.tensors().items()]
-
-

@@ -84,7 +84,9 @@ def _accuracy_per_domain(record: RunResults) -> list[str]:
     accuracy = record.accuracy
     if accuracy is None or not accuracy.per_domain:
         return []
-    rows = [[_text(domain), _percent(value)] for domain, value in sorted(accuracy.per_domain.items())]
+    rows = [
+        [_text(domain), _percent(value)] for domain, value in sorted(accuracy.per_domain.items())
+    ]
     rows.append(["**mean**", f"**{_percent(accuracy.mean)}**"])
     intro = "The classifier, trained on synthetic images only, on each domain's real test images."
     return ["## Accuracy per domain", "", intro, "", *_table(["domain", "accuracy"], rows, "lr")]
@@ -101,12 +103,18 @@ def _accuracy_per_institution(record: RunResults) -> list[str]:
         for client, score in sorted(evaluation.per_client.items())
     ]
     header = ["client", "accuracy", "test images", "status", "reason"]
-    intro = ("Scored by each institution on its own held-out images "
-             f'(run config `evaluation = "{evaluation.where}"`).')  # fmt: skip
+    intro = (
+        "Scored by each institution on its own held-out images "
+        f'(run config `evaluation = "{evaluation.where}"`).'
+    )
     lines = ["## Accuracy per institution", "", intro, "", *_table(header, rows, "lrrll")]
     mean = _percent(evaluation.weighted_mean)
     counted = all(s.counted for s in evaluation.per_client.values() if isinstance(s, Scored))
-    how = "weighted by test images" if counted else "unweighted (a DP run's institutions send their accuracy alone)"
+    how = (
+        "weighted by test images"
+        if counted
+        else "unweighted (a DP run's institutions send their accuracy alone)"
+    )
     return [*lines, "", f"Mean {how}: **{mean}**."]
 
 
@@ -157,17 +165,27 @@ def _what_left(run_dir: Path) -> list[str]:
         sgd = getattr(dp, "concepts", None)  # fedbip-mixture's: S and V by DP-SGD
         guarantee = (
             f"({dp.epsilon:g}, {dp.delta:g})-DP per {_text(dp.unit)}, for {_text(', '.join(dp.covers))}"
-            + (f"; {', '.join(sgd.covers)} by DP-SGD (q {sgd.sample_rate:g}, {sgd.steps} steps, "
-               f"sigma {sgd.noise_multiplier:.3g}, clip {sgd.clip:g})" if sgd else "")
+            + (
+                f"; {', '.join(sgd.covers)} by DP-SGD (q {sgd.sample_rate:g}, {sgd.steps} steps, "
+                f"sigma {sgd.noise_multiplier:.3g}, clip {sgd.clip:g})"
+                if sgd
+                else ""
+            )
             + ("; void: the run lets the server replay client noise" if dp.replayable_noise else "")
-            if dp else "none"
-        )  # fmt: skip
+            if dp
+            else "none"
+        )
         rows.append([path.stem, upload.meta.method, tensors, _size(len(blob)), guarantee])
     if not rows:
         return []
     intro = "Everything that left each institution: the tensors of its one upload, as the server kept them."
-    return ["## What left each institution", "", intro, "",
-            *_table(["client", "method", "tensors", "size", "formal guarantee"], rows, "lllrl")]  # fmt: skip
+    return [
+        "## What left each institution",
+        "",
+        intro,
+        "",
+        *_table(["client", "method", "tensors", "size", "formal guarantee"], rows, "lllrl"),
+    ]
 
 
 def _phases(record: RunResults) -> list[str]:

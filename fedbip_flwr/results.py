@@ -118,7 +118,9 @@ class Scored(_Part):
     def _consistent(self) -> Scored:
         correct, total = self.per_class_correct, self.per_class_total
         if (self.num_examples, correct, total).count(None) not in (0, 3):
-            raise ValueError("the test-image count and the per-class counts come together or not at all")
+            raise ValueError(
+                "the test-image count and the per-class counts come together or not at all"
+            )
         if correct is None or total is None or self.num_examples is None:
             return self
         if len(correct) != len(total):
@@ -126,7 +128,9 @@ class Scored(_Part):
         if any(c > t for c, t in zip(correct, total, strict=True)):
             raise ValueError("a class has more correct answers than images")
         if sum(total) != self.num_examples:
-            raise ValueError(f"per-class totals sum to {sum(total)}, not num-examples {self.num_examples}")
+            raise ValueError(
+                f"per-class totals sum to {sum(total)}, not num-examples {self.num_examples}"
+            )
         if abs(self.accuracy - sum(correct) / self.num_examples) > ACCURACY_ROUNDING:
             raise ValueError(
                 f"accuracy {self.accuracy:.6g} is not its counts' {sum(correct)}/{self.num_examples}"

@@ -75,7 +75,9 @@ class Sampler:
 
         class_name, settings = _SCHEDULERS[SchedulerName(name)]
         scheduler_class = getattr(diffusers, class_name)
-        scheduler = scheduler_class.from_config(noise_schedule.config, timestep_spacing=spacing, **settings)
+        scheduler = scheduler_class.from_config(
+            noise_schedule.config, timestep_spacing=spacing, **settings
+        )
         return cls(scheduler, steps)
 
     @property
@@ -93,7 +95,11 @@ class Sampler:
         with warnings.catch_warnings():
             # diffusers' UniPC calls np.array() on a torch tensor, which numpy 2 warns about
             # (torch's __array__ takes no copy keyword); the values are the same either way
-            warnings.filterwarnings("ignore", r"__array__ implementation doesn't accept a copy keyword", DeprecationWarning)
+            warnings.filterwarnings(
+                "ignore",
+                r"__array__ implementation doesn't accept a copy keyword",
+                DeprecationWarning,
+            )
             scheduler.set_timesteps(self.num_inference_steps)
         return scheduler
 

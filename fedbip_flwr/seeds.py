@@ -38,7 +38,8 @@ def client_generator(cfg: FedBiPConfig, node: NodeConfig, client_id: str) -> tor
     if cfg.replayable_client_noise:
         log.warning(
             "[%s] replayable-client-noise is on: the server can replay this client's noise and "
-            "recover its private latents (simulations and benchmarks only)", client_id
+            "recover its private latents (simulations and benchmarks only)",
+            client_id,
         )
         return torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))

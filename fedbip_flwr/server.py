@@ -168,9 +168,12 @@ def keyed_shard(
     first = next(quantized)
     shape = (len(labels), *first.shape[1:])
     write_tensors_streamed(
-        path, {"labels": labels.to(torch.int64)}, ("images", torch.uint8, shape),
-        itertools.chain([first], quantized), {SHARD_KEY: key},
-    )  # fmt: skip
+        path,
+        {"labels": labels.to(torch.int64)},
+        ("images", torch.uint8, shape),
+        itertools.chain([first], quantized),
+        {SHARD_KEY: key},
+    )
     log.info("%s written (%d images)", path.name, len(labels))
     return path
 
@@ -228,9 +231,19 @@ def train_global(
         bar.set_postfix(loss=f"{loss:.3f}")
         bar.update()
 
-    with tqdm(total=settings.epochs_for(len(data)), desc="classifier", unit="epoch", mininterval=5) as bar:
-        train_classifier(model, data, None, settings, seed=cfg.seed, device=device,
-                         on_epoch=on_epoch, distillation=distillation)  # fmt: skip
+    with tqdm(
+        total=settings.epochs_for(len(data)), desc="classifier", unit="epoch", mininterval=5
+    ) as bar:
+        train_classifier(
+            model,
+            data,
+            None,
+            settings,
+            seed=cfg.seed,
+            device=device,
+            on_epoch=on_epoch,
+            distillation=distillation,
+        )
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
     return model, {
         "num_synthetic_images": len(data),
@@ -282,7 +295,9 @@ def evaluate_models(
 ) -> dict:
     """:func:`evaluate_on_server` for one global classifier; for several (Local: one per
     client) each is scored on every domain and the per-domain accuracies averaged over them."""
-    scores = {name: evaluate_on_server(m, test_sets, image_size, device) for name, m in models.items()}
+    scores = {
+        name: evaluate_on_server(m, test_sets, image_size, device) for name, m in models.items()
+    }
     if len(scores) == 1:
         return next(iter(scores.values()))
     per_domain = {
@@ -293,7 +308,9 @@ def evaluate_models(
     return {"per_domain": per_domain, "mean": mean, "per_model": scores}
 
 
-def load_persisted(folder: RunFolder, accept: Callable[[bytes], Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def load_persisted(
+    folder: RunFolder, accept: Callable[[bytes], Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Uploads accepted before a restart, through the method's ``accept`` again, by client id;
     and why each one that no longer passes (a server whose checks grew stricter) is refused:
     it is recorded, never a reason for the restart to stop."""

@@ -40,7 +40,16 @@ from .viz import to_uint8
 CLASSES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "heart")
 # Shapes no task of this world uses: the miniature's "ImageNet", public classes a classifier may
 # be pretrained on without ever seeing a task's labels (scripts/pretrain_backbone.py).
-PUBLIC_CLASSES: tuple[str, ...] = ("pentagon", "hexagon", "arrow", "crescent", "trapezoid", "bolt", "ell", "house")
+PUBLIC_CLASSES: tuple[str, ...] = (
+    "pentagon",
+    "hexagon",
+    "arrow",
+    "crescent",
+    "trapezoid",
+    "bolt",
+    "ell",
+    "house",
+)
 _ALL_CLASSES = CLASSES + PUBLIC_CLASSES
 DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting", "sketch", "quickdraw")
 COMMON_DOMAINS: tuple[str, ...] = ("photo", "clipart", "painting")
@@ -120,7 +129,10 @@ def _check_nonneg(name: str, value: int) -> int:
 # --------------------------------------------------------------------------------------------
 def _regular(n: int, radius: float, phase: float = math.pi / 2) -> list[Point]:
     return [
-        (radius * math.cos(phase + 2 * math.pi * k / n), radius * math.sin(phase + 2 * math.pi * k / n))
+        (
+            radius * math.cos(phase + 2 * math.pi * k / n),
+            radius * math.sin(phase + 2 * math.pi * k / n),
+        )
         for k in range(n)
     ]
 
@@ -136,14 +148,29 @@ def _unit_shape(cls: str) -> list[Point]:
         return [(x, y - 0.12) for x, y in pts]  # centre the bounding box, not the centroid
     if cls == "star":
         return [
-            (r * math.cos(math.pi / 2 + math.pi * k / 5), r * math.sin(math.pi / 2 + math.pi * k / 5))
+            (
+                r * math.cos(math.pi / 2 + math.pi * k / 5),
+                r * math.sin(math.pi / 2 + math.pi * k / 5),
+            )
             for k in range(10)
             for r in ((1.05 if k % 2 == 0 else 0.45),)
         ]
     if cls == "cross":
         a, b = 0.3, 0.92  # arm half-width, arm length
-        return [(a, b), (-a, b), (-a, a), (-b, a), (-b, -a), (-a, -a),
-                (-a, -b), (a, -b), (a, -a), (b, -a), (b, a), (a, a)]  # fmt: skip
+        return [
+            (a, b),
+            (-a, b),
+            (-a, a),
+            (-b, a),
+            (-b, -a),
+            (-a, -a),
+            (-a, -b),
+            (a, -b),
+            (a, -a),
+            (b, -a),
+            (b, a),
+            (a, a),
+        ]
     if cls == "heart":
         pts = []
         for k in range(48):
@@ -162,17 +189,45 @@ def _public_shape(cls: str) -> list[Point]:
     if cls == "hexagon":
         return _regular(6, 0.95, 0.0)
     if cls == "arrow":
-        return [(-0.95, 0.22), (0.2, 0.22), (0.2, 0.6), (0.95, 0.0), (0.2, -0.6), (0.2, -0.22), (-0.95, -0.22)]
+        return [
+            (-0.95, 0.22),
+            (0.2, 0.22),
+            (0.2, 0.6),
+            (0.95, 0.0),
+            (0.2, -0.6),
+            (0.2, -0.22),
+            (-0.95, -0.22),
+        ]
     if cls == "crescent":
-        outer = [(0.9 * math.cos(t), 0.9 * math.sin(t)) for t in np.linspace(math.pi / 2, 3 * math.pi / 2, 25)]
-        inner = [(0.25 + 0.6 * math.cos(t), 0.9 * math.sin(t)) for t in np.linspace(3 * math.pi / 2, math.pi / 2, 25)]
+        outer = [
+            (0.9 * math.cos(t), 0.9 * math.sin(t))
+            for t in np.linspace(math.pi / 2, 3 * math.pi / 2, 25)
+        ]
+        inner = [
+            (0.25 + 0.6 * math.cos(t), 0.9 * math.sin(t))
+            for t in np.linspace(3 * math.pi / 2, math.pi / 2, 25)
+        ]
         return outer + inner
     if cls == "trapezoid":
         return [(-0.95, -0.55), (0.95, -0.55), (0.45, 0.55), (-0.45, 0.55)]
     if cls == "bolt":
-        return [(0.15, 1.0), (-0.55, -0.05), (-0.05, -0.05), (-0.25, -1.0), (0.55, 0.15), (0.05, 0.15)]
+        return [
+            (0.15, 1.0),
+            (-0.55, -0.05),
+            (-0.05, -0.05),
+            (-0.25, -1.0),
+            (0.55, 0.15),
+            (0.05, 0.15),
+        ]
     if cls == "ell":
-        return [(-0.7, 0.95), (-0.25, 0.95), (-0.25, -0.45), (0.7, -0.45), (0.7, -0.9), (-0.7, -0.9)]
+        return [
+            (-0.7, 0.95),
+            (-0.25, 0.95),
+            (-0.25, -0.45),
+            (0.7, -0.45),
+            (0.7, -0.9),
+            (-0.7, -0.9),
+        ]
     if cls == "house":
         return [(-0.7, -0.85), (0.7, -0.85), (0.7, 0.15), (0.0, 0.95), (-0.7, 0.15)]
     raise ValueError(f"unknown class {cls!r}; valid classes: {', '.join(_ALL_CLASSES)}")
@@ -216,7 +271,9 @@ def _densify(pts: Sequence[Point], spacing: float) -> list[Point]:
     return out
 
 
-def _wobble(pts: list[Point], rng: np.random.Generator, amplitude: float, jitter: float) -> np.ndarray:
+def _wobble(
+    pts: list[Point], rng: np.random.Generator, amplitude: float, jitter: float
+) -> np.ndarray:
     """Hand-drawn line: a smooth low-frequency drift plus small per-point jitter."""
     arr = np.asarray(pts, dtype=np.float64)
     n = len(arr)
@@ -342,8 +399,15 @@ def _painting(outline: list[Point], pose: _Pose, rng: np.random.Generator, size:
     stroke_ang = rng.uniform(0, math.pi)
     for _ in range(14):
         col = canvas_col + rng.normal(0, 9, size=3)
-        _stroke(draw, rng, stroke_ang, canvas * rng.uniform(0.2, 0.45),
-                int(canvas * rng.uniform(0.06, 0.12)), col, (0, 0, canvas, canvas))
+        _stroke(
+            draw,
+            rng,
+            stroke_ang,
+            canvas * rng.uniform(0.2, 0.45),
+            int(canvas * rng.uniform(0.06, 0.12)),
+            col,
+            (0, 0, canvas, canvas),
+        )
     bg = _down(layer)
 
     # the shape: a saturated base colour, then broad strokes of nearby colours inside it
@@ -356,19 +420,35 @@ def _painting(outline: list[Point], pose: _Pose, rng: np.random.Generator, size:
     obj_ang = rng.uniform(0, math.pi)
     for _ in range(18):
         col = _hsv(h_obj + rng.normal(0, 0.04), rng.uniform(0.5, 1.0), rng.uniform(0.4, 0.85))
-        _stroke(draw, rng, obj_ang, pose.radius * rng.uniform(0.5, 1.0),
-                int(pose.radius * rng.uniform(0.18, 0.3)), col, box)
+        _stroke(
+            draw,
+            rng,
+            obj_ang,
+            pose.radius * rng.uniform(0.5, 1.0),
+            int(pose.radius * rng.uniform(0.18, 0.3)),
+            col,
+            box,
+        )
     obj = _down(obj_layer)
 
     # slightly irregular edge: paint, not vector art
-    edge = _wobble(_densify(outline, pose.radius * 0.08), rng, pose.radius * 0.025, pose.radius * 0.012)
+    edge = _wobble(
+        _densify(outline, pose.radius * 0.08), rng, pose.radius * 0.025, pose.radius * 0.012
+    )
     img = _blend(bg, obj, _down(_poly_layer(canvas, [edge.tolist()])))
     grain = 1.0 + 0.05 * _smooth_noise(rng, size, 32)  # canvas weave
     return img * grain[..., None]
 
 
-def _stroke(draw: ImageDraw.ImageDraw, rng: np.random.Generator, angle: float, length: float,
-            width: int, colour: np.ndarray, box: tuple[float, ...]) -> None:
+def _stroke(
+    draw: ImageDraw.ImageDraw,
+    rng: np.random.Generator,
+    angle: float,
+    length: float,
+    width: int,
+    colour: np.ndarray,
+    box: tuple[float, ...],
+) -> None:
     """One slightly curved brush stroke with round ends, centred somewhere in ``box``."""
     x0, y0, x1, y1 = box
     cx, cy = rng.uniform(x0, x1), rng.uniform(y0, y1)
@@ -398,8 +478,11 @@ def _sketch(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: i
         reach = pose.radius * 1.2
         for k in range(-int(reach / spacing), int(reach / spacing) + 1):
             ox, oy = pose.cx - k * spacing * sa, pose.cy + k * spacing * ca
-            hd.line([(ox - reach * ca, oy - reach * sa), (ox + reach * ca, oy + reach * sa)],
-                    fill=dark, width=max(1, canvas // 128))
+            hd.line(
+                [(ox - reach * ca, oy - reach * sa), (ox + reach * ca, oy + reach * sa)],
+                fill=dark,
+                width=max(1, canvas // 128),
+            )
         ink = ImageChops.multiply(ink, _poly_layer(canvas, [outline]))
     pencil = Image.new("L", (canvas, canvas), 0)
     draw = ImageDraw.Draw(pencil)
@@ -411,13 +494,19 @@ def _sketch(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: i
         pts = np.roll(pts, -int(rng.integers(len(pts))), axis=0)
         extra = int(len(pts) * rng.uniform(0.0, 0.08))  # overshoot past the start point
         pts = np.concatenate([pts, pts[: extra + 1]])
-        draw.line([tuple(p) for p in pts.tolist()], fill=int(lead * rng.uniform(0.7, 1.0)),
-                  width=width, joint="curve")
+        draw.line(
+            [tuple(p) for p in pts.tolist()],
+            fill=int(lead * rng.uniform(0.7, 1.0)),
+            width=width,
+            joint="curve",
+        )
     img = paper - 255.0 * _down(ImageChops.lighter(ink, pencil))
     return np.repeat(img[..., None], 3, axis=2)
 
 
-def _quickdraw(outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int) -> np.ndarray:
+def _quickdraw(
+    outline: list[Point], pose: _Pose, rng: np.random.Generator, size: int
+) -> np.ndarray:
     """A single thin black jittery polyline on pure white; may stop short or overshoot."""
     canvas = size * _SUPERSAMPLE
     dense = _densify(outline, pose.radius * 0.12)
@@ -427,7 +516,9 @@ def _quickdraw(outline: list[Point], pose: _Pose, rng: np.random.Generator, size
     pts = np.concatenate([pts, pts])[: n + 1] if n >= len(pts) else pts[:n]
     line = Image.new("L", (canvas, canvas), 0)
     width = max(1, round(canvas * 0.028))
-    ImageDraw.Draw(line).line([tuple(p) for p in pts.tolist()], fill=255, width=width, joint="curve")
+    ImageDraw.Draw(line).line(
+        [tuple(p) for p in pts.tolist()], fill=255, width=width, joint="curve"
+    )
     img = 255.0 * (1.0 - _down(line))
     return np.repeat(img[..., None], 3, axis=2)
 
@@ -462,14 +553,23 @@ def render(cls: str, domain: str, rng: np.random.Generator, size: int = 64) -> n
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 
 
-def _image_rng(seed: int, split: str, domain: str, client_index: int, cls: str, i: int) -> np.random.Generator:
+def _image_rng(
+    seed: int, split: str, domain: str, client_index: int, cls: str, i: int
+) -> np.random.Generator:
     """Independent RNG per image; the key uses global indices so subsets of classes agree."""
     key = [seed, _SPLITS[split], DOMAINS.index(domain), client_index, _ALL_CLASSES.index(cls), i]
     return np.random.default_rng(np.random.SeedSequence(key))
 
 
-def _generate(domain: str, per_class: int, split: str, client_index: int, seed: int, size: int,
-              classes: Sequence[str]) -> ImageSet:
+def _generate(
+    domain: str,
+    per_class: int,
+    split: str,
+    client_index: int,
+    seed: int,
+    size: int,
+    classes: Sequence[str],
+) -> ImageSet:
     """Render ``per_class`` images of each class (class-major order) into an :class:`ImageSet`."""
     _check_domain(domain)
     cls_tuple = _check_classes(classes, PUBLIC_CLASSES if split == "public" else CLASSES)
@@ -481,15 +581,25 @@ def _generate(domain: str, per_class: int, split: str, client_index: int, seed: 
     j = 0
     for label, cls in enumerate(cls_tuple):
         for i in range(per_class):
-            arrays[j] = render(cls, domain, _image_rng(seed, split, domain, client_index, cls, i), size)
+            arrays[j] = render(
+                cls, domain, _image_rng(seed, split, domain, client_index, cls, i), size
+            )
             labels[j] = label
             j += 1
     images = torch.from_numpy(arrays).permute(0, 3, 1, 2).float().div_(127.5).sub_(1.0).contiguous()
-    return ImageSet(images=images, labels=torch.from_numpy(labels), classes=cls_tuple, domain=domain)
+    return ImageSet(
+        images=images, labels=torch.from_numpy(labels), classes=cls_tuple, domain=domain
+    )
 
 
-def client_train_set(domain: str, shots_per_class: int, client_index: int = 0, seed: int = 0,
-                     size: int = 64, classes: Sequence[str] = CLASSES) -> ImageSet:
+def client_train_set(
+    domain: str,
+    shots_per_class: int,
+    client_index: int = 0,
+    seed: int = 0,
+    size: int = 64,
+    classes: Sequence[str] = CLASSES,
+) -> ImageSet:
     """The k-shot training set of the ``client_index``-th client of ``domain``.
 
     Different client indices (and the test / pretraining splits) never share an image, and
@@ -499,8 +609,9 @@ def client_train_set(domain: str, shots_per_class: int, client_index: int = 0, s
     return _generate(domain, shots_per_class, "train", client_index, seed, size, classes)
 
 
-def test_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
-             classes: Sequence[str] = CLASSES) -> ImageSet:
+def test_set(
+    domain: str, per_class: int, seed: int = 0, size: int = 64, classes: Sequence[str] = CLASSES
+) -> ImageSet:
     """Held-out real images of ``domain`` for evaluation (disjoint from every client)."""
     return _generate(domain, per_class, "test", 0, seed, size, classes)
 
@@ -508,8 +619,9 @@ def test_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
 test_set.__test__ = False  # type: ignore[attr-defined]  # not a pytest test when imported
 
 
-def pretrain_set(domain: str, per_class: int, seed: int = 0, size: int = 64,
-                 classes: Sequence[str] = CLASSES) -> ImageSet:
+def pretrain_set(
+    domain: str, per_class: int, seed: int = 0, size: int = 64, classes: Sequence[str] = CLASSES
+) -> ImageSet:
     """Images for pretraining the miniature LDM, disjoint from every client and the test split."""
     return _generate(domain, per_class, "pretrain", 0, seed, size, classes)
 
@@ -526,7 +638,12 @@ def public_corpus(per_class: int, seed: int = 0) -> ImageSet:
     domain, as ImageNet holds hardly any sketch or quickdraw: with a rare sliver in it, the
     start alone took Prompts-only to FedBiP's rare-domain accuracy (BENCHMARKS.md)."""
     parts = [public_set(domain, per_class, seed) for domain in COMMON_DOMAINS]
-    return ImageSet(torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts]), PUBLIC_CLASSES, "public")
+    return ImageSet(
+        torch.cat([p.images for p in parts]),
+        torch.cat([p.labels for p in parts]),
+        PUBLIC_CLASSES,
+        "public",
+    )
 
 
 # The miniature LDM's pretraining captions (scripts/pretrain_miniature.py): rare domains are a
@@ -572,8 +689,13 @@ def partition(partition_id: int, domains: Sequence[str]) -> tuple[str, int]:
 
 
 def write_image_folder(
-    root: str | Path, domain: str, shots_per_class: int, test_per_class: int,
-    client_index: int = 0, seed: int = 0, size: int = 64,
+    root: str | Path,
+    domain: str,
+    shots_per_class: int,
+    test_per_class: int,
+    client_index: int = 0,
+    seed: int = 0,
+    size: int = 64,
 ) -> Path:
     """Write one client's images of ``domain`` as an institution would hold them on disk:
     ``root/train/<class>/NNN.png`` (its k shots) and ``root/test/<class>/NNN.png`` (held out),

@@ -50,30 +50,74 @@ class DatasetSpec:
 
 
 DOMAINNET_CLASSES = (
-    "airplane", "clock", "axe", "basketball", "bicycle",
-    "bird", "strawberry", "flower", "pizza", "bracelet",
-)  # fmt: skip
+    "airplane",
+    "clock",
+    "axe",
+    "basketball",
+    "bicycle",
+    "bird",
+    "strawberry",
+    "flower",
+    "pizza",
+    "bracelet",
+)
 DOMAINNET_DOMAINS = ("clipart", "infograph", "painting", "quickdraw", "real", "sketch")
 OFFICEHOME_FOLDERS = (
-    "Marker", "Spoon", "Pencil", "Speaker", "Toys", "Fan", "Hammer", "Notebook", "Telephone",
-    "Sink", "Chair", "Fork", "Kettle", "Bucket", "Knives", "Monitor", "Mop", "Oven", "Pen", "Couch",
-)  # fmt: skip
+    "Marker",
+    "Spoon",
+    "Pencil",
+    "Speaker",
+    "Toys",
+    "Fan",
+    "Hammer",
+    "Notebook",
+    "Telephone",
+    "Sink",
+    "Chair",
+    "Fork",
+    "Kettle",
+    "Bucket",
+    "Knives",
+    "Monitor",
+    "Mop",
+    "Oven",
+    "Pen",
+    "Couch",
+)
 # MedMNIST label order 0..6; names as in Table 5.
 DERMAMNIST_CLASSES = (
-    "intraepithelial carcinoma", "basal cell carcinoma", "benign keratosis", "dermatofibroma",
-    "melanoma", "melanocytic nevi", "vascular skin",
-)  # fmt: skip
+    "intraepithelial carcinoma",
+    "basal cell carcinoma",
+    "benign keratosis",
+    "dermatofibroma",
+    "melanoma",
+    "melanocytic nevi",
+    "vascular skin",
+)
 # (prompt words, UC Merced folder), in Table 5's order.
 UCM_CLASSES = (
-    ("agricultural", "agricultural"), ("dense residential", "denseresidential"),
-    ("medium residential", "mediumresidential"), ("sparse residential", "sparseresidential"),
-    ("parking lot", "parkinglot"), ("buildings", "buildings"), ("harbor", "harbor"),
-    ("mobile home park", "mobilehomepark"), ("storage tanks", "storagetanks"),
-    ("freeway", "freeway"), ("intersection", "intersection"), ("overpass", "overpass"),
-    ("golf course", "golfcourse"), ("baseball diamond", "baseballdiamond"), ("runway", "runway"),
-    ("tennis court", "tenniscourt"), ("beach", "beach"), ("forest", "forest"), ("river", "river"),
-    ("chaparral", "chaparral"), ("airplane", "airplane"),
-)  # fmt: skip
+    ("agricultural", "agricultural"),
+    ("dense residential", "denseresidential"),
+    ("medium residential", "mediumresidential"),
+    ("sparse residential", "sparseresidential"),
+    ("parking lot", "parkinglot"),
+    ("buildings", "buildings"),
+    ("harbor", "harbor"),
+    ("mobile home park", "mobilehomepark"),
+    ("storage tanks", "storagetanks"),
+    ("freeway", "freeway"),
+    ("intersection", "intersection"),
+    ("overpass", "overpass"),
+    ("golf course", "golfcourse"),
+    ("baseball diamond", "baseballdiamond"),
+    ("runway", "runway"),
+    ("tennis court", "tenniscourt"),
+    ("beach", "beach"),
+    ("forest", "forest"),
+    ("river", "river"),
+    ("chaparral", "chaparral"),
+    ("airplane", "airplane"),
+)
 
 
 def _few_shot(

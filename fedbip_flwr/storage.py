@@ -123,12 +123,18 @@ def write_tensors_streamed(
     offset = 0
     for key, tensor in first.items():
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
-                       "data_offsets": [offset, offset + size]}  # fmt: skip
+        header[key] = {
+            "dtype": _DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     total = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-    header[name] = {"dtype": _DTYPE_CODES[dtype], "shape": list(shape),
-                    "data_offsets": [offset, offset + total]}  # fmt: skip
+    header[name] = {
+        "dtype": _DTYPE_CODES[dtype],
+        "shape": list(shape),
+        "data_offsets": [offset, offset + total],
+    }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with _atomic_file(path) as handle:
@@ -138,8 +144,10 @@ def write_tensors_streamed(
         written = 0
         for part in parts:
             if part.dtype != dtype or tuple(part.shape[1:]) != tuple(shape[1:]):
-                raise ValueError(f"{name}: part {tuple(part.shape)} {part.dtype} does not fit "
-                                 f"{tuple(shape)} {dtype}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: part {tuple(part.shape)} {part.dtype} does not fit "
+                    f"{tuple(shape)} {dtype}"
+                )
             data = part.detach().cpu().contiguous().numpy().tobytes()
             handle.write(data)
             written += len(data)
@@ -158,7 +166,11 @@ def read_small_tensor(path: str | Path, name: str) -> torch.Tensor:
         data = bytearray(handle.read(size))
     if len(data) != size:
         raise OSError(f"{path}: {name} is truncated")
-    return torch.frombuffer(data, dtype=torch_dtype).reshape(shape) if size else torch.empty(shape, dtype=torch_dtype)
+    return (
+        torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
+        if size
+        else torch.empty(shape, dtype=torch_dtype)
+    )
 
 
 def tensor_location(path: str | Path, name: str) -> tuple[int, str, list[int]]:

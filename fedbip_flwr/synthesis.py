@@ -95,12 +95,19 @@ def denoise(
         if zigzag is not None and zigzag.applies(t, ddim[0]) and not repeated:
             z = zigzag_step(ldm, z, t, cond, uncond, guidance_scale, zigzag.inverse_guidance, ddim)
         model_in = scheduler.scale_model_input(z, t)
-        z = scheduler.step(guided_eps(ldm, model_in, t, cond, uncond, guidance_scale), t, z).prev_sample
+        z = scheduler.step(
+            guided_eps(ldm, model_in, t, cond, uncond, guidance_scale), t, z
+        ).prev_sample
     return z[:n]
 
 
 def guided_eps(
-    ldm: LDM, z: torch.Tensor, t: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor, scale: float
+    ldm: LDM,
+    z: torch.Tensor,
+    t: torch.Tensor,
+    cond: torch.Tensor,
+    uncond: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """The model's prediction under classifier-free guidance ``scale``: uncond + scale (cond -
     uncond); scale 1 is the conditional prediction alone and 0 the unconditional one, each one
@@ -111,7 +118,9 @@ def guided_eps(
         with ldm.sampling_precision():
             return ldm.unet(z, t, encoder_hidden_states=context).sample.to(z.dtype)
     with ldm.sampling_precision():
-        both = ldm.unet(torch.cat([z, z]), t, encoder_hidden_states=torch.cat([uncond.expand_as(cond), cond]))
+        both = ldm.unet(
+            torch.cat([z, z]), t, encoder_hidden_states=torch.cat([uncond.expand_as(cond), cond])
+        )
     eps_uncond, eps_cond = both.sample.to(z.dtype).chunk(2)
     return eps_uncond + scale * (eps_cond - eps_uncond)
 
@@ -194,12 +203,19 @@ class SynthesisSettings:
         )
 
     def sampler(self, ldm: LDM) -> Sampler:
-        return Sampler.create(self.scheduler, ldm.scheduler, self.num_inference_steps, self.timestep_spacing)
+        return Sampler.create(
+            self.scheduler, ldm.scheduler, self.num_inference_steps, self.timestep_spacing
+        )
 
     def sampling_knobs(self) -> tuple:
         """What an image's pixels depend on beyond its input: part of every shard's key."""
-        return (self.num_inference_steps, self.guidance_scale, self.batch_size, str(self.scheduler),
-                self.timestep_spacing)  # fmt: skip
+        return (
+            self.num_inference_steps,
+            self.guidance_scale,
+            self.batch_size,
+            str(self.scheduler),
+            self.timestep_spacing,
+        )
 
 
 @dataclass(frozen=True)
@@ -321,8 +337,13 @@ def encode_texts(ldm: LDM, texts: list[str]) -> torch.Tensor:
     """Plain text -> the text encoder's hidden states (len(texts), L, d): the conditioning a
     prompt gives the UNet."""
     tok = ldm.tokenizer
-    ids = tok(texts, padding="max_length", max_length=tok.model_max_length,
-              truncation=True, return_tensors="pt").input_ids  # fmt: skip
+    ids = tok(
+        texts,
+        padding="max_length",
+        max_length=tok.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
     return ldm.text_encoder(ids.to(ldm.device)).last_hidden_state
 
 
@@ -346,9 +367,14 @@ def iter_from_noise(
     shape = ldm.latent_shape()
     first = settings.sampler(ldm).first_timestep()
     yield from iter_denoised(
-        ldm, cond_per_class, labels, settings, first,
-        lambda batch: torch.randn((len(batch), *shape), generator=generator), conditions,
-    )  # fmt: skip
+        ldm,
+        cond_per_class,
+        labels,
+        settings,
+        first,
+        lambda batch: torch.randn((len(batch), *shape), generator=generator),
+        conditions,
+    )
 
 
 @torch.no_grad()
@@ -369,10 +395,21 @@ def iter_denoised(
     uncond = unconditional_embedding(ldm)
     sampler = settings.sampler(ldm)
     rows = labels if conditions is None else conditions
-    for batch, chosen in zip(labels.split(settings.batch_size), rows.split(settings.batch_size), strict=True):
+    for batch, chosen in zip(
+        labels.split(settings.batch_size), rows.split(settings.batch_size), strict=True
+    ):
         cond = cond_per_class[chosen.to(cond_per_class.device)].to(ldm.device, ldm.dtype)
-        z0 = denoise(ldm, start(batch), cond, uncond, sampler, timestep, settings.guidance_scale,
-                     ldm.batch_bucket(settings.batch_size), zigzag)  # fmt: skip
+        z0 = denoise(
+            ldm,
+            start(batch),
+            cond,
+            uncond,
+            sampler,
+            timestep,
+            settings.guidance_scale,
+            ldm.batch_bucket(settings.batch_size),
+            zigzag,
+        )
         yield decode_latents(ldm, z0, settings.vae_batch_size)
 
 
@@ -388,4 +425,6 @@ def sample_from_prompts(
     miniature model's class fidelity is measured.
     """
     cond = encode_texts(ldm, prompts)
-    return torch.cat(list(iter_from_noise(ldm, cond, torch.arange(len(prompts)), settings, generator)))
+    return torch.cat(
+        list(iter_from_noise(ldm, cond, torch.arange(len(prompts)), settings, generator))
+    )

@@ -125,8 +125,11 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, s
     size = _header_len(blob)
     header = json.loads(blob[8 : 8 + size])
     metadata = dict(sorted(header.pop("__metadata__").items()))
-    raw = json.dumps({"__metadata__": metadata, **dict(sorted(header.items()))},
-                     separators=(",", ":"), ensure_ascii=False).encode()
+    raw = json.dumps(
+        {"__metadata__": metadata, **dict(sorted(header.items()))},
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors' own padding: tensor data stays 8-byte aligned
     return struct.pack("<Q", len(raw)) + raw + blob[8 + size :]
 
@@ -294,9 +297,13 @@ def _check_layout(
     """Exact tensor names, and byte ranges that tile the data section with no gap or overlap."""
     names = set(entries)
     if missing := sorted(set(wanted) - names):
-        raise PayloadError(f"missing tensor(s) {missing}: expected {list(wanted)}, found {sorted(names)}")
+        raise PayloadError(
+            f"missing tensor(s) {missing}: expected {list(wanted)}, found {sorted(names)}"
+        )
     if extra := sorted(names - set(wanted)):
-        raise PayloadError(f"unexpected tensor(s) {extra}: expected {list(wanted)}, found {sorted(names)}")
+        raise PayloadError(
+            f"unexpected tensor(s) {extra}: expected {list(wanted)}, found {sorted(names)}"
+        )
     for name, entry in entries.items():
         begin, end = entry["data_offsets"]
         nbytes = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]
@@ -331,12 +338,18 @@ def parse_meta(metadata: dict[str, str], model: type[M]) -> M:
     expected = {META_PREFIX + field for field in model.model_fields}
     # A field with a default was added to the schema later: an upload written before it (a run
     # folder's persisted payloads) means the default.
-    required = {META_PREFIX + name for name, field in model.model_fields.items() if field.is_required()}
+    required = {
+        META_PREFIX + name for name, field in model.model_fields.items() if field.is_required()
+    }
     if missing := sorted(required - set(metadata)):
         raise PayloadError(f"metadata is missing {missing} (written by an incomplete encoder?)")
     if unknown := sorted(set(metadata) - expected):
         raise PayloadError(f"metadata has unknown key(s) {unknown}")
-    values = {field: meta_value(metadata, field) for field in model.model_fields if META_PREFIX + field in metadata}
+    values = {
+        field: meta_value(metadata, field)
+        for field in model.model_fields
+        if META_PREFIX + field in metadata
+    }
     try:
         return model.model_validate(values, strict=True)
     except ValidationError as err:

@@ -92,9 +92,13 @@ def _blob(msg: Message, record_name: str, max_bytes: int) -> bytes:
         raise PayloadError(f"the message carries no {_WHAT[record_name]}")
     array = record[BLOB_ARRAY]
     if array.stype != BLOB_STYPE:
-        raise PayloadError(f"{record_name} array has stype '{array.stype}', expected '{BLOB_STYPE}'")
+        raise PayloadError(
+            f"{record_name} array has stype '{array.stype}', expected '{BLOB_STYPE}'"
+        )
     if array.dtype != "uint8" or len(array.shape) != 1:
-        raise PayloadError(f"{record_name} array must be 1-D uint8, got {array.dtype} {array.shape}")
+        raise PayloadError(
+            f"{record_name} array must be 1-D uint8, got {array.dtype} {array.shape}"
+        )
     declared, carried = int(array.shape[0]), len(array.data)
     check_size(max(declared, carried), max_bytes)
     if declared != carried:

@@ -91,10 +91,16 @@ class Settings:
     classifier_steps: int = 300
     fedavg_local_epochs: int = 2
     mia_per_domain: int = 96
-    run_config: dict[str, Any] = field(default_factory=lambda: {
-        "shots-per-class": 16, "test-per-class": 50, "num-inference-steps": 25,
-        "guidance-scale": 4.0, "concept-epochs": 10, "classifier-init": "random",
-    })  # fmt: skip
+    run_config: dict[str, Any] = field(
+        default_factory=lambda: {
+            "shots-per-class": 16,
+            "test-per-class": 50,
+            "num-inference-steps": 25,
+            "guidance-scale": 4.0,
+            "concept-epochs": 10,
+            "classifier-init": "random",
+        }
+    )
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -134,8 +140,10 @@ def fedlmg_budget(settings: Settings, n: int) -> dict[str, Any]:
 def fedavg_budget(settings: Settings, n: int) -> dict[str, Any]:
     """FedAvg's rounds such that its SGD steps, summed over clients, meet the budget."""
     per_round = len(settings.domains) * settings.fedavg_local_epochs * batches_per_epoch(n, 64)
-    return {"fedavg.rounds": math.ceil(settings.classifier_steps / per_round),
-            "fedavg.local-epochs": settings.fedavg_local_epochs}  # fmt: skip
+    return {
+        "fedavg.rounds": math.ceil(settings.classifier_steps / per_round),
+        "fedavg.local-epochs": settings.fedavg_local_epochs,
+    }
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -154,13 +162,21 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedBiP-L", {"method": "fedbip", "multiplier": 10}),
     Variant("FedBiP-S", {"method": "fedbip", "multiplier": 2}, "FedBiP-L"),
     Variant("FedBiP-M", {"method": "fedbip", "multiplier": 5}, "FedBiP-L"),
-    Variant("FedBiP-S (2 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 2}),
-    Variant("FedBiP-mixture (2 z(T) per image)",
-            {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2}),
-    Variant("FedBiP-S 4 concepts per class (2 z(T) per image)",
-            {"method": "fedbip", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4}),
-    Variant("FedBiP-mixture 4 concepts per class (2 z(T) per image)",
-            {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4}),
+    Variant(
+        "FedBiP-S (2 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 2}
+    ),
+    Variant(
+        "FedBiP-mixture (2 z(T) per image)",
+        {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2},
+    ),
+    Variant(
+        "FedBiP-S 4 concepts per class (2 z(T) per image)",
+        {"method": "fedbip", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4},
+    ),
+    Variant(
+        "FedBiP-mixture 4 concepts per class (2 z(T) per image)",
+        {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4},
+    ),
     Variant("FedLD", {"method": "fedld"}),
     Variant("Espresso", {"method": "espresso"}),
     Variant("Espresso without Z-Sampling", {"method": "espresso", "espresso.z-sampling": False}),
@@ -168,15 +184,41 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedLD-DP epsilon 4", {"method": "fedld", "fedld.dp-epsilon": 4.0}),
     Variant("FedLD-DP epsilon 1", {"method": "fedld", "fedld.dp-epsilon": 1.0}),
     # as the FedBiP-mixture row (2 z(T) per image: as many images per client), under one budget
-    Variant("FedBiP-mixture-DP epsilon 16", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
-                                             "fedbip-mixture.dp-epsilon": 16.0}),
-    Variant("FedBiP-mixture-DP epsilon 4", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
-                                            "fedbip-mixture.dp-epsilon": 4.0}),
-    Variant("FedBiP-mixture-DP epsilon 1", {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2,
-                                            "fedbip-mixture.dp-epsilon": 1.0}),
-    Variant("FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}),
+    Variant(
+        "FedBiP-mixture-DP epsilon 16",
+        {
+            "method": "fedbip-mixture",
+            "multiplier": 1,
+            "latents-per-image": 2,
+            "fedbip-mixture.dp-epsilon": 16.0,
+        },
+    ),
+    Variant(
+        "FedBiP-mixture-DP epsilon 4",
+        {
+            "method": "fedbip-mixture",
+            "multiplier": 1,
+            "latents-per-image": 2,
+            "fedbip-mixture.dp-epsilon": 4.0,
+        },
+    ),
+    Variant(
+        "FedBiP-mixture-DP epsilon 1",
+        {
+            "method": "fedbip-mixture",
+            "multiplier": 1,
+            "latents-per-image": 2,
+            "fedbip-mixture.dp-epsilon": 1.0,
+        },
+    ),
+    Variant(
+        "FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}
+    ),
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
-    Variant("FedBiP-L (10 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 10}),
+    Variant(
+        "FedBiP-L (10 z(T) per image)",
+        {"method": "fedbip", "multiplier": 1, "latents-per-image": 10},
+    ),
     # the Flower user's first one-shot try: feature mixtures of the frozen shipped backbone, no LDM
     Variant("FedPFT", {"method": "fedpft"}),
 )
@@ -284,14 +326,19 @@ def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
     elif folder.root.exists():
         shutil.rmtree(folder.root)
     images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
-    values = {**base_values(bench, seed), **v.run_values(bench.settings, images), "run-name": folder.root.name}
+    values = {
+        **base_values(bench, seed),
+        **v.run_values(bench.settings, images),
+        "run-name": folder.root.name,
+    }
     home = seed_folder / "flwr-home"
     threads = str(bench.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     log.info("seed %d: %s", seed, v.name)
     try:
-        run_id, output = run_simulation(home, values, len(bench.settings.domains), bench.timeout_s,
-                                        project_dir(), env=env)  # fmt: skip
+        run_id, output = run_simulation(
+            home, values, len(bench.settings.domains), bench.timeout_s, project_dir(), env=env
+        )
         status = run_status(home, run_id)
     finally:
         stop_local_superlink(home)
@@ -319,7 +366,9 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
     if record.clients is not None:
         outcomes = [c for c in record.clients if c.status in ("accepted", "kept")]
         result["upload_bytes"] = {c.client_id: c.payload_bytes for c in outcomes}
-        result["client_seconds"] = {c.client_id: (c.metrics or {}).get(SENT_SECONDS) for c in outcomes}
+        result["client_seconds"] = {
+            c.client_id: (c.metrics or {}).get(SENT_SECONDS) for c in outcomes
+        }
     else:  # FedAvg: what it federates (the whole model, or the head) goes up from every client each round
         sent = methods.create_for(cfg).federated(load_classifier(folder, cfg)).state_dict()
         weights = sum(t.numel() * t.element_size() for t in sent.values())
@@ -337,16 +386,22 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
             images, labels = data[torch.arange(len(data))]
             domain = clients[client_id].domain
             result["fidelity"][domain] = judges.fidelity(images, labels, domain)
-            result["nearest_real"][domain] = nearest_real_distance(images, clients[client_id].images)
+            result["nearest_real"][domain] = nearest_real_distance(
+                images, clients[client_id].images
+            )
             result["dcr"][domain] = distance_membership(images, clients[client_id], cfg, features)
         if reconstructs_images(cfg):
             result["reconstruction"] = {
-                clients[c].domain: reconstruction(ShardImages(paths, cfg.image_size), clients[c], cfg)
+                clients[c].domain: reconstruction(
+                    ShardImages(paths, cfg.image_size), clients[c], cfg
+                )
                 for c, paths in sorted(shards.items())
-            }  # fmt: skip
+            }
     if folder.classifier.exists():
         model = load_classifier(folder, cfg)
-        result["mia_gap"], result["mia"] = membership_inference(model, cfg, clients, settings.mia_per_domain)
+        result["mia_gap"], result["mia"] = membership_inference(
+            model, cfg, clients, settings.mia_per_domain
+        )
     return result
 
 
@@ -361,7 +416,10 @@ def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
 
 
 def distance_membership(
-    synthetic: torch.Tensor, members: dataset.ClientSet, cfg: FedBiPConfig, features: Features | None
+    synthetic: torch.Tensor,
+    members: dataset.ClientSet,
+    cfg: FedBiPConfig,
+    features: Features | None,
 ) -> dict[str, float]:
     """Does a client's synthetic set give away which images it holds? Its private images
     (members) against as many unseen images of the same domain and classes (another client
@@ -369,11 +427,15 @@ def distance_membership(
     (:func:`fedbip_tools.privacy.dcr_membership`), in pixels and in the public backbone's
     features: membership AUC (0.5: nothing given away) and the share of members nearer than
     every non-member."""
-    synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic.float()
+    synthetic = (
+        synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic.float()
+    )
     size = members.images.shape[-1]
     if synthetic.shape[-1] != size:
         synthetic = F.interpolate(synthetic, size=(size, size), mode="bilinear", antialias=True)
-    non_members = shapes.client_train_set(members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+    non_members = shapes.client_train_set(
+        members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
+    )
     pixels = dcr_membership(members.images, non_members.images, synthetic)
     out = {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer}
     if features is not None:
@@ -416,16 +478,26 @@ def membership_inference(
     for data in clients.values():
         test = tests[data.domain]
         inside, outside = balanced(data.labels, n), balanced(test.labels, n)
-        member = evaluate(model, data.images[inside], data.labels[inside], cfg.classifier_image_size)
-        other = evaluate(model, test.images[outside], test.labels[outside], cfg.classifier_image_size)
+        member = evaluate(
+            model, data.images[inside], data.labels[inside], cfg.classifier_image_size
+        )
+        other = evaluate(
+            model, test.images[outside], test.labels[outside], cfg.classifier_image_size
+        )
         gaps["loss"].append(other.mean_loss - member.mean_loss)
         gaps["entropy"].append(other.mean_entropy - member.mean_entropy)
         member_losses.append(member.losses)
         other_losses.append(other.losses)
     members, others = torch.cat(member_losses), torch.cat(other_losses)
     attack = loss_membership_inference(members, others)
-    pooled = {"auc": attack.auc, "auc_stderr": attack.auc_stderr, "tpr_at_low_fpr": attack.tpr_at_max_fpr,
-              "low_fpr": attack.max_fpr, "members": len(members), "non_members": len(others)}  # fmt: skip
+    pooled = {
+        "auc": attack.auc,
+        "auc_stderr": attack.auc_stderr,
+        "tpr_at_low_fpr": attack.tpr_at_max_fpr,
+        "low_fpr": attack.max_fpr,
+        "members": len(members),
+        "non_members": len(others),
+    }
     return {k: statistics.fmean(v) for k, v in gaps.items()}, pooled
 
 
@@ -442,16 +514,22 @@ def row_sources(client_id: str, n: int, cfg: FedBiPConfig, rows: int) -> torch.T
     replayed from the client's generator, which the benchmark's ``replayable-client-noise``
     lets it do (an oracle: a server without that flag cannot)."""
     if not cfg.replayable_client_noise:
-        raise ValueError("the server's reconstructions are matched to their images by replaying the "
-                         "client's upload order: the run needs replayable-client-noise")  # fmt: skip
+        raise ValueError(
+            "the server's reconstructions are matched to their images by replaying the "
+            "client's upload order: the run needs replayable-client-noise"
+        )
     uploaded = n * cfg.latents_per_image
     if rows % uploaded:
-        raise ValueError(f"{client_id}: {rows} synthetic images are not whole passes over {uploaded} z(T)")
+        raise ValueError(
+            f"{client_id}: {rows} synthetic images are not whole passes over {uploaded} z(T)"
+        )
     generator = torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
     return (upload_order(uploaded, generator) % n).repeat(rows // uploaded)
 
 
-def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConfig) -> dict[str, float]:
+def reconstruction(
+    data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConfig
+) -> dict[str, float]:
     """The server's reconstructions of each of the client's N private images scored by PSNR and
     SSIM against that image and, as the baseline of knowing only the class, against an image of
     the same class no client holds (the shapes world's NON_MEMBER_CLIENT, in the same class
@@ -460,13 +538,17 @@ def reconstruction(data: ShardImages, client: dataset.ClientSet, cfg: FedBiPConf
     what a server that knew which rows come from one image could do (:func:`row_sources`)."""
     n = len(client.images)
     size = client.images.shape[-1]
-    unrelated = shapes.client_train_set(client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+    unrelated = shapes.client_train_set(
+        client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
+    )
     if not torch.equal(unrelated.labels, client.labels):
         raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
     every = pixels_like(data[torch.arange(len(data))][0], client.images)
     sources = row_sources(client.client_id, n, cfg, len(every))
     first = torch.stack([every[(sources == i).nonzero()[0, 0]] for i in range(n)])
-    scored = reconstruction_score(averaged_reconstructions(every, sources, n), client.images, unrelated.images)
+    scored = reconstruction_score(
+        averaged_reconstructions(every, sources, n), client.images, unrelated.images
+    )
     return {
         **asdict(reconstruction_score(first, client.images, unrelated.images)),
         **{f"averaged_{k}": v for k, v in asdict(scored).items()},
@@ -478,7 +560,11 @@ def pixels_like(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Synthetic rows as float in [-1, 1] at the reference images' size."""
     out = images.float() / 127.5 - 1.0 if images.dtype == torch.uint8 else images.float()
     size = reference.shape[-1]
-    return out if out.shape[-1] == size else F.interpolate(out, size=(size, size), mode="bilinear", antialias=True)
+    return (
+        out
+        if out.shape[-1] == size
+        else F.interpolate(out, size=(size, size), mode="bilinear", antialias=True)
+    )
 
 
 # ---------------------------------------------------------------------------------- seeds
@@ -495,7 +581,9 @@ def run_seed(
     results = stored["results"]
     for v in ordered(available(names)):
         if v.name in results:
-            if remeasure and (measured := measure_again(bench, seed, v.name, results[v.name], judges)):
+            if remeasure and (
+                measured := measure_again(bench, seed, v.name, results[v.name], judges)
+            ):
                 results[v.name] = measured
                 write_json(cache, stored)
             continue
@@ -513,7 +601,9 @@ def run_seed(
     return results
 
 
-def measure_again(bench: Bench, seed: int, name: str, cached: dict[str, Any], judges: Judges) -> dict[str, Any] | None:
+def measure_again(
+    bench: Bench, seed: int, name: str, cached: dict[str, Any], judges: Judges
+) -> dict[str, Any] | None:
     """The cached row with every measurement taken again from its run folder, or None where the
     folder is gone or holds another run (its accuracy is not the row's)."""
     folder = run_folder(bench, seed, name)
@@ -522,8 +612,13 @@ def measure_again(bench: Bench, seed: int, name: str, cached: dict[str, Any], ju
         return None
     found = read_results(folder.metrics).accuracy.per_domain  # before the costly measurements
     if found != cached["per_domain"]:
-        log.warning("seed %d: %s's run folder holds another run (accuracy %s, cached %s); kept as cached",
-                    seed, name, found, cached["per_domain"])  # fmt: skip
+        log.warning(
+            "seed %d: %s's run folder holds another run (accuracy %s, cached %s); kept as cached",
+            seed,
+            name,
+            found,
+            cached["per_domain"],
+        )
         return None
     measured = measure(folder, judges, bench.settings)
     log.info("seed %d: %s measured again from its run folder", seed, name)
@@ -595,7 +690,9 @@ def summarize(
         for key in set().union(*rows) - entry.keys() - {"per_domain", "mean", "provenance"}:
             entry[key] = _average([r.get(key) for r in rows])
         if entry.get("mia_gap"):
-            entry["mia_gap_std"] = {k: _std([r["mia_gap"][k] for r in rows]) for k in entry["mia_gap"]}
+            entry["mia_gap_std"] = {
+                k: _std([r["mia_gap"][k] for r in rows]) for k in entry["mia_gap"]
+            }
         if all("mia" in r for r in rows):
             entry["mia_auc_std"] = _std([r["mia"]["auc"] for r in rows])
         out[v.name] = entry
@@ -686,15 +783,18 @@ def seconds(values: Mapping[str, Any] | None) -> str:
 
 
 def accuracy_heading(s: Sampling) -> str:
-    return (f"### Accuracy (%): sampler `{s.scheduler}` ({s.spacing} spacing), {s.steps} steps, "
-            f"T = {s.timestep}\n")  # fmt: skip
+    return (
+        f"### Accuracy (%): sampler `{s.scheduler}` ({s.spacing} spacing), {s.steps} steps, "
+        f"T = {s.timestep}\n"
+    )
 
 
 def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
     """Accuracy, bytes and seconds per row, with what its seeds were made with."""
     domains = list(next(iter(summary.values()))["per_domain"])
     lines = [
-        "| method | " + " | ".join(domains)
+        "| method | "
+        + " | ".join(domains)
         + " | mean | upload per client (kB) | client s | server s | load | seeds | made with |",
         "|---|" + "---|" * (len(domains) + 7),
     ]
@@ -703,7 +803,9 @@ def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
         cells = [pct(e["per_domain"][d], e["per_domain_std"][d]) for d in domains]
         server = sum(v for v in (e.get("server_seconds") or {}).values() if v is not None)
         lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
             f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {e.get('load_average', float('nan')):.1f} "
             f"| {len(e['seeds'])} | {provenance.cell(e['made_with'])} |"
         )
@@ -744,7 +846,10 @@ def fidelity_table(summary: Mapping[str, Any]) -> str:
     if not names:
         return ""
     domains = list(summary[names[0]]["fidelity"])
-    lines = ["| method | " + " | ".join(domains) + " | images |", "|---|" + "---|" * (len(domains) + 1)]
+    lines = [
+        "| method | " + " | ".join(domains) + " | images |",
+        "|---|" + "---|" * (len(domains) + 1),
+    ]
     for name in names:
         fid = summary[name]["fidelity"]
         cells = (f"{100 * fid[d]['class']:.0f} / {100 * fid[d]['domain']:.0f}" for d in domains)
@@ -753,11 +858,13 @@ def fidelity_table(summary: Mapping[str, Any]) -> str:
 
 
 def privacy_table(summary: Mapping[str, Any]) -> str:
-    lines = ["| method | MIA loss gap | MIA entropy gap | MIA AUC, pooled | TPR at 1% FPR | nearest real (RMS) | "
-             "DCR AUC, pixels | DCR AUC, features | members nearer than every non-member (pixels) | "
-             "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class | "
-             "mean of an image's reconstructions, PSNR (dB) own / same-class |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| method | MIA loss gap | MIA entropy gap | MIA AUC, pooled | TPR at 1% FPR | nearest real (RMS) | "
+        "DCR AUC, pixels | DCR AUC, features | members nearer than every non-member (pixels) | "
+        "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class | "
+        "mean of an image's reconstructions, PSNR (dB) own / same-class |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, e in summary.items():
         if not e.get("mia_gap"):
             continue
@@ -766,9 +873,11 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
         near = e.get("nearest_real")
         near = f"{statistics.fmean(near.values()):.3f}" if near else "–"
         cells = dcr_cells(e, summary.get(NO_DATA_CONTROL))
-        lines.append(f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
-                     f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {' | '.join(attack_cells(e))} | {near} | "
-                     f"{' | '.join(cells)} | {' | '.join(reconstruction_cells(e.get('reconstruction')))} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {gap['loss']:+.3f} ± {std['loss']:.3f} | "
+            f"{gap['entropy']:+.3f} ± {std['entropy']:.3f} | {' | '.join(attack_cells(e))} | {near} | "
+            f"{' | '.join(cells)} | {' | '.join(reconstruction_cells(e.get('reconstruction')))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -779,13 +888,25 @@ def dcr_cells(entry: Mapping[str, Any], control: Mapping[str, Any] | None) -> li
 
     def mean(e: Mapping[str, Any] | None, key: str) -> float | None:
         dcr = (e or {}).get("dcr")
-        return statistics.fmean(d[key] for d in dcr.values()) if dcr and all(key in d for d in dcr.values()) else None
+        return (
+            statistics.fmean(d[key] for d in dcr.values())
+            if dcr and all(key in d for d in dcr.values())
+            else None
+        )
 
     cells = []
     for key in ("pixel_auc", "feature_auc", "pixel_share"):
         value = mean(entry, key)
-        base = mean(control, key) if control and control["seeds"] == entry["seeds"] and key != "pixel_share" else None
-        cells.append("–" if value is None else f"{value:.3f}" + (f" ({value - base:+.3f})" if base is not None else ""))
+        base = (
+            mean(control, key)
+            if control and control["seeds"] == entry["seeds"] and key != "pixel_share"
+            else None
+        )
+        cells.append(
+            "–"
+            if value is None
+            else f"{value:.3f}" + (f" ({value - base:+.3f})" if base is not None else "")
+        )
     return cells
 
 
@@ -805,12 +926,21 @@ def reconstruction_cells(per_domain: Mapping[str, Mapping[str, float]] | None) -
     averaged column."""
     if not per_domain:
         return ["–", "–", "–"]
-    mean = {k: statistics.fmean(d[k] for d in per_domain.values()) for k in next(iter(per_domain.values()))}
-    cells = [f"{mean['psnr']:.2f} / {mean['baseline_psnr']:.2f}", f"{mean['ssim']:.3f} / {mean['baseline_ssim']:.3f}"]
+    mean = {
+        k: statistics.fmean(d[k] for d in per_domain.values())
+        for k in next(iter(per_domain.values()))
+    }
+    cells = [
+        f"{mean['psnr']:.2f} / {mean['baseline_psnr']:.2f}",
+        f"{mean['ssim']:.3f} / {mean['baseline_ssim']:.3f}",
+    ]
     if "images_averaged" not in mean:
         return [*cells, "–"]
-    return [*cells, f"{mean['averaged_psnr']:.2f} / {mean['averaged_baseline_psnr']:.2f} "
-                    f"(mean of {mean['images_averaged']:.0f})"]  # fmt: skip
+    return [
+        *cells,
+        f"{mean['averaged_psnr']:.2f} / {mean['averaged_baseline_psnr']:.2f} "
+        f"(mean of {mean['images_averaged']:.0f})",
+    ]
 
 
 PUBLISHED = """\
@@ -823,8 +953,12 @@ PUBLISHED = """\
 
 
 def markdown(
-    summary: Mapping[str, Any], bench: Bench, command: str, judged: Mapping[str, float],
-    found: Sequence[Difference], sampled: Sampling,
+    summary: Mapping[str, Any],
+    bench: Bench,
+    command: str,
+    judged: Mapping[str, float],
+    found: Sequence[Difference],
+    sampled: Sampling,
 ) -> str:
     s = bench.settings
     cfg = s.run_config
@@ -956,18 +1090,30 @@ def report(
     summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
     found, sampled = differences(runs), sampling(bench)
     judged = json.loads(judges_record(bench).read_text())
-    write_json(bench.results / "methods.json", {
-        "settings": asdict(bench.settings), "command": command, "judges_on_real": judged,
-        "torch": torch.__version__, "threads": bench.threads, "sampling": asdict(sampled),
-        "methods": summary, "differences": [asdict(d) for d in found],
-    })  # fmt: skip
+    write_json(
+        bench.results / "methods.json",
+        {
+            "settings": asdict(bench.settings),
+            "command": command,
+            "judges_on_real": judged,
+            "torch": torch.__version__,
+            "threads": bench.threads,
+            "sampling": asdict(sampled),
+            "methods": summary,
+            "differences": [asdict(d) for d in found],
+        },
+    )
     write_section(benchmarks_md, markdown(summary, bench, command, judged, found, sampled))
     first = min(runs)
     names = [v.name for v in VARIANTS if v.name in runs[first]]
     pictured = [n for n in names if "num_images" in runs[first][n]]  # rows that made images
     gone = [n for n in pictured if not run_folder(bench, first, n).training_set.exists()]
     if gone:  # drawing now would drop their rows from the pictures
-        log.warning("pictures kept as they are: seed %d's run folders of %s are gone", first, ", ".join(gone))
+        log.warning(
+            "pictures kept as they are: seed %d's run folders of %s are gone",
+            first,
+            ", ".join(gone),
+        )
     else:
         pictures(bench, first, names)
     return summary
@@ -979,7 +1125,9 @@ def judges_record(bench: Bench) -> Path:
     return bench.results / "methods" / "judges.json"
 
 
-def run(bench: Bench, seeds: Sequence[int], names: Sequence[str], *, remeasure: bool = False) -> None:
+def run(
+    bench: Bench, seeds: Sequence[int], names: Sequence[str], *, remeasure: bool = False
+) -> None:
     judges = load_judges(bench.work / "judges.safetensors")
     write_json(judges_record(bench), judges.on_real())
     for seed in seeds:

@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_personalize(subcommands)
     _add_benchmark(subcommands)
     subcommands.add_parser(
-        "speed", add_help=False,
+        "speed",
+        add_help=False,
         help="speed against the stock diffusers pipeline and the textual-inversion recipe "
         "(fedbip speed --help)",
-    )  # fmt: skip
+    )
     _add_synthesize(subcommands)
     return parser
 
@@ -80,11 +81,12 @@ def _add_inspect(subcommands: argparse._SubParsersAction[argparse.ArgumentParser
         help="refuse files larger than this many MiB (default: %(default)g, as the server)",
     )
     inspect.add_argument(
-        "--run-config", action="append",
+        "--run-config",
+        action="append",
         help="the federation's run config (TOML file or 'k=v ...', over this project's defaults): "
         "check the upload as that run's server does, against its base model, plausibility "
         "included; without it only the upload's structure is checked",
-    )  # fmt: skip
+    )
     inspect.set_defaults(func=_run_inspect)
 
 
@@ -105,14 +107,19 @@ def _run_inspect(args: argparse.Namespace) -> int:
         blob = read_capped(args.payload, int(args.max_mb * 2**20))
         upload = audit_upload(blob, int(args.max_mb * 2**20))
     except PayloadTooLarge as err:
-        print(f"invalid payload: payload is {err.amount}, above --max-mb {args.max_mb:g} "
-              f"({err.limit} bytes)", file=sys.stderr)  # fmt: skip
+        print(
+            f"invalid payload: payload is {err.amount}, above --max-mb {args.max_mb:g} "
+            f"({err.limit} bytes)",
+            file=sys.stderr,
+        )
         return 1
     except PayloadError as err:
         print(f"invalid payload: {err.reason}", file=sys.stderr)
         return 1
     except OSError as err:
-        print(f"fedbip inspect: cannot read '{args.payload}': {err.strerror or err}", file=sys.stderr)
+        print(
+            f"fedbip inspect: cannot read '{args.payload}': {err.strerror or err}", file=sys.stderr
+        )
         return 1
     print(f"file: {args.payload}")
     print(f"bytes: {len(blob)}")
@@ -128,12 +135,16 @@ def _server_verdict(blob: bytes, run_config: list[str] | None) -> int:
     """What the run's server would say of the upload: its method's ``accept`` with the run's
     base model (0: it would be accepted; 1: refused, with the server's reason)."""
     if not run_config:
-        print("verdict: structure valid; not checked against a run's base model and plausibility "
-              "bounds (give the federation's --run-config for the server's verdict)")  # fmt: skip
+        print(
+            "verdict: structure valid; not checked against a run's base model and plausibility "
+            "bounds (give the federation's --run-config for the server's verdict)"
+        )
         return 0
     try:
         cfg = FedBiPConfig.from_flat({**project_run_config(), **parse_config_args(run_config)})
-        loader = functools.cache(functools.partial(load_for_run, cfg.model, "cpu", False, cfg.image_size))
+        loader = functools.cache(
+            functools.partial(load_for_run, cfg.model, "cpu", False, cfg.image_size)
+        )
         job = ServerJob(cfg, dataset.class_names(cfg.data), loader)
         methods.one_shot_for(cfg).accept(blob, job)
     except PayloadError as err:
@@ -162,8 +173,7 @@ def _format_table(rows: list[dict[str, Any]]) -> str:
     cells = [list(_TABLE_COLUMNS)] + [[_cell(row[col]) for col in _TABLE_COLUMNS] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(_TABLE_COLUMNS))]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
-        for line in cells
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells
     )
 
 
@@ -238,11 +248,28 @@ def _add_shapes_folder(subcommands: argparse._SubParsersAction[argparse.Argument
     )
     folder.add_argument("domain", choices=shapes.DOMAINS, help="visual domain")
     folder.add_argument("out", type=Path, metavar="OUT", help="folder to write into")
-    folder.add_argument("--shots", type=_int_from(1), default=16, help="training images per class (%(default)s)")
-    folder.add_argument("--test-per-class", type=_int_from(1), default=50, help="held-out images per class (%(default)s)")
-    folder.add_argument("--client-index", type=_int_from(0), default=0, help="which client of the domain (%(default)s)")
+    folder.add_argument(
+        "--shots", type=_int_from(1), default=16, help="training images per class (%(default)s)"
+    )
+    folder.add_argument(
+        "--test-per-class",
+        type=_int_from(1),
+        default=50,
+        help="held-out images per class (%(default)s)",
+    )
+    folder.add_argument(
+        "--client-index",
+        type=_int_from(0),
+        default=0,
+        help="which client of the domain (%(default)s)",
+    )
     folder.add_argument("--seed", type=_int_from(0), default=0, help="world seed (%(default)s)")
-    folder.add_argument("--size", type=_int_from(16), default=64, help="image side in pixels, 16 or more (%(default)s)")
+    folder.add_argument(
+        "--size",
+        type=_int_from(16),
+        default=64,
+        help="image side in pixels, 16 or more (%(default)s)",
+    )
     folder.set_defaults(func=_run_shapes_folder)
 
 
@@ -264,11 +291,19 @@ def _int_from(low: int):
 def _run_shapes_folder(args: argparse.Namespace) -> int:
     try:
         root = shapes.write_image_folder(
-            args.out, args.domain, args.shots, args.test_per_class, args.client_index, args.seed,
+            args.out,
+            args.domain,
+            args.shots,
+            args.test_per_class,
+            args.client_index,
+            args.seed,
             args.size,
         )
     except OSError as err:
-        print(f"fedbip shapes-folder: cannot write '{args.out}': {err.strerror or err}", file=sys.stderr)
+        print(
+            f"fedbip shapes-folder: cannot write '{args.out}': {err.strerror or err}",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {root}/train and {root}/test; classes: {','.join(shapes.CLASSES)}")
     return 0
@@ -285,32 +320,53 @@ def _add_personalize(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
         "[tool.flwr.app.config] defaults, overridden by --run-config (a TOML file or "
         "'key=value ...', as `flwr run` takes it).",
     )
-    personalize.add_argument("data_root", type=Path, metavar="DATA_ROOT", help="the institution's image folder")
-    personalize.add_argument("--domain", required=True, help="the words S starts from, e.g. 'dermatoscopic image'")
-    personalize.add_argument("--client-id", required=True, help="the name the institution uploads under")
-    personalize.add_argument("--out", type=Path, required=True, help="payload file to write (.safetensors)")
-    personalize.add_argument("--run-config", action="append", help="the federation's run config (TOML file or 'k=v ...')")
-    personalize.add_argument("--seed", type=int, help="this institution's own seed (default: OS entropy)")
+    personalize.add_argument(
+        "data_root", type=Path, metavar="DATA_ROOT", help="the institution's image folder"
+    )
+    personalize.add_argument(
+        "--domain", required=True, help="the words S starts from, e.g. 'dermatoscopic image'"
+    )
+    personalize.add_argument(
+        "--client-id", required=True, help="the name the institution uploads under"
+    )
+    personalize.add_argument(
+        "--out", type=Path, required=True, help="payload file to write (.safetensors)"
+    )
+    personalize.add_argument(
+        "--run-config", action="append", help="the federation's run config (TOML file or 'k=v ...')"
+    )
+    personalize.add_argument(
+        "--seed", type=int, help="this institution's own seed (default: OS entropy)"
+    )
     personalize.add_argument("--model", help="this institution's copy of the base model")
     personalize.add_argument("--device", choices=("auto", "cpu", "cuda"), help="where to run")
     personalize.add_argument(
-        "--bad-images", choices=("fail", "skip"),
+        "--bad-images",
+        choices=("fail", "skip"),
         help="an unreadable image file fails the job, naming every one (fail, the default), or "
         "is left out and listed in a warning (skip); node config bad-images",
-    )  # fmt: skip
+    )
     personalize.set_defaults(func=_run_personalize)
 
 
 def _run_personalize(args: argparse.Namespace) -> int:
     """Write the payload and say how to audit it; one line on stderr for a bad config or folder."""
-    node_values = {"data-root": str(args.data_root.resolve()), "domain": args.domain,
-                   "client-id": args.client_id, "seed": args.seed, "model": args.model,
-                   "device": args.device, "bad-images": args.bad_images}  # fmt: skip
+    node_values = {
+        "data-root": str(args.data_root.resolve()),
+        "domain": args.domain,
+        "client-id": args.client_id,
+        "seed": args.seed,
+        "model": args.model,
+        "device": args.device,
+        "bad-images": args.bad_images,
+    }
     try:
         node = NodeConfig.from_flat({k: v for k, v in node_values.items() if v is not None})
         run = {**project_run_config(), **parse_config_args(args.run_config)}
         cfg = FedBiPConfig.from_flat({**run, **node.run_overrides()})
-        ldm = functools.partial(load_for_run, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+        ldm = functools.partial(
+            load_for_run, cfg.model, cfg.device, cfg.half_precision, cfg.image_size
+        )
         blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
         atomic_write(args.out, blob)
     except (ConfigError, DataError, ModelLoadError, OSError, ValueError) as err:
@@ -321,8 +377,10 @@ def _run_personalize(args: argparse.Namespace) -> int:
         return 1
     skipped = metrics[SENT_SKIPPED]
     left_out = f" ({skipped} unreadable files left out)" if skipped else ""
-    print(f"wrote {args.out}: {len(blob)} bytes, {metrics[SENT_IMAGES]} images of "
-          f"'{args.client_id}'{left_out}; audit it with: fedbip inspect {args.out}")
+    print(
+        f"wrote {args.out}: {len(blob)} bytes, {metrics[SENT_IMAGES]} images of "
+        f"'{args.client_id}'{left_out}; audit it with: fedbip inspect {args.out}"
+    )
     return 0
 
 
@@ -341,14 +399,26 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
     bench.add_argument("--variants", default="", help="comma-separated rows by name (default: all)")
     bench.add_argument("--steps", type=int, default=300, help="SGD steps of every classifier")
     bench.add_argument("--threads", type=int, default=2, help="torch threads per process")
-    bench.add_argument("--work", type=Path, default=Path("outputs/benchmark"),
-                       help="run folders (large: synthetic shards)")  # fmt: skip
-    bench.add_argument("--out", type=Path, default=Path("benchmarks"), help="methods.json and pictures")
+    bench.add_argument(
+        "--work",
+        type=Path,
+        default=Path("outputs/benchmark"),
+        help="run folders (large: synthetic shards)",
+    )
+    bench.add_argument(
+        "--out", type=Path, default=Path("benchmarks"), help="methods.json and pictures"
+    )
     bench.add_argument("--report-only", action="store_true")
-    bench.add_argument("--mix-machine-kinds", action="store_true",
-                       help="average a row over seeds of different machine kinds (the table says so)")  # fmt: skip
-    bench.add_argument("--remeasure", action="store_true",
-                       help="measure cached rows again from their run folders (new columns, no new run)")  # fmt: skip
+    bench.add_argument(
+        "--mix-machine-kinds",
+        action="store_true",
+        help="average a row over seeds of different machine kinds (the table says so)",
+    )
+    bench.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure cached rows again from their run folders (new columns, no new run)",
+    )
     bench.set_defaults(func=_run_benchmark)
 
 
@@ -359,8 +429,10 @@ def _run_benchmark(args: argparse.Namespace) -> int:
     root = project_dir() or Path.cwd()
     bench = benchmark.Bench(
         benchmark.Settings(classifier_steps=args.steps),
-        work=(root / args.work).resolve(), results=(root / args.out).resolve(), threads=args.threads,
-    )  # fmt: skip
+        work=(root / args.work).resolve(),
+        results=(root / args.out).resolve(),
+        threads=args.threads,
+    )
     names = [n.strip() for n in args.variants.split(",") if n.strip()] or [
         v.name for v in benchmark.VARIANTS
     ]
@@ -368,8 +440,12 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         benchmark.run(bench, args.seeds, names, remeasure=args.remeasure)
     command = shlex.join(["fedbip", "benchmark", *sys.argv[2:]])  # quoted: row names have spaces
     try:
-        summary = benchmark.report(bench, command.replace(" --report-only", ""), root / "BENCHMARKS.md",
-                                   mix_machine_kinds=args.mix_machine_kinds)  # fmt: skip
+        summary = benchmark.report(
+            bench,
+            command.replace(" --report-only", ""),
+            root / "BENCHMARKS.md",
+            mix_machine_kinds=args.mix_machine_kinds,
+        )
     except provenance.MixedMachineKinds as err:
         print(f"fedbip benchmark: {err}", file=sys.stderr)
         return 1
@@ -390,7 +466,9 @@ def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentPar
         "a crash makes only what is missing (docs/scale.md). Exit status 0: every shard is on "
         "disk; 1: not a finished round, no accepted upload, or a bad config or upload.",
     )
-    synthesize.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the ServerApp's run folder")
+    synthesize.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="the ServerApp's run folder"
+    )
     synthesize.set_defaults(func=_run_synthesize)
 
 
@@ -403,7 +481,9 @@ def _run_synthesize(args: argparse.Namespace) -> int:
         state = distributed.process_state(cfg)
         run = distributed.open_run(folder, cfg, state.device)
         if not run.uploads:
-            raise distributed.RunNotReady(f"{folder.root} holds no accepted upload: nothing to synthesize")
+            raise distributed.RunNotReady(
+                f"{folder.root} holds no accepted upload: nothing to synthesize"
+            )
         distributed.synthesize_share(run, state)
         if not state.is_main_process:
             return 0
@@ -413,11 +493,16 @@ def _run_synthesize(args: argparse.Namespace) -> int:
         print(f"fedbip synthesize: {err}", file=sys.stderr)
         return 1
     if missing:
-        print(f"fedbip synthesize: {len(missing)} of {len(units)} unit(s) still missing in "
-              f"{folder.shards}", file=sys.stderr)  # fmt: skip
+        print(
+            f"fedbip synthesize: {len(missing)} of {len(units)} unit(s) still missing in "
+            f"{folder.shards}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"{len(units)} unit(s), {sum(u.images for u in units)} image(s): every shard of "
-          f"{folder.root} is on disk ({state.num_processes} process(es))")  # fmt: skip
+    print(
+        f"{len(units)} unit(s), {sum(u.images for u in units)} image(s): every shard of "
+        f"{folder.root} is on disk ({state.num_processes} process(es))"
+    )
     return 0
 
 

@@ -26,8 +26,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
     The order matters: it is the order of the first 512 token ids.
     """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     others = [b for b in range(256) if b not in table]
     table.update({b: chr(256 + i) for i, b in enumerate(others)})
@@ -56,9 +59,12 @@ def clip_tokenizer(
     lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
     merges = [tuple(line.split()) for line in lines[1 : _NUM_MERGES + 1]]
     chars = list(bytes_to_unicode().values())
-    tokens = [*chars, *(c + "</w>" for c in chars), *("".join(m) for m in merges),
-              "<|startoftext|>", "<|endoftext|>"]  # fmt: skip
+    tokens = [
+        *chars,
+        *(c + "</w>" for c in chars),
+        *("".join(m) for m in merges),
+        "<|startoftext|>",
+        "<|endoftext|>",
+    ]
     vocab = {token: index for index, token in enumerate(tokens)}
-    return CLIPTokenizer(
-        vocab=vocab, merges=merges, model_max_length=max_length
-    )
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=max_length)

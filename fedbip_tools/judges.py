@@ -60,7 +60,9 @@ def load_judges(path: Path, size: int = 64, per_class: int = 40, epochs: int = 3
         weights = read_tensors(path)
         for kind, model in models.items():
             prefix = f"{kind}."
-            model.load_state_dict({k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)})
+            model.load_state_dict(
+                {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+            )
     else:
         sets = [shapes.test_set(d, per_class, JUDGE_SEED, size) for d in shapes.DOMAINS]
         images = torch.cat([s.images for s in sets])
@@ -72,5 +74,7 @@ def load_judges(path: Path, size: int = 64, per_class: int = 40, epochs: int = 3
         for kind, model in models.items():
             log.info("training the %s judge on %d real images", kind, len(images))
             train_classifier(model, images, targets[kind], settings, seed=JUDGE_SEED)
-        write_tensors(path, {f"{k}.{n}": t for k, m in models.items() for n, t in m.state_dict().items()})
+        write_tensors(
+            path, {f"{k}.{n}": t for k, m in models.items() for n, t in m.state_dict().items()}
+        )
     return Judges(models["classes"].eval(), models["domains"].eval(), size)

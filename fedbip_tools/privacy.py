@@ -48,7 +48,9 @@ SSIM_K1, SSIM_K2 = 0.01, 0.03
 LOW_FPR = 0.01
 
 
-def _auc_with_stderr(member_scores: torch.Tensor, non_member_scores: torch.Tensor) -> tuple[float, float]:
+def _auc_with_stderr(
+    member_scores: torch.Tensor, non_member_scores: torch.Tensor
+) -> tuple[float, float]:
     """ROC AUC of telling members (higher score) from non-members, and its standard error by
     Hanley & McNeil (1982): closed form, no resampling; at AUC 0.5 it is the exact null
     standard error of the Mann-Whitney statistic."""
@@ -80,7 +82,9 @@ class DCRResult:
     non_member_distances: torch.Tensor
 
 
-def nearest_distances(queries: torch.Tensor, references: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def nearest_distances(
+    queries: torch.Tensor, references: torch.Tensor, chunk: int = 1024
+) -> torch.Tensor:
     """Each query row's Euclidean distance to its nearest reference row.
 
     Both sides go through ``torch.cdist`` a chunk at a time, so the extra memory is a few
@@ -134,7 +138,9 @@ def dcr_membership(
     return DCRResult(space, auc, stderr, share, member_d, non_member_d)
 
 
-def backbone_features(model_folder: str | Path, image_size: int = CLASSIFIER_IMAGE_SIZE) -> Features:
+def backbone_features(
+    model_folder: str | Path, image_size: int = CLASSIFIER_IMAGE_SIZE
+) -> Features:
     """The penultimate (512-d, after average pooling) features of the ResNet-18 backbone shipped
     with the base model, on images resized as the classifier sees them (``image_size``).
 
@@ -157,7 +163,9 @@ def backbone_features(model_folder: str | Path, image_size: int = CLASSIFIER_IMA
 # --------------------------------------------------------------------------------------------
 def _check_pairs(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.shape != b.shape or a.dim() != 4:
-        raise ValueError(f"need two (N, C, H, W) sets of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"need two (N, C, H, W) sets of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -183,7 +191,9 @@ def ssim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     _check_pairs(a, b)
     if min(a.shape[-2:]) < SSIM_WINDOW:
-        raise ValueError(f"SSIM needs images of at least {SSIM_WINDOW} px, got {tuple(a.shape[-2:])}")
+        raise ValueError(
+            f"SSIM needs images of at least {SSIM_WINDOW} px, got {tuple(a.shape[-2:])}"
+        )
     x, y = a.double(), b.double()
     window = _gaussian_window(x.shape[1])
 
@@ -286,7 +296,9 @@ def tpr_at_fpr(
     if not len(members) or not len(non_members):
         raise ValueError("membership needs at least one member and one non-member")
     labels = [1] * len(members) + [0] * len(non_members)
-    rates, tpr, _ = roc_curve(labels, torch.cat([members, non_members]).numpy(), drop_intermediate=False)
+    rates, tpr, _ = roc_curve(
+        labels, torch.cat([members, non_members]).numpy(), drop_intermediate=False
+    )
     return float(tpr[rates <= fpr].max())
 
 
@@ -329,7 +341,9 @@ def group_rows(
     if len(groups) != len(rows) or len(labels) != len(rows):
         raise ValueError(f"{len(rows)} rows, {len(labels)} labels and {len(groups)} group ids")
     ids, index, counts = groups.unique(return_inverse=True, return_counts=True)
-    sums = torch.zeros(len(ids), *rows.shape[1:], dtype=torch.float64).index_add_(0, index, rows.double())
+    sums = torch.zeros(len(ids), *rows.shape[1:], dtype=torch.float64).index_add_(
+        0, index, rows.double()
+    )
     group_labels = torch.full((len(ids),), -1, dtype=labels.dtype).scatter_(0, index, labels)
     if (group_labels[index] != labels).any():
         raise ValueError("a group mixes rows of different labels")
@@ -406,7 +420,11 @@ def zT_membership_scores(
     a = signal_scale
     candidates = candidate_latents.double().flatten(1)
     rows = upload_rows.double().flatten(1)
-    noise = _row_noise(a, gamma_mean, gamma_std, reference) if whiten and reference is not None else None
+    noise = (
+        _row_noise(a, gamma_mean, gamma_std, reference)
+        if whiten and reference is not None
+        else None
+    )
     scores = torch.empty(len(candidates), dtype=torch.float64)
     for y in candidate_labels.unique().tolist():
         mine, theirs = candidate_labels == y, upload_labels == y
@@ -483,15 +501,25 @@ class ZTAttackResult:
     non_member_scores: torch.Tensor
 
     def summary(self) -> dict[str, float | str | bool]:
-        return {"statistic": self.statistic, "grouped": self.grouped, "auc": self.auc,
-                "auc_stderr": self.auc_stderr, "tpr_at_max_fpr": self.tpr_at_max_fpr,
-                "max_fpr": self.max_fpr, "members": len(self.member_scores),
-                "non_members": len(self.non_member_scores)}  # fmt: skip
+        return {
+            "statistic": self.statistic,
+            "grouped": self.grouped,
+            "auc": self.auc,
+            "auc_stderr": self.auc_stderr,
+            "tpr_at_max_fpr": self.tpr_at_max_fpr,
+            "max_fpr": self.max_fpr,
+            "members": len(self.member_scores),
+            "non_members": len(self.non_member_scores),
+        }
 
 
 def zT_membership(
-    member_scores: torch.Tensor, non_member_scores: torch.Tensor, *, statistic: str = "likelihood-ratio",
-    grouped: bool = False, max_fpr: float = LOW_FPR,
+    member_scores: torch.Tensor,
+    non_member_scores: torch.Tensor,
+    *,
+    statistic: str = "likelihood-ratio",
+    grouped: bool = False,
+    max_fpr: float = LOW_FPR,
 ) -> ZTAttackResult:
     """AUC (Hanley-McNeil standard error) and TPR at ``max_fpr`` of scores from
     :func:`zT_membership_scores`, members' and non-members' (pooled over uploads as wished)."""

@@ -49,7 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, log: Path | None = None, timeout: float = 60) -> None:
+def wait_for_port(
+    port: int, proc: subprocess.Popen, log: Path | None = None, timeout: float = 60
+) -> None:
     """Until something listens on 127.0.0.1:port; fail with ``log``'s tail if ``proc`` exits first."""
 
     def tail() -> str:
@@ -138,11 +140,23 @@ def run_simulation(
     text = run_config if isinstance(run_config, str) else run_config_arg(run_config)
     federation = federation or federation_config(supernodes, cpus_per_client, actors)
     proc = subprocess.run(
-        [FLWR, "run", str(app or project_dir() or Path.cwd()), "--stream",
-         "--run-config", text, "--federation-config", federation],
-        cwd=home, env=flwr_env(home, env), capture_output=True, text=True, timeout=timeout,
+        [
+            FLWR,
+            "run",
+            str(app or project_dir() or Path.cwd()),
+            "--stream",
+            "--run-config",
+            text,
+            "--federation-config",
+            federation,
+        ],
+        cwd=home,
+        env=flwr_env(home, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         check=False,
-    )  # fmt: skip
+    )
     output = proc.stdout + proc.stderr
     match = re.search(r"Successfully started run (\d+)", output)
     if not match:
@@ -169,12 +183,19 @@ def run_status(home: Path, run_id: int) -> str:
     home.mkdir(parents=True, exist_ok=True)  # flwr runs in the home, as for `flwr run`
     proc = subprocess.run(
         [FLWR, "ls", "--run-id", str(run_id), "--format", "json"],
-        cwd=home, env=flwr_env(home), capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=home,
+        env=flwr_env(home),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     try:
         return json.loads(proc.stdout)["runs"][0]["status"]
     except (ValueError, KeyError, IndexError) as err:
-        raise SimulationError(f"flwr ls --run-id {run_id} gave no status:\n{proc.stdout}{proc.stderr}") from err
+        raise SimulationError(
+            f"flwr ls --run-id {run_id} gave no status:\n{proc.stdout}{proc.stderr}"
+        ) from err
 
 
 def superlink_processes(home: Path) -> list[psutil.Process]:

@@ -76,17 +76,27 @@ def synthesis_inputs(args: argparse.Namespace, ldm):
 
     generator = torch.Generator().manual_seed(1)
     latents = torch.randn((args.batch, *ldm.latent_shape(args.image_size)), generator=generator)
-    prompts = [f"a sketch of a {shapes.CLASSES[i % len(shapes.CLASSES)]}" for i in range(args.batch)]
+    prompts = [
+        f"a sketch of a {shapes.CLASSES[i % len(shapes.CLASSES)]}" for i in range(args.batch)
+    ]
     cond = encode_texts(ldm, prompts)
     uncond = unconditional_embedding(ldm).expand_as(cond)
     return latents.to(ldm.device, ldm.dtype), cond, uncond
 
 
-def load(args: argparse.Namespace, *, half: bool, channels_last: bool = False, compile_unet: bool = False):
+def load(
+    args: argparse.Namespace, *, half: bool, channels_last: bool = False, compile_unet: bool = False
+):
     from fedbip_flwr.ldm import load_for_run
 
-    return load_for_run(args.model, args.device, half, args.image_size,
-                        channels_last=channels_last, compile_unet=compile_unet)  # fmt: skip
+    return load_for_run(
+        args.model,
+        args.device,
+        half,
+        args.image_size,
+        channels_last=channels_last,
+        compile_unet=compile_unet,
+    )
 
 
 def project_images(args: argparse.Namespace, ldm, latents, cond, uncond):
@@ -104,16 +114,26 @@ def stock_images(args: argparse.Namespace, ldm, latents, cond, uncond):
     from fedbip_flwr.sampler import Sampler
 
     pipe = StableDiffusionPipeline(
-        vae=ldm.vae, text_encoder=ldm.text_encoder, tokenizer=ldm.tokenizer, unet=ldm.unet,
-        scheduler=Sampler.create(args.scheduler, ldm.scheduler, args.steps).scheduler, safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
+        vae=ldm.vae,
+        text_encoder=ldm.text_encoder,
+        tokenizer=ldm.tokenizer,
+        unet=ldm.unet,
+        scheduler=Sampler.create(args.scheduler, ldm.scheduler, args.steps).scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
-        prompt_embeds=cond, negative_prompt_embeds=uncond, latents=latents,
-        num_inference_steps=args.steps, guidance_scale=args.guidance,
-        height=args.image_size, width=args.image_size, output_type="pt",
-    )  # fmt: skip
+        prompt_embeds=cond,
+        negative_prompt_embeds=uncond,
+        latents=latents,
+        num_inference_steps=args.steps,
+        guidance_scale=args.guidance,
+        height=args.image_size,
+        width=args.image_size,
+        output_type="pt",
+    )
     return out.images.float().cpu()
 
 
@@ -155,8 +175,14 @@ def case_synthesis(args: argparse.Namespace, name: str) -> dict:
     latents, cond, uncond = synthesis_inputs(args, ldm)
     run = stock_images if stock else project_images
     seconds, images, first = timed(run, args, ldm, latents, cond, uncond)
-    return {"seconds": seconds, "images": len(images), "images_per_s": len(images) / seconds,
-            "first_call_seconds": first, "autocast": str(ldm.autocast), "dtype": str(ldm.dtype)}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "images": len(images),
+        "images_per_s": len(images) / seconds,
+        "first_call_seconds": first,
+        "autocast": str(ldm.autocast),
+        "dtype": str(ldm.dtype),
+    }
 
 
 def case_sampler_sweep(args: argparse.Namespace, _name: str) -> dict:
@@ -170,7 +196,10 @@ def case_sampler_sweep(args: argparse.Namespace, _name: str) -> dict:
         for steps in (int(s) for s in args.sweep_steps.split(",")):
             setting = argparse.Namespace(**{**vars(args), "scheduler": name.value, "steps": steps})
             seconds, images, _ = timed(project_images, setting, ldm, latents, cond, uncond)
-            rows[f"{name.value} {steps}"] = {"seconds": seconds, "images_per_s": len(images) / seconds}
+            rows[f"{name.value} {steps}"] = {
+                "seconds": seconds,
+                "images_per_s": len(images) / seconds,
+            }
     return {"rows": rows, "dtype": str(ldm.dtype)}
 
 
@@ -194,11 +223,18 @@ def case_compile_bucket(args: argparse.Namespace, _name: str) -> dict:
         denoise(ldm, latents[:n], cond[:n], uncond[:1], sampler, first, args.guidance, pad_to)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"seconds": time.perf_counter() - started, "graphs": counters["stats"]["unique_graphs"]}
+        return {
+            "seconds": time.perf_counter() - started,
+            "graphs": counters["stats"]["unique_graphs"],
+        }
 
-    calls = [("full batch, first call", args.batch, None), ("full batch again", args.batch, None),
-             (f"last batch of {tail}, padded", tail, args.batch),
-             (f"last batch of {tail}, unpadded", tail, None), (f"last batch of {tail}, unpadded again", tail, None)]  # fmt: skip
+    calls = [
+        ("full batch, first call", args.batch, None),
+        ("full batch again", args.batch, None),
+        (f"last batch of {tail}, padded", tail, args.batch),
+        (f"last batch of {tail}, unpadded", tail, None),
+        (f"last batch of {tail}, unpadded again", tail, None),
+    ]
     return {"calls": {label: call(n, pad) for label, n, pad in calls}}
 
 
@@ -258,14 +294,22 @@ def concept_setup(args: argparse.Namespace):
     from fedbip_flwr.instance import encode_images
     from fedbip_flwr.sampler import Sampler
 
-    cfg = FedBiPConfig.from_flat({"model": args.model, "classifier-init": "random", "num-inference-steps": args.steps,
-                                  "image-size": args.image_size})  # fmt: skip
+    cfg = FedBiPConfig.from_flat(
+        {
+            "model": args.model,
+            "classifier-init": "random",
+            "num-inference-steps": args.steps,
+            "image-size": args.image_size,
+        }
+    )
     # as a client loads it: fp16 on CUDA (half-precision's default), float32 on the CPU
     ldm = load(args, half=cfg.half_precision)
     data = dataset.load_client_data(cfg.data, 0)
     images, labels = data.images[: args.concept_images], data.labels[: args.concept_images]
     z0 = encode_images(ldm.vae, images)
-    layout = prompt_layout(ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, data.domain, list(data.classes))
+    layout = prompt_layout(
+        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, data.domain, list(data.classes)
+    )
     t_max = Sampler.create(args.scheduler, ldm.scheduler, args.steps).first_timestep()
     return torch, cfg, ldm, data, images, labels, z0, layout, t_max
 
@@ -278,13 +322,26 @@ def case_concept_project(args: argparse.Namespace, _name: str) -> dict:
     torch, cfg, ldm, _data, _images, labels, z0, layout, t_max = concept_setup(args)
 
     def one_epoch():
-        return learn_concepts(ldm, layout, cfg.concept_space, z0, labels, t_max, epochs=1,
-                              batch_size=cfg.concept_batch_size, lr=cfg.concept_lr,
-                              generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return learn_concepts(
+            ldm,
+            layout,
+            cfg.concept_space,
+            z0,
+            labels,
+            t_max,
+            epochs=1,
+            batch_size=cfg.concept_batch_size,
+            lr=cfg.concept_lr,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     seconds, _, _ = timed(one_epoch)
     steps = -(-len(labels) // cfg.concept_batch_size)
-    return {"seconds_per_step": seconds / steps, "steps": steps, "vectors": layout.n_s + sum(layout.v_lengths.tolist())}
+    return {
+        "seconds_per_step": seconds / steps,
+        "steps": steps,
+        "vectors": layout.n_s + sum(layout.v_lengths.tolist()),
+    }
 
 
 def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
@@ -316,8 +373,13 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
         v_words.append(" ".join(names[at : at + length]))
         at += length
     prompts = [plain_prompt(cfg.prompt_template, s_words, v_words[int(y)]) for y in labels]
-    ids = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
-                    truncation=True, return_tensors="pt").input_ids  # fmt: skip
+    ids = tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
     optimizer = torch.optim.AdamW([table.weight], lr=cfg.concept_lr, weight_decay=0.0)
     scale = float(ldm.vae.config.scaling_factor)
     generator = torch.Generator().manual_seed(0)
@@ -344,7 +406,12 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
 
     seconds, _, _ = timed(one_epoch)
     steps = -(-len(labels) // cfg.concept_batch_size)
-    return {"seconds_per_step": seconds / steps, "steps": steps, "vectors": vectors, "table_rows": len(tokenizer)}
+    return {
+        "seconds_per_step": seconds / steps,
+        "steps": steps,
+        "vectors": vectors,
+        "table_rows": len(tokenizer),
+    }
 
 
 def case_classifier(args: argparse.Namespace, name: str) -> dict:
@@ -367,19 +434,36 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
     n, size = args.classifier_images, 64
     with tempfile.TemporaryDirectory() as tmp:
         shard = Path(tmp) / "shard.safetensors"
-        write_tensors(shard, {"images": torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8),
-                              "labels": torch.arange(n) % 6}, {})  # fmt: skip
+        write_tensors(
+            shard,
+            {
+                "images": torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8),
+                "labels": torch.arange(n) % 6,
+            },
+            {},
+        )
         data = ShardImages([shard], size)
-        settings = TrainSettings(epochs=1, lr=0.01, momentum=0.9, batch_size=64, image_size=size,
-                                 steps=args.classifier_steps)  # fmt: skip
+        settings = TrainSettings(
+            epochs=1,
+            lr=0.01,
+            momentum=0.9,
+            batch_size=64,
+            image_size=size,
+            steps=args.classifier_steps,
+        )
         device = select_device(args.device)
         # on CUDA the recipe's "auto" precision (fp16 autocast, channels_last, loss scaling)
-        precision = (Precision(torch.bfloat16, True) if name == "classifier-bf16"
-                     else Precision.for_device(device, "auto" if device.type == "cuda" else "float32"))  # fmt: skip
+        precision = (
+            Precision(torch.bfloat16, True)
+            if name == "classifier-bf16"
+            else Precision.for_device(device, "auto" if device.type == "cuda" else "float32")
+        )
 
         def train():
             model = build_classifier(6, "random")
-            train_classifier(model, data, None, settings, seed=0, device=device, precision=precision)
+            train_classifier(
+                model, data, None, settings, seed=0, device=device, precision=precision
+            )
 
         def prepare_only():
             generator = torch.Generator().manual_seed(0)
@@ -393,11 +477,20 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
         total, _, _ = timed(train)
         prep, _, _ = timed(prepare_only)
     steps = args.classifier_steps
-    return {"steps_per_s": steps / total, "seconds": total, "data_seconds": prep,
-            "forward_backward_seconds": total - prep, "steps": steps, "precision": str(precision.autocast)}  # fmt: skip
+    return {
+        "steps_per_s": steps / total,
+        "seconds": total,
+        "data_seconds": prep,
+        "forward_backward_seconds": total - prep,
+        "steps": steps,
+        "precision": str(precision.autocast),
+    }
 
 
-FEDERATIONS = {"federation-2cpu": "client-resources-num-cpus=2", "federation-1cpu": "client-resources-num-cpus=1"}
+FEDERATIONS = {
+    "federation-2cpu": "client-resources-num-cpus=2",
+    "federation-1cpu": "client-resources-num-cpus=1",
+}
 
 
 def case_federation(args: argparse.Namespace, name: str) -> dict:
@@ -410,11 +503,20 @@ def case_federation(args: argparse.Namespace, name: str) -> dict:
         home, out = Path(tmp) / "home", Path(tmp) / "outputs"
         home.mkdir()
         env = flwr_env(home, {"FEDBIP_PROJECT_DIR": str(ROOT)})
-        command = [str(Path(sys.executable).with_name("flwr")), "run", str(ROOT), "--stream",
-                   "--run-config", f'output-dir="{out}" run-name="speed"',
-                   "--federation-config", f"num-supernodes=3 {FEDERATIONS[name]}"]  # fmt: skip
+        command = [
+            str(Path(sys.executable).with_name("flwr")),
+            "run",
+            str(ROOT),
+            "--stream",
+            "--run-config",
+            f'output-dir="{out}" run-name="speed"',
+            "--federation-config",
+            f"num-supernodes=3 {FEDERATIONS[name]}",
+        ]
         started = time.perf_counter()
-        proc = subprocess.Popen(command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            command, cwd=home, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         peak, me = 0, psutil.Process()
         while proc.poll() is None:
             procs = [p for p in psutil.process_iter(["cmdline"]) if p.pid != me.pid]
@@ -427,8 +529,13 @@ def case_federation(args: argparse.Namespace, name: str) -> dict:
         status = run_status(home, run_id)
         stop_local_superlink(home)
         record = results.read(out / "speed")
-    return {"wall_seconds": wall, "status": status, "phases": record.seconds.model_dump(exclude_none=True),
-            "peak_rss_mb": peak / 2**20, "mean_accuracy": record.accuracy.mean}  # fmt: skip
+    return {
+        "wall_seconds": wall,
+        "status": status,
+        "phases": record.seconds.model_dump(exclude_none=True),
+        "peak_rss_mb": peak / 2**20,
+        "mean_accuracy": record.accuracy.mean,
+    }
 
 
 def _belongs(proc, home: str, flwr_pid: int) -> bool:
@@ -466,7 +573,9 @@ ONCE = ("synth-check", "sampler-sweep", "compile-bucket", "matmul", *FEDERATIONS
 
 def child(args: argparse.Namespace) -> None:
     result = CASES[args.child](args, args.child)
-    result["peak_rss_mb"] = result.get("peak_rss_mb") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = (
+        result.get("peak_rss_mb") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # what a smaller card must hold
@@ -476,8 +585,11 @@ def child(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------- parent: orchestration
 def run_child(args: argparse.Namespace, case: str) -> dict:
-    forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k not in ("child", "cases", "repeats", "out", "no_write", "markdown") and v is not None]  # fmt: skip
+    forwarded = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k not in ("child", "cases", "repeats", "out", "no_write", "markdown") and v is not None
+    ]
     command = [sys.executable, "-m", "fedbip_tools.speed", "--child", case, *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -492,15 +604,27 @@ def machine(args: argparse.Namespace) -> dict:
     import torch
     import transformers
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": args.threads, "device": args.device,
-        "load_average_at_start": os.getloadavg(), "python": platform.python_version(),
-        "torch": torch.__version__, "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "device": args.device,
+        "load_average_at_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }  # fmt: skip
+    }
 
 
 def medians(samples: list[dict]) -> dict:
@@ -539,8 +663,12 @@ def measure(args: argparse.Namespace) -> dict:
             print(f"[{repeat + 1}/{args.repeats}] {case}", flush=True)
             samples[case].append(run_child(args, case))
     info["load_average_at_end"] = os.getloadavg()
-    return {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "child"},
-            "cases": {c: medians(s) for c, s in samples.items() if s}, "samples": samples}  # fmt: skip
+    return {
+        "machine": info,
+        "settings": {k: v for k, v in vars(args).items() if k != "child"},
+        "cases": {c: medians(s) for c, s in samples.items() if s},
+        "samples": samples,
+    }
 
 
 def ratio(cases: dict, a: str, b: str, key: str) -> float | None:
@@ -565,67 +693,113 @@ def markdown(result: dict, command: str) -> str:
     check = c.get("synth-check", {})
     if any(k in c for k in SYNTH_VARIANTS):
         s = result["settings"]
-        lines += [f"Synthesis: {s['batch']} images of {s['image_size']} px, {s['steps']} PNDM steps, "
-                  f"guidance {s['guidance']}, from the same z(T) and prompt embeddings.", "",
-                  "| loop | images/s | vs stock float32 | GFLOP/s | first call (s) | peak RSS (MB; GPU where one ran) |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"Synthesis: {s['batch']} images of {s['image_size']} px, {s['steps']} PNDM steps, "
+            f"guidance {s['guidance']}, from the same z(T) and prompt embeddings.",
+            "",
+            "| loop | images/s | vs stock float32 | GFLOP/s | first call (s) | peak RSS (MB; GPU where one ran) |",
+            "|---|---|---|---|---|---|",
+        ]
         for name in SYNTH_VARIANTS:
             if name not in c:
                 continue
             e = c[name]
-            gflops = e["images_per_s"] * check["gflop_per_image"] if "gflop_per_image" in check else None
+            gflops = (
+                e["images_per_s"] * check["gflop_per_image"] if "gflop_per_image" in check else None
+            )
             vs = ratio(c, name, "synth-stock", "images_per_s")
             gpu_mb = f" (GPU {e['peak_gpu_mb']:.0f})" if "peak_gpu_mb" in e else ""
-            lines.append(f"| {name} | {e['images_per_s']:.2f} | {f'{vs:.2f}x' if vs else '–'} | "
-                         f"{f'{gflops:.1f}' if gflops else '–'} | {e['first_call_seconds']:.1f} | {e['peak_rss_mb']:.0f}{gpu_mb} |")  # fmt: skip
+            lines.append(
+                f"| {name} | {e['images_per_s']:.2f} | {f'{vs:.2f}x' if vs else '–'} | "
+                f"{f'{gflops:.1f}' if gflops else '–'} | {e['first_call_seconds']:.1f} | {e['peak_rss_mb']:.0f}{gpu_mb} |"
+            )
         if check:
-            lines += ["", f"Same work: the stock pipeline's images and the project's differ by at most "
-                      f"{check['max_abs_difference_stock_vs_project']:.1e} (pixels in [0, 1]); half "
-                      f"precision against float32: mean {check['mean_abs_difference_half_vs_float32']:.1e}, "
-                      f"max {check['max_abs_difference_half_vs_float32']:.1e}. One image is "
-                      f"{check['gflop_per_image']:.2f} GFLOP (torch's flop counter)."]  # fmt: skip
+            lines += [
+                "",
+                f"Same work: the stock pipeline's images and the project's differ by at most "
+                f"{check['max_abs_difference_stock_vs_project']:.1e} (pixels in [0, 1]); half "
+                f"precision against float32: mean {check['mean_abs_difference_half_vs_float32']:.1e}, "
+                f"max {check['max_abs_difference_half_vs_float32']:.1e}. One image is "
+                f"{check['gflop_per_image']:.2f} GFLOP (torch's flop counter).",
+            ]
         half = ratio(c, "synth-project-half", "synth-stock-half", "images_per_s")
         if half:
-            lines += ["", f"In half precision the project's loop runs at {half:.2f}x the stock pipeline's."]
+            lines += [
+                "",
+                f"In half precision the project's loop runs at {half:.2f}x the stock pipeline's.",
+            ]
     if "sampler-sweep" in c:
         s = result["settings"]
-        lines += ["", f"Samplers: {s['batch']} images of {s['image_size']} px, guidance {s['guidance']}, "
-                  "half precision, one warm-up call each.", "", "| scheduler, steps | images/s |", "|---|---|"]  # fmt: skip
-        lines += [f"| {k} | {v['images_per_s']:.2f} |" for k, v in c["sampler-sweep"]["rows"].items()]
+        lines += [
+            "",
+            f"Samplers: {s['batch']} images of {s['image_size']} px, guidance {s['guidance']}, "
+            "half precision, one warm-up call each.",
+            "",
+            "| scheduler, steps | images/s |",
+            "|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['images_per_s']:.2f} |" for k, v in c["sampler-sweep"]["rows"].items()
+        ]
     if "compile-bucket" in c:
         lines += ["", "| compiled UNet call | seconds | graphs compiled so far |", "|---|---|---|"]
-        lines += [f"| {k} | {v['seconds']:.2f} | {v['graphs']} |" for k, v in c["compile-bucket"]["calls"].items()]
+        lines += [
+            f"| {k} | {v['seconds']:.2f} | {v['graphs']} |"
+            for k, v in c["compile-bucket"]["calls"].items()
+        ]
     if peak:  # also without synthesis cases: a matmul-only run reports its peak
-        bf16 = f"{peak['bfloat16']:.0f} GFLOP/s" if peak.get("bfloat16") else "not native on this CPU (not timed)"
+        bf16 = (
+            f"{peak['bfloat16']:.0f} GFLOP/s"
+            if peak.get("bfloat16")
+            else "not native on this CPU (not timed)"
+        )
         fp16 = f"; float16 {peak['float16']:.0f} GFLOP/s" if peak.get("float16") else ""
         n = peak.get("size", 2048)
-        lines.append(f"Matmul peak here ({n} x {n}): {peak['float32']:.0f} GFLOP/s float32; "
-                     f"bfloat16 {bf16}{fp16}.")  # fmt: skip
+        lines.append(
+            f"Matmul peak here ({n} x {n}): {peak['float32']:.0f} GFLOP/s float32; "
+            f"bfloat16 {bf16}{fp16}."
+        )
     if "concept-project" in c or "concept-recipe" in c:
         r = ratio(c, "concept-project", "concept-recipe", "seconds_per_step")
-        lines += ["", "| concept step | s/step | vectors learned | peak RSS (MB; GPU where one ran) |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| concept step | s/step | vectors learned | peak RSS (MB; GPU where one ran) |",
+            "|---|---|---|---|",
+        ]
         for name in ("concept-project", "concept-recipe"):
             if name in c:
                 e = c[name]
                 gpu_mb = f" (GPU {e['peak_gpu_mb']:.0f})" if "peak_gpu_mb" in e else ""
-                lines.append(f"| {name} | {e['seconds_per_step']:.3f} | {e['vectors']} | {e['peak_rss_mb']:.0f}{gpu_mb} |")
+                lines.append(
+                    f"| {name} | {e['seconds_per_step']:.3f} | {e['vectors']} | {e['peak_rss_mb']:.0f}{gpu_mb} |"
+                )
         if r:
-            lines.append(f"\nThe project's step takes {r:.2f}x the textual-inversion recipe's time.")
+            lines.append(
+                f"\nThe project's step takes {r:.2f}x the textual-inversion recipe's time."
+            )
     if "classifier" in c or "classifier-bf16" in c:
-        lines += ["", "| classifier | steps/s | data prep (s) | forward/backward (s) | peak RSS (MB) |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "| classifier | steps/s | data prep (s) | forward/backward (s) | peak RSS (MB) |",
+            "|---|---|---|---|---|",
+        ]
         for name in ("classifier", "classifier-bf16"):
             if name in c:
                 e = c[name]
-                lines.append(f"| {name} | {e['steps_per_s']:.2f} | {e['data_seconds']:.1f} | "
-                             f"{e['forward_backward_seconds']:.1f} | {e['peak_rss_mb']:.0f} |")  # fmt: skip
+                lines.append(
+                    f"| {name} | {e['steps_per_s']:.2f} | {e['data_seconds']:.1f} | "
+                    f"{e['forward_backward_seconds']:.1f} | {e['peak_rss_mb']:.0f} |"
+                )
     for name, options in FEDERATIONS.items():
         if name in c:
             e = c[name]
             phases = ", ".join(f"{k} {v:.0f} s" for k, v in e["phases"].items())
-            lines += ["", f"Default federation, `flwr run . --federation-config \"num-supernodes=3 "
-                      f"{options}\"`: {e['wall_seconds']:.0f} s wall ({phases}), peak RSS of all its "
-                      f"processes {e['peak_rss_mb']:.0f} MB, mean accuracy {100 * e['mean_accuracy']:.1f}%."]  # fmt: skip
+            lines += [
+                "",
+                f'Default federation, `flwr run . --federation-config "num-supernodes=3 '
+                f'{options}"`: {e["wall_seconds"]:.0f} s wall ({phases}), peak RSS of all its '
+                f"processes {e['peak_rss_mb']:.0f} MB, mean accuracy {100 * e['mean_accuracy']:.1f}%.",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -646,8 +820,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classifier-images", type=int, default=1024)
     parser.add_argument("--classifier-steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "perf.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "BENCHMARKS.md",
-                        help="the file whose speed section is rewritten")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=ROOT / "BENCHMARKS.md",
+        help="the file whose speed section is rewritten",
+    )
     parser.add_argument("--no-write", action="store_true", help="print, write no file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -38,7 +38,9 @@ def curve(cfg: FedBiPConfig, data, classes: list[str], tests: dict) -> list[floa
     scores: list[float] = []
 
     def on_epoch(_epoch: int, _loss: float) -> None:
-        scores.append(evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")["mean"])
+        scores.append(
+            evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")["mean"]
+        )
         model.train()
 
     train_classifier(model, data, None, train_settings(cfg), seed=cfg.seed, on_epoch=on_epoch)
@@ -71,32 +73,54 @@ def main() -> None:
     base = FedBiPConfig.from_flat(flat)
     classes = dataset.class_names(base.data)
     data = synthetic_dataset(shards, base.classifier_image_size)
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base.data, base.domain_list).items()}
+    tests = {
+        d: (s.images, s.labels)
+        for d, s in dataset.load_test_sets(base.data, base.domain_list).items()
+    }
     print(f"{args.run}: {len(data)} synthetic images, {torch.get_num_threads()} torch threads")
     own = None
     if backbone_classes(backbone_path(base.model)) == classes:  # a head for the task: unfair start
-        own = evaluate_models({"backbone": load_backbone(backbone_path(base.model))}, tests,
-                              base.classifier_image_size, "cpu")  # fmt: skip
-        print(f"the backbone's own head, no synthetic image: {100 * own['mean']:.1f}% "
-              f"({', '.join(f'{d} {100 * a:.1f}' for d, a in own['per_domain'].items())})", flush=True)
+        own = evaluate_models(
+            {"backbone": load_backbone(backbone_path(base.model))},
+            tests,
+            base.classifier_image_size,
+            "cpu",
+        )
+        print(
+            f"the backbone's own head, no synthetic image: {100 * own['mean']:.1f}% "
+            f"({', '.join(f'{d} {100 * a:.1f}' for d, a in own['per_domain'].items())})",
+            flush=True,
+        )
     else:
-        print(f"the backbone's head names other classes ({backbone_classes(backbone_path(base.model))}): "
-              "it scores nothing on the task without synthetic images", flush=True)
+        print(
+            f"the backbone's head names other classes ({backbone_classes(backbone_path(base.model))}): "
+            "it scores nothing on the task without synthetic images",
+            flush=True,
+        )
     curves: dict[str, list[list[float]]] = {init: [] for init in args.inits}
     for seed in args.seeds:
         for init in args.inits:
             cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier-init": init})
             curves[init].append(curve(cfg, data, classes, tests))
-            print(f"seed {seed} {init}: {100 * curves[init][-1][-1]:.1f}% after "
-                  f"{len(curves[init][-1])} epochs", flush=True)  # fmt: skip
+            print(
+                f"seed {seed} {init}: {100 * curves[init][-1][-1]:.1f}% after "
+                f"{len(curves[init][-1])} epochs",
+                flush=True,
+            )
     print("\n| classifier-init | mean accuracy (%) | std | epochs needed |\n|---|---|---|---|")
     for init, runs in curves.items():
         finals = [c[-1] for c in runs]
         spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        print(f"| {init} | {100 * statistics.fmean(finals):.1f} | {100 * spread:.1f} | {epochs_needed(runs)} |")
+        print(
+            f"| {init} | {100 * statistics.fmean(finals):.1f} | {100 * spread:.1f} | {epochs_needed(runs)} |"
+        )
     if args.out:
-        args.out.write_text(json.dumps({"run": str(args.run), "seeds": args.seeds, "own_head": own,
-                                        "curves": curves}, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {"run": str(args.run), "seeds": args.seeds, "own_head": own, "curves": curves},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

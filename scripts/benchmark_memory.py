@@ -56,23 +56,38 @@ def child(args: argparse.Namespace) -> None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     torch.set_num_threads(args.threads)
-    flat = flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
-    flat.update({"concept-epochs": 0, "num-inference-steps": args.steps,
-                 "guidance-scale": args.guidance,
-                 "classifier-epochs": args.epochs, "multiplier": args.multiplier,
-                 "replayable-client-noise": True})  # fmt: skip
+    flat = flatten_dict(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    )
+    flat.update(
+        {
+            "concept-epochs": 0,
+            "num-inference-steps": args.steps,
+            "guidance-scale": args.guidance,
+            "classifier-epochs": args.epochs,
+            "multiplier": args.multiplier,
+            "replayable-client-noise": True,
+        }
+    )
     cfg = FedBiPConfig.from_flat(flat)
     ldm = load_ldm(args.model)
     payloads = {}
     for k in range(args.clients):
         domain, index = CLIENT_DOMAINS[k % 3], k // 3
         client_id = f"{domain}-{index}"
-        data = shapes.client_train_set(domain, cfg.shots_per_class, index, seed=cfg.seed,
-                                       size=cfg.image_size)  # fmt: skip
+        data = shapes.client_train_set(
+            domain, cfg.shots_per_class, index, seed=cfg.seed, size=cfg.image_size
+        )
         payloads[client_id], _ = personalize(
-            ldm, data.images, data.labels, list(data.classes), domain, client_id, cfg,
+            ldm,
+            data.images,
+            data.labels,
+            list(data.classes),
+            domain,
+            client_id,
+            cfg,
             torch.Generator().manual_seed(client_seed(cfg.seed, client_id)),
-        )  # fmt: skip
+        )
     facts = {"after_payloads_mb": peak_mb()}
     folder = RunFolder(Path(args.folder))
     started = time.perf_counter()
@@ -90,16 +105,38 @@ def child(args: argparse.Namespace) -> None:
 def run_case(tree: Path, clients: int, multiplier: int, args: argparse.Namespace) -> dict:
     """The case in a child process with ``tree``'s fedbip_flwr; its own facts and peak RSS."""
     with tempfile.TemporaryDirectory(prefix="fedbip-mem-") as folder:
-        command = [sys.executable, str(Path(__file__).resolve()), "--child",
-                   "--clients", str(clients), "--multiplier", str(multiplier),
-                   "--steps", str(args.steps), "--guidance", str(args.guidance),
-                   "--epochs", str(args.epochs),
-                   "--threads", str(args.threads), "--model", str(args.model), "--folder", folder]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(tree), "FEDBIP_PROJECT_DIR": str(tree),
-               "TQDM_DISABLE": "1"}  # fmt: skip
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            "--clients",
+            str(clients),
+            "--multiplier",
+            str(multiplier),
+            "--steps",
+            str(args.steps),
+            "--guidance",
+            str(args.guidance),
+            "--epochs",
+            str(args.epochs),
+            "--threads",
+            str(args.threads),
+            "--model",
+            str(args.model),
+            "--folder",
+            folder,
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(tree),
+            "FEDBIP_PROJECT_DIR": str(tree),
+            "TQDM_DISABLE": "1",
+        }
         started = time.perf_counter()
         with tempfile.TemporaryFile("w+") as out:
-            proc = subprocess.Popen(command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
             out.seek(0)
@@ -107,14 +144,22 @@ def run_case(tree: Path, clients: int, multiplier: int, args: argparse.Namespace
     if proc.returncode != 0:
         raise RuntimeError(f"case {clients} clients x{multiplier} failed:\n{text[-3000:]}")
     facts = json.loads(next(line for line in text.splitlines() if line.startswith("RESULT "))[7:])
-    return {"clients": clients, "multiplier": multiplier, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "wall_s": time.perf_counter() - started, **facts}  # fmt: skip
+    return {
+        "clients": clients,
+        "multiplier": multiplier,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "wall_s": time.perf_counter() - started,
+        **facts,
+    }
 
 
 def extract(commit: str, into: Path) -> Path:
     """The tree of ``commit`` (its code only; the model comes from this tree)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "fedbip_flwr", "pyproject.toml"],
-                             check=True, capture_output=True).stdout  # fmt: skip
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "fedbip_flwr", "pyproject.toml"],
+        check=True,
+        capture_output=True,
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
 
@@ -150,8 +195,10 @@ def markdown(result: dict) -> str:
         )
     lines += ["", "| code | peak RSS x10 / x2 (3 clients) | 12 clients / 3 (x2) |", "|---|---|---|"]
     for code in codes:
-        lines.append(f"| {code} | {ratio(rows, code, (3, 2), (3, 10)):.3f} | "
-                     f"{ratio(rows, code, (3, 2), (12, 2)):.3f} |")  # fmt: skip
+        lines.append(
+            f"| {code} | {ratio(rows, code, (3, 2), (3, 10)):.3f} | "
+            f"{ratio(rows, code, (3, 2), (12, 2)):.3f} |"
+        )
     lines += ["", "Target: both ratios at most 1.20.", ""]
     return "\n".join(lines)
 
@@ -160,13 +207,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="b5dc0f4", help="commit measured as 'before'; none: skip")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--guidance", type=float, default=4.0, help="1.0: no classifier-free "
-                        "guidance, half the UNet work")  # fmt: skip
+    parser.add_argument(
+        "--guidance",
+        type=float,
+        default=4.0,
+        help="1.0: no classifier-free guidance, half the UNet work",
+    )
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch_threads())
-    parser.add_argument("--model", default=str(ROOT / "models" / "miniature-ldm"),
-                        help="a diffusers folder, or 'tiny': a random-weight tiny LDM at 64 px "
-                             "(the same image bytes, a fraction of the UNet's compute)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=str(ROOT / "models" / "miniature-ldm"),
+        help="a diffusers folder, or 'tiny': a random-weight tiny LDM at 64 px "
+        "(the same image bytes, a fraction of the UNet's compute)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "memory.json")
     parser.add_argument("--no-markdown", action="store_true", help="do not append to BENCHMARKS.md")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -60,7 +60,10 @@ def main() -> None:
     results, rows = {}, []
     for domain in shapes.DOMAINS:
         labels = torch.arange(len(shapes.CLASSES)).repeat_interleave(args.per_class)
-        prompts = [plain_prompt(shapes.CAPTION_TEMPLATE, domain, shapes.CLASSES[y]) for y in labels.tolist()]
+        prompts = [
+            plain_prompt(shapes.CAPTION_TEMPLATE, domain, shapes.CLASSES[y])
+            for y in labels.tolist()
+        ]
         images = sample_from_prompts(ldm, prompts, settings, generator)
         results[domain] = evaluate(model, images, labels, 64).accuracy
         rows.append(images[:: args.per_class // 2])

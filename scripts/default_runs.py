@@ -42,8 +42,15 @@ def one_run(root: Path, timeout: float) -> dict:
         env = {**os.environ, "FLWR_HOME": home, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
         started = time.monotonic()
         try:
-            done = subprocess.run([flwr_tool("flwr"), *COMMAND], cwd=root, env=env, capture_output=True,
-                                  text=True, timeout=timeout, check=False)  # fmt: skip
+            done = subprocess.run(
+                [flwr_tool("flwr"), *COMMAND],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
             wall = time.monotonic() - started
         finally:
             stop_local_superlink(Path(home))
@@ -51,22 +58,39 @@ def one_run(root: Path, timeout: float) -> dict:
     match = re.search(r"Successfully started run (\d+)", output)
     folder = RunFolder(root / "outputs" / f"run-{match.group(1)}") if match else None
     if done.returncode != 0 or folder is None or not folder.metrics.exists():
-        raise SystemExit(f"the README's first command failed (exit {done.returncode}):\n{output[-3000:]}")
+        raise SystemExit(
+            f"the README's first command failed (exit {done.returncode}):\n{output[-3000:]}"
+        )
     record = results.read(folder.metrics)
-    if record.status != "completed" or record.accuracy is None or record.accuracy.per_domain is None:
+    if (
+        record.status != "completed"
+        or record.accuracy is None
+        or record.accuracy.per_domain is None
+    ):
         raise SystemExit(f"{folder.root}: the run did not complete ({record.status})")
-    return {"run": str(folder.root.relative_to(root)), "wall_seconds": wall, "load_before": load,
-            "per_domain": record.accuracy.per_domain, "mean": record.accuracy.mean,
-            "seconds": record.seconds.phases() if record.seconds else {}}  # fmt: skip
+    return {
+        "run": str(folder.root.relative_to(root)),
+        "wall_seconds": wall,
+        "load_before": load,
+        "per_domain": record.accuracy.per_domain,
+        "mean": record.accuracy.mean,
+        "seconds": record.seconds.phases() if record.seconds else {},
+    }
 
 
 def summary(runs: list[dict]) -> dict:
     means, walls = [r["mean"] for r in runs], [r["wall_seconds"] for r in runs]
     classifier = [r["seconds"].get("classifier", float("nan")) for r in runs]
-    return {"mean": statistics.fmean(means), "std": statistics.stdev(means) if len(means) > 1 else 0.0,
-            "min": min(means), "max": max(means), "wall_min": min(walls),
-            "wall_median": statistics.median(walls), "wall_max": max(walls),
-            "classifier_median": statistics.median(classifier)}  # fmt: skip
+    return {
+        "mean": statistics.fmean(means),
+        "std": statistics.stdev(means) if len(means) > 1 else 0.0,
+        "min": min(means),
+        "max": max(means),
+        "wall_min": min(walls),
+        "wall_median": statistics.median(walls),
+        "wall_max": max(walls),
+        "classifier_median": statistics.median(classifier),
+    }
 
 
 def main() -> None:
@@ -76,22 +100,29 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/default_run.json"))
     args = parser.parse_args()
     root = project_dir() or Path.cwd()
-    record = {"command": "python scripts/default_runs.py --runs " + str(args.runs),
-              "readme_command": "flwr " + " ".join(COMMAND),
-              "provenance": provenance.record(root, torch.get_num_threads(), [root / "outputs"]),
-              "runs": []}  # fmt: skip
+    record = {
+        "command": "python scripts/default_runs.py --runs " + str(args.runs),
+        "readme_command": "flwr " + " ".join(COMMAND),
+        "provenance": provenance.record(root, torch.get_num_threads(), [root / "outputs"]),
+        "runs": [],
+    }
     for i in range(args.runs):
         record["runs"].append(one_run(root, args.timeout))
         r = record["runs"][-1]
-        print(f"run {i + 1}/{args.runs}: {100 * r['mean']:.1f}% ("
-              + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items())
-              + f") in {r['wall_seconds']:.0f} s, classifier {r['seconds'].get('classifier', 0):.0f} s, "
-              f"load before {r['load_before']:.2f}", flush=True)  # fmt: skip
+        print(
+            f"run {i + 1}/{args.runs}: {100 * r['mean']:.1f}% ("
+            + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items())
+            + f") in {r['wall_seconds']:.0f} s, classifier {r['seconds'].get('classifier', 0):.0f} s, "
+            f"load before {r['load_before']:.2f}",
+            flush=True,
+        )
     record["summary"] = s = summary(record["runs"])
     args.out.write_text(json.dumps(record, indent=1))
-    print(f"mean {100 * s['mean']:.1f} ± {100 * s['std']:.1f} (min {100 * s['min']:.1f}), wall "
-          f"{s['wall_min']:.0f} / {s['wall_median']:.0f} / {s['wall_max']:.0f} s (min / median / max), "
-          f"classifier median {s['classifier_median']:.0f} s; written {args.out}")  # fmt: skip
+    print(
+        f"mean {100 * s['mean']:.1f} ± {100 * s['std']:.1f} (min {100 * s['min']:.1f}), wall "
+        f"{s['wall_min']:.0f} / {s['wall_median']:.0f} / {s['wall_max']:.0f} s (min / median / max), "
+        f"classifier median {s['classifier_median']:.0f} s; written {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,13 @@ def run_once(work: Path, method: str, init: str, seed: int) -> dict:
     name = f"{method}-{init}-seed{seed}"
     folder = RunFolder(work / "outputs" / name)
     if not folder.metrics.exists():
-        values = {"method": method, "classifier-init": init, "seed": seed,
-                  "output-dir": str(work / "outputs"), "run-name": name}  # fmt: skip
+        values = {
+            "method": method,
+            "classifier-init": init,
+            "seed": seed,
+            "output-dir": str(work / "outputs"),
+            "run-name": name,
+        }
         home = work / "flwr-home"
         try:
             run_id, output = run_simulation(home, values, 3, timeout=1800)
@@ -49,19 +54,37 @@ def run_once(work: Path, method: str, init: str, seed: int) -> dict:
         finally:
             stop_local_superlink(home)
     record = results.read(folder.metrics)
-    return {"method": method, "init": init, "seed": seed, "run": str(folder.root),
-            "per_domain": record.accuracy.per_domain, "mean": record.accuracy.mean,
-            "classifier_seconds": record.seconds.classifier if record.seconds else None}  # fmt: skip
+    return {
+        "method": method,
+        "init": init,
+        "seed": seed,
+        "run": str(folder.root),
+        "per_domain": record.accuracy.per_domain,
+        "mean": record.accuracy.mean,
+        "classifier_seconds": record.seconds.classifier if record.seconds else None,
+    }
 
 
 def margin(rows: list[dict], init: str, domain: str) -> dict:
     """FedBiP minus Prompts-only on ``domain``, paired by seed: mean and 95% t-interval."""
     score = {(r["method"], r["seed"]): r["per_domain"][domain] for r in rows if r["init"] == init}
-    seeds = sorted({s for m, s in score if m == "fedbip"} & {s for m, s in score if m == "prompts-only"})
+    seeds = sorted(
+        {s for m, s in score if m == "fedbip"} & {s for m, s in score if m == "prompts-only"}
+    )
     diffs = [score["fedbip", s] - score["prompts-only", s] for s in seeds]
     mean = statistics.fmean(diffs)
-    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    return {"seeds": seeds, "differences": diffs, "mean": mean, "low": mean - half, "high": mean + half}
+    half = (
+        stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+        if len(diffs) > 1
+        else float("nan")
+    )
+    return {
+        "seeds": seeds,
+        "differences": diffs,
+        "mean": mean,
+        "low": mean - half,
+        "high": mean + half,
+    }
 
 
 def main() -> None:
@@ -77,24 +100,45 @@ def main() -> None:
             for method in METHODS:
                 rows.append(run_once(args.work.resolve(), method, init, seed))
                 r = rows[-1]
-                print(f"seed {seed} {init} {method}: {100 * r['mean']:.1f}% "
-                      + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items()), flush=True)  # fmt: skip
+                print(
+                    f"seed {seed} {init} {method}: {100 * r['mean']:.1f}% "
+                    + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items()),
+                    flush=True,
+                )
     margins = {init: {d: margin(rows, init, d) for d in RARE} for init in args.inits}
-    print("\n| init | method | " + " | ".join(rows[0]["per_domain"]) + " | mean |\n|---|---|" + "---|" * (len(rows[0]["per_domain"]) + 1))
+    print(
+        "\n| init | method | "
+        + " | ".join(rows[0]["per_domain"])
+        + " | mean |\n|---|---|"
+        + "---|" * (len(rows[0]["per_domain"]) + 1)
+    )
     for init in args.inits:
         for method in METHODS:
             mine = [r for r in rows if r["init"] == init and r["method"] == method]
-            cells = [statistics.fmean(r["per_domain"][d] for r in mine) for d in mine[0]["per_domain"]]
-            print(f"| {init} | {method} | " + " | ".join(f"{100 * c:.1f}" for c in cells)
-                  + f" | {100 * statistics.fmean(r['mean'] for r in mine):.1f} |")  # fmt: skip
+            cells = [
+                statistics.fmean(r["per_domain"][d] for r in mine) for d in mine[0]["per_domain"]
+            ]
+            print(
+                f"| {init} | {method} | "
+                + " | ".join(f"{100 * c:.1f}" for c in cells)
+                + f" | {100 * statistics.fmean(r['mean'] for r in mine):.1f} |"
+            )
     for init, per_domain in margins.items():
         for domain, m in per_domain.items():
-            print(f"{init}: FedBiP - Prompts-only on {domain}: {100 * m['mean']:+.1f} points "
-                  f"[{100 * m['low']:+.1f}, {100 * m['high']:+.1f}] over seeds {m['seeds']}")  # fmt: skip
-    record = {"command": "python scripts/fair_start_check.py " + " ".join(
-                  [f"--seeds {' '.join(map(str, args.seeds))}", f"--inits {' '.join(args.inits)}"]),
-              "provenance": provenance.record(project_dir(), torch.get_num_threads(), [args.work]),
-              "seconds": time.time() - started, "runs": rows, "rare_margins": margins}  # fmt: skip
+            print(
+                f"{init}: FedBiP - Prompts-only on {domain}: {100 * m['mean']:+.1f} points "
+                f"[{100 * m['low']:+.1f}, {100 * m['high']:+.1f}] over seeds {m['seeds']}"
+            )
+    record = {
+        "command": "python scripts/fair_start_check.py "
+        + " ".join(
+            [f"--seeds {' '.join(map(str, args.seeds))}", f"--inits {' '.join(args.inits)}"]
+        ),
+        "provenance": provenance.record(project_dir(), torch.get_num_threads(), [args.work]),
+        "seconds": time.time() - started,
+        "runs": rows,
+        "rare_margins": margins,
+    }
     args.out.write_text(json.dumps(record, indent=1))
     print(f"written {args.out}")
 

@@ -64,12 +64,19 @@ SETTINGS: dict[str, dict] = {
 
 
 def run_config(args: argparse.Namespace) -> FedBiPConfig:
-    return FedBiPConfig.from_flat({
-        "method": "fedlmg", "model": str(args.model), "classifier-init": "random",
-        "shots-per-class": args.shots, "fedlmg.local-epochs": args.local_epochs,
-        "num-inference-steps": args.steps, "fedlmg.prompt": args.prompt,
-        "domains": ",".join(args.domains), "replayable-client-noise": True,
-    })  # fmt: skip
+    return FedBiPConfig.from_flat(
+        {
+            "method": "fedlmg",
+            "model": str(args.model),
+            "classifier-init": "random",
+            "shots-per-class": args.shots,
+            "fedlmg.local-epochs": args.local_epochs,
+            "num-inference-steps": args.steps,
+            "fedlmg.prompt": args.prompt,
+            "domains": ",".join(args.domains),
+            "replayable-client-noise": True,
+        }
+    )
 
 
 def own(cfg: FedBiPConfig) -> FedLMGSettings:
@@ -81,37 +88,62 @@ def client_uploads(cfg: FedBiPConfig, ldm, cache: Path) -> dict:
     method, server = create_for(cfg), ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
     uploads = {}
     for partition, domain in enumerate(cfg.domain_list):
-        path = cache / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
+        path = (
+            cache
+            / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
+        )
         if not path.exists():
             data = dataset.load_client_data(cfg.data, partition)
             started = time.perf_counter()
-            blob, _ = method.upload(ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm))
-            print(f"{domain}: local model trained in {time.perf_counter() - started:.0f} s", flush=True)
+            blob, _ = method.upload(
+                ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
+            )
+            print(
+                f"{domain}: local model trained in {time.perf_counter() - started:.0f} s",
+                flush=True,
+            )
             path.write_bytes(blob)
         upload = method.accept(path.read_bytes(), server)
         uploads[upload.client_id] = upload
     return uploads
 
 
-def peer_judge(cfg: FedBiPConfig, domain: str, cache: Path, clients: range = range(1, 3)) -> nn.Module:
+def peer_judge(
+    cfg: FedBiPConfig, domain: str, cache: Path, clients: range = range(1, 3)
+) -> nn.Module:
     """A ResNet-18 trained (the local recipe) on real images of OTHER clients of ``domain``:
     a class judge that knows the domain and shares no image or weight with the guide."""
     path = cache / f"fedlmg-peer-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
     model = build_classifier(len(shapes.CLASSES), "random")
     if not path.exists():
-        sets = [shapes.client_train_set(domain, cfg.shots_per_class, i, seed=cfg.seed) for i in clients]
+        sets = [
+            shapes.client_train_set(domain, cfg.shots_per_class, i, seed=cfg.seed) for i in clients
+        ]
         images, labels = torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets])
         print(f"training the {domain} peer judge ({len(images)} real images)", flush=True)
-        train_classifier(model, images, labels, train_settings(cfg, own(cfg).local_epochs), seed=JUDGE_SEED)
+        train_classifier(
+            model, images, labels, train_settings(cfg, own(cfg).local_epochs), seed=JUDGE_SEED
+        )
         write_tensors(path, model.state_dict())
     model.load_state_dict(read_tensors(path))
     return model.eval()
 
 
-def samples(ldm, upload, cond, labels, chosen, cfg: FedBiPConfig, cache: Path) -> tuple[torch.Tensor, float]:
+def samples(
+    ldm, upload, cond, labels, chosen, cfg: FedBiPConfig, cache: Path
+) -> tuple[torch.Tensor, float]:
     """The setting's images for one client and the seconds per image they took (cached)."""
-    key = hashlib.sha256(repr((dataclasses.asdict(chosen), labels.tolist(), cfg.seed, ldm.fingerprint,
-                               upload.client_id)).encode()).hexdigest()[:16]  # fmt: skip
+    key = hashlib.sha256(
+        repr(
+            (
+                dataclasses.asdict(chosen),
+                labels.tolist(),
+                cfg.seed,
+                ldm.fingerprint,
+                upload.client_id,
+            )
+        ).encode()
+    ).hexdigest()[:16]
     path = cache / f"fedlmg-samples-{upload.client_id}-{key}.safetensors"
     if path.exists():
         return dequantize(read_tensors(path)["images"]), float(read_metadata(path)["s_per_image"])
@@ -132,7 +164,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--prompt", default="a {class}")
     parser.add_argument("--per-class", type=int, default=2)
-    parser.add_argument("--judge-per-class", type=int, default=20, help="real images per class and domain")
+    parser.add_argument(
+        "--judge-per-class", type=int, default=20, help="real images per class and domain"
+    )
     parser.add_argument("--judge-epochs", type=int, default=10)
     parser.add_argument("--only", nargs="*", default=None, help="setting names to run")
     parser.add_argument("--set", default="{}", help="JSON: extra settings, name -> changes")
@@ -144,8 +178,10 @@ def main() -> None:
     ldm = load_ldm(args.model)
     judges = load_judges(
         args.cache / f"fedlmg-judges-{args.judge_per_class}-{args.judge_epochs}.safetensors",
-        cfg.classifier_image_size, args.judge_per_class, args.judge_epochs,
-    )  # fmt: skip
+        cfg.classifier_image_size,
+        args.judge_per_class,
+        args.judge_epochs,
+    )
     uploads = client_uploads(cfg, ldm, args.cache)
     peers = {u.domain: peer_judge(cfg, u.domain, args.cache) for u in uploads.values()}
     size = cfg.classifier_image_size
@@ -153,8 +189,11 @@ def main() -> None:
     results["judges on real test images"] = {
         **judges.on_real(),
         **{f"peer {d}": evaluate(m, *test_set(d), size).accuracy for d, m in peers.items()},
-        **{f"guide {u.domain}": evaluate(u.content, *test_set(u.domain), size).accuracy for u in uploads.values()},
-    }  # fmt: skip
+        **{
+            f"guide {u.domain}": evaluate(u.content, *test_set(u.domain), size).accuracy
+            for u in uploads.values()
+        },
+    }
     print(results["judges on real test images"], flush=True)
     cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg.data)))
     labels = torch.arange(6).repeat_interleave(args.per_class)
@@ -173,8 +212,14 @@ def main() -> None:
                 "s_per_image": seconds,
             }
             row["clients"][client_id] = scores
-            image_grid([images], args.out.parent / "pictures" / f"fedlmg-{client_id}-{slug(name)}.png")
-            print(f"{name:>24} {client_id:>12}: " + " ".join(f"{k} {v:.2f}" for k, v in scores.items()), flush=True)
+            image_grid(
+                [images], args.out.parent / "pictures" / f"fedlmg-{client_id}-{slug(name)}.png"
+            )
+            print(
+                f"{name:>24} {client_id:>12}: "
+                + " ".join(f"{k} {v:.2f}" for k, v in scores.items()),
+                flush=True,
+            )
         results[name] = row
         args.out.write_text(json.dumps(results, indent=1))
 

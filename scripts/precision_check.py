@@ -61,21 +61,30 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
             scores.append(judges.fidelity(images, labels, uploads[client_id].domain))
         n = sum(len(x) for x in made[half].values())
         fidelity = {k: statistics.fmean(s[k] for s in scores) for k in ("class", "domain")}
-        print(f"synthesis {'half' if half else 'float32'} ({ldm.autocast or ldm.dtype}): {n} images "
-              f"in {seconds:.1f} s ({n / seconds:.2f} images/s), class fidelity "
-              f"{100 * fidelity['class']:.1f}%, domain fidelity {100 * fidelity['domain']:.1f}%")  # fmt: skip
+        print(
+            f"synthesis {'half' if half else 'float32'} ({ldm.autocast or ldm.dtype}): {n} images "
+            f"in {seconds:.1f} s ({n / seconds:.2f} images/s), class fidelity "
+            f"{100 * fidelity['class']:.1f}%, domain fidelity {100 * fidelity['domain']:.1f}%"
+        )
     diff = torch.cat([(made[True][c] - made[False][c]).abs().flatten() for c in made[False]])
-    print(f"half vs float32 pixels in [-1, 1] at the judges' size: mean |diff| {diff.mean():.4f}, "
-          f"max {diff.max():.3f}")  # fmt: skip
+    print(
+        f"half vs float32 pixels in [-1, 1] at the judges' size: mean |diff| {diff.mean():.4f}, "
+        f"max {diff.max():.3f}"
+    )
 
 
-def classifier(flat: dict, folder: RunFolder, seeds: list[int], modes: list[str], tmp: Path) -> None:
+def classifier(
+    flat: dict, folder: RunFolder, seeds: list[int], modes: list[str], tmp: Path
+) -> None:
     """The run's classifier retrained per seed in each precision, interleaved. With one mode it
     measures how much the classifier's seed alone moves the accuracy on one synthetic set."""
     shards = folder.training_shards()
     base = FedBiPConfig.from_flat(flat)
     classes = dataset.class_names(base.data)
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(base.data, base.domain_list).items()}
+    tests = {
+        d: (s.images, s.labels)
+        for d, s in dataset.load_test_sets(base.data, base.domain_list).items()
+    }
     print(f"classifier: auto = {Precision.for_device('cpu', 'auto')}")
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for seed in seeds:
@@ -85,14 +94,20 @@ def classifier(flat: dict, folder: RunFolder, seeds: list[int], modes: list[str]
             score = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
             rows[mode].append((score["mean"], facts["classifier_seconds"]))
             domains = ", ".join(f"{d} {a:.3f}" for d, a in score["per_domain"].items())
-            print(f"seed {seed} {mode}: accuracy {score['mean']:.3f} ({domains}) in "
-                  f"{facts['classifier_seconds']:.1f} s")  # fmt: skip
-    print("\n| classifier-precision | mean accuracy (%) | classifier seconds (median) |\n|---|---|---|")
+            print(
+                f"seed {seed} {mode}: accuracy {score['mean']:.3f} ({domains}) in "
+                f"{facts['classifier_seconds']:.1f} s"
+            )
+    print(
+        "\n| classifier-precision | mean accuracy (%) | classifier seconds (median) |\n|---|---|---|"
+    )
     for mode, results in rows.items():
         accuracy = [a for a, _ in results]
         spread = f" ± {100 * statistics.stdev(accuracy):.1f}" if len(accuracy) > 1 else ""
-        print(f"| {mode} | {100 * statistics.fmean(accuracy):.1f}{spread} | "
-              f"{statistics.median(s for _, s in results):.1f} |")  # fmt: skip
+        print(
+            f"| {mode} | {100 * statistics.fmean(accuracy):.1f}{spread} | "
+            f"{statistics.median(s for _, s in results):.1f} |"
+        )
 
 
 def main() -> None:
@@ -101,8 +116,13 @@ def main() -> None:
     parser.add_argument("--judges", type=Path, default=Path("outputs/benchmark/judges.safetensors"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--skip-synthesis", action="store_true")
-    parser.add_argument("--precisions", nargs="+", choices=MODES, default=list(MODES),
-                        help="classifier-precision modes to retrain with (one: the seed's effect alone)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="classifier-precision modes to retrain with (one: the seed's effect alone)",
+    )
     args = parser.parse_args()
     folder = RunFolder(args.run)
     flat = read_results(folder.metrics).config

@@ -57,7 +57,12 @@ def ldm_corpus_args(log: Path = LDM_LOG) -> tuple[int, int]:
 def corpus_domains(per_class: int) -> list[tuple[str, int]]:
     """(domain, images per class) in the order :func:`shapes.pretraining_corpus` draws them."""
     return [
-        (d, max(1, round(per_class * shapes.PRETRAIN_RARE_SHARE)) if d in shapes.RARE_DOMAINS else per_class)
+        (
+            d,
+            max(1, round(per_class * shapes.PRETRAIN_RARE_SHARE))
+            if d in shapes.RARE_DOMAINS
+            else per_class,
+        )
         for d in shapes.DOMAINS
     ]
 
@@ -78,7 +83,9 @@ def labelled_corpus(per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tens
         raise RuntimeError(f"{CORPUS_FUNCTION} gave {len(images)} images, expected {len(labels)}")
     for i, (caption, label) in enumerate(zip(captions, labels, strict=True)):
         if caption and caption.rsplit(" ", 1)[-1] != shapes.CLASSES[label]:
-            raise RuntimeError(f"corpus image {i}: caption {caption!r} but label {shapes.CLASSES[label]}")
+            raise RuntimeError(
+                f"corpus image {i}: caption {caption!r} but label {shapes.CLASSES[label]}"
+            )
     return quantize(images), torch.tensor(labels), domains
 
 
@@ -86,7 +93,9 @@ def public_labelled(per_class: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     """:func:`shapes.public_corpus` as uint8 images, labels of :data:`shapes.PUBLIC_CLASSES` and
     each image's domain."""
     corpus = shapes.public_corpus(per_class, seed)
-    domains = [d for d in shapes.COMMON_DOMAINS for _ in range(per_class * len(shapes.PUBLIC_CLASSES))]
+    domains = [
+        d for d in shapes.COMMON_DOMAINS for _ in range(per_class * len(shapes.PUBLIC_CLASSES))
+    ]
     return quantize(corpus.images), corpus.labels, domains
 
 
@@ -105,20 +114,34 @@ def split(n: int, val_share: float, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("models/miniature-ldm/classifier-backbone"))
-    parser.add_argument("--corpus", choices=sorted(CORPORA), default="public",
-                        help="public: shapes no task uses (the fair start); ldm: the LDM's corpus, "
-                        "labelled with the task's own classes (solves the task before any upload)")  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path("models/miniature-ldm/classifier-backbone")
+    )
+    parser.add_argument(
+        "--corpus",
+        choices=sorted(CORPORA),
+        default="public",
+        help="public: shapes no task uses (the fair start); ldm: the LDM's corpus, "
+        "labelled with the task's own classes (solves the task before any upload)",
+    )
     parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--steps", type=int, default=0, help="> 0: exactly this many SGD steps instead of --epochs")
-    parser.add_argument("--per-class", type=int, default=0,
-                        help="corpus images per class per common domain; 0 = the LDM's (its pretrain_log.json)")  # fmt: skip
+    parser.add_argument(
+        "--steps", type=int, default=0, help="> 0: exactly this many SGD steps instead of --epochs"
+    )
+    parser.add_argument(
+        "--per-class",
+        type=int,
+        default=0,
+        help="corpus images per class per common domain; 0 = the LDM's (its pretrain_log.json)",
+    )
     parser.add_argument("--corpus-seed", type=int, default=-1, help="-1 = the LDM's corpus seed")
     parser.add_argument("--val-share", type=float, default=0.1, help="held-out share of the corpus")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0, help="initial weights, split, data order, augmentation")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="initial weights, split, data order, augmentation"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
     args = parser.parse_args()
 
@@ -131,11 +154,20 @@ def main() -> None:
     make_corpus, classes, corpus_function = CORPORA[args.corpus]
     images, labels, domains = make_corpus(per_class, corpus_seed)
     train_rows, val_rows = split(len(labels), args.val_share, args.seed)
-    print(f"corpus: {len(labels)} images ({len(train_rows)} train, {len(val_rows)} held out) "
-          f"in {time.time() - started:.0f} s", flush=True)  # fmt: skip
+    print(
+        f"corpus: {len(labels)} images ({len(train_rows)} train, {len(val_rows)} held out) "
+        f"in {time.time() - started:.0f} s",
+        flush=True,
+    )
 
-    settings = TrainSettings(epochs=args.epochs, lr=args.lr, momentum=args.momentum,
-                             batch_size=args.batch, image_size=IMAGE_SIZE, steps=args.steps)  # fmt: skip
+    settings = TrainSettings(
+        epochs=args.epochs,
+        lr=args.lr,
+        momentum=args.momentum,
+        batch_size=args.batch,
+        image_size=IMAGE_SIZE,
+        steps=args.steps,
+    )
     torch.manual_seed(args.seed)
     model = build_classifier(len(classes), "random")
     losses: list[float] = []
@@ -145,44 +177,84 @@ def main() -> None:
         losses.append(loss)
         print(f"epoch {epoch} loss {loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
 
-    train_classifier(model, images[train_rows], labels[train_rows], settings, seed=args.seed, on_epoch=on_epoch)
+    train_classifier(
+        model, images[train_rows], labels[train_rows], settings, seed=args.seed, on_epoch=on_epoch
+    )
     train_seconds = time.time() - t0
-    steps = settings.steps or settings.epochs * batches_per_epoch(len(train_rows), settings.batch_size)
+    steps = settings.steps or settings.epochs * batches_per_epoch(
+        len(train_rows), settings.batch_size
+    )
     scores = evaluate(model, images[val_rows], labels[val_rows], IMAGE_SIZE)
     by_domain = {}
     for domain in shapes.DOMAINS:
         mine = torch.tensor([domains[r] == domain for r in val_rows.tolist()], dtype=torch.bool)
         if mine.any():
-            by_domain[domain] = float((scores.predictions[mine] == labels[val_rows][mine]).float().mean())
+            by_domain[domain] = float(
+                (scores.predictions[mine] == labels[val_rows][mine]).float().mean()
+            )
     print(f"validation accuracy {scores.accuracy:.4f} {by_domain}", flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     # One metadata entry: safetensors writes several in no fixed order, and the file's bytes
     # (its sha256 in the log) should depend on the seed alone.
-    path = save_backbone(model.cpu(), args.out, {"backbone": json.dumps({
-        "classes": list(classes), "corpus": corpus_function,
-        "per_class": per_class, "corpus_seed": corpus_seed, "seed": args.seed,
-    }, sort_keys=True)})  # fmt: skip
+    path = save_backbone(
+        model.cpu(),
+        args.out,
+        {
+            "backbone": json.dumps(
+                {
+                    "classes": list(classes),
+                    "corpus": corpus_function,
+                    "per_class": per_class,
+                    "corpus_seed": corpus_seed,
+                    "seed": args.seed,
+                },
+                sort_keys=True,
+            )
+        },
+    )
     log = {
-        "corpus": {"function": corpus_function, "per_class": per_class, "seed": corpus_seed,
-                   "images": len(labels), "train_images": len(train_rows), "val_images": len(val_rows),
-                   "val_share": args.val_share, "labels": f"shape class ({args.corpus} corpus's classes)"},
+        "corpus": {
+            "function": corpus_function,
+            "per_class": per_class,
+            "seed": corpus_seed,
+            "images": len(labels),
+            "train_images": len(train_rows),
+            "val_images": len(val_rows),
+            "val_share": args.val_share,
+            "labels": f"shape class ({args.corpus} corpus's classes)",
+        },
         "classes": list(classes),
-        "recipe": {"lr": args.lr, "momentum": args.momentum, "batch_size": args.batch,
-                   "image_size": IMAGE_SIZE, "augment": True, "init": "random", "seed": args.seed},
-        "epochs": settings.epochs_for(len(train_rows)), "steps": steps,
+        "recipe": {
+            "lr": args.lr,
+            "momentum": args.momentum,
+            "batch_size": args.batch,
+            "image_size": IMAGE_SIZE,
+            "augment": True,
+            "init": "random",
+            "seed": args.seed,
+        },
+        "epochs": settings.epochs_for(len(train_rows)),
+        "steps": steps,
         "epoch_loss": losses,
-        "validation_accuracy": scores.accuracy, "validation_loss": scores.mean_loss,
+        "validation_accuracy": scores.accuracy,
+        "validation_loss": scores.mean_loss,
         "validation_accuracy_by_domain": by_domain,
-        "train_seconds": train_seconds, "seconds": time.time() - started,
+        "train_seconds": train_seconds,
+        "seconds": time.time() - started,
         "seconds_per_step": train_seconds / max(steps, 1),
         "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "torchvision": torchvision.__version__,
-        "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         "bytes": path.stat().st_size,
-    }  # fmt: skip
+    }
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1))
-    print(f"saved {path} ({path.stat().st_size / 1e6:.1f} MB) after {(time.time() - started) / 60:.1f} min", flush=True)
+    print(
+        f"saved {path} ({path.stat().st_size / 1e6:.1f} MB) after {(time.time() - started) / 60:.1f} min",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -74,10 +74,16 @@ def train_unet(
     seed: int,
 ) -> None:
     ids = ldm.tokenizer(
-        captions, padding="max_length", max_length=ldm.tokenizer.model_max_length,
-        truncation=True, return_tensors="pt",
+        captions,
+        padding="max_length",
+        max_length=ldm.tokenizer.model_max_length,
+        truncation=True,
+        return_tensors="pt",
     ).input_ids
-    unet, text = ldm.unet.train().requires_grad_(True), ldm.text_encoder.train().requires_grad_(True)
+    unet, text = (
+        ldm.unet.train().requires_grad_(True),
+        ldm.text_encoder.train().requires_grad_(True),
+    )
     ema = copy.deepcopy(unet).requires_grad_(False)
     params = list(unet.parameters()) + list(text.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
@@ -123,7 +129,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
     parser.add_argument(
-        "--resume", action="store_true",
+        "--resume",
+        action="store_true",
         help="continue stage 2 from the model in --out (VAE kept; fresh optimizer and EMA)",
     )
     args = parser.parse_args()
@@ -140,17 +147,25 @@ def main() -> None:
         log: list[dict] = json.loads((args.out / "pretrain_log.json").read_text())
         log.append({**entry, "resumed": True})
     else:
-        ldm = build_ldm(MINIATURE, [*shapes.CLASSES, *shapes.DOMAINS, *TEMPLATE_WORDS], seed=args.seed)
+        ldm = build_ldm(
+            MINIATURE, [*shapes.CLASSES, *shapes.DOMAINS, *TEMPLATE_WORDS], seed=args.seed
+        )
         log = [entry]
         train_vae(ldm, images, args.vae_steps, 32, log)
         set_scaling_factor(ldm, images)
     latents = encode_images(ldm.vae, images)
-    print(f"scaling factor {ldm.vae.config.scaling_factor:.4f}; latents {tuple(latents.shape)}", flush=True)
+    print(
+        f"scaling factor {ldm.vae.config.scaling_factor:.4f}; latents {tuple(latents.shape)}",
+        flush=True,
+    )
     stage = sum(1 for e in log if "args" in e)  # 1 for a fresh run, +1 per resume
-    train_unet(ldm, latents, captions, args.unet_minutes, args.batch, log, seed=args.seed + 1 + stage)
+    train_unet(
+        ldm, latents, captions, args.unet_minutes, args.batch, log, seed=args.seed + 1 + stage
+    )
     ldm.save(args.out)
     (args.out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
     print(f"saved to {args.out} after {(time.time() - started) / 60:.1f} min", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -28,7 +28,10 @@ from fedbip_tools.privacy import backbone_features
 def check(run_dir: Path) -> dict:
     folder = RunFolder(run_dir)
     cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
-    clients = {c.client_id: c for c in (dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list)))}
+    clients = {
+        c.client_id: c
+        for c in (dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list)))
+    }
     features = backbone_features(cfg.model)
     out: dict = {"run": run_dir.name, "method": cfg.method, "clients": {}}
     for client_id, shards in sorted(folder.training_shards().items()):

@@ -48,10 +48,13 @@ def main() -> None:
                 cfg,
                 torch.Generator().manual_seed(1),
             )
-            rows.append(synthesize_client(ldm, payload, SynthesisSettings.from_config(cfg), seed=1).images)
+            rows.append(
+                synthesize_client(ldm, payload, SynthesisSettings.from_config(cfg), seed=1).images
+            )
             labels.append(template.replace("{", "[").replace("}", "]"))
-    out = image_grid(rows, ROOT / "benchmarks" / "instance_only_probe.png", row_labels=labels,
-                     label_width=130)
+    out = image_grid(
+        rows, ROOT / "benchmarks" / "instance_only_probe.png", row_labels=labels, label_width=130
+    )
     print(out)
 
 

@@ -34,7 +34,9 @@ def sha256(path: Path) -> str:
 def without_meta(blob: bytes, key: str) -> bytes:
     """The upload re-encoded (deterministically) with its metadata ``key`` left out."""
     names = tuple(read_header(blob)[0])
-    tensors, metadata = read_tensors(blob, names, len(blob), json.loads(read_header(blob)[1]["fedbip.method"]))
+    tensors, metadata = read_tensors(
+        blob, names, len(blob), json.loads(read_header(blob)[1]["fedbip.method"])
+    )
     metadata.pop(key, None)
     return encode_tensors(tensors, metadata)
 
@@ -43,10 +45,13 @@ def run_digests(run_dir: Path, drop: str | None = None) -> dict:
     """sha256 of payloads/*, shards/**, classifier.safetensors; metrics' accuracies as written
     (server-side mean and per domain). ``drop``: payloads digested without that metadata key."""
     files = {
-        kind: {str(p.relative_to(run_dir)): sha256(p) for p in sorted((run_dir / kind).rglob("*"))
-               if p.is_file() and not p.name.endswith(".tmp")}
+        kind: {
+            str(p.relative_to(run_dir)): sha256(p)
+            for p in sorted((run_dir / kind).rglob("*"))
+            if p.is_file() and not p.name.endswith(".tmp")
+        }
         for kind in ("payloads", "shards")
-    }  # fmt: skip
+    }
     if drop:
         files["payloads"] = {
             name: hashlib.sha256(without_meta((run_dir / name).read_bytes(), drop)).hexdigest()
@@ -76,8 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--out", type=Path, help="write the digests here as JSON too")
-    parser.add_argument("--without-meta", metavar="KEY", help="digest payloads without this metadata key")
-    parser.add_argument("--against", type=Path, help="a record of the same machine kind to compare with")
+    parser.add_argument(
+        "--without-meta", metavar="KEY", help="digest payloads without this metadata key"
+    )
+    parser.add_argument(
+        "--against", type=Path, help="a record of the same machine kind to compare with"
+    )
     args = parser.parse_args()
     digests = run_digests(args.run_dir, args.without_meta)
     text = json.dumps(digests, indent=1, sort_keys=True)
@@ -86,7 +95,11 @@ def main() -> None:
     print(text)
     if args.against:
         differ = compare(digests, json.loads(args.against.read_text()))
-        print(f"differ from {args.against}: {', '.join(differ)}" if differ else f"same as {args.against}")
+        print(
+            f"differ from {args.against}: {', '.join(differ)}"
+            if differ
+            else f"same as {args.against}"
+        )
         raise SystemExit(1 if differ else 0)
 
 

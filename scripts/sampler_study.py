@@ -96,11 +96,16 @@ Tests = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 # ----------------------------------------------------------------------------- configuration
-def run_config(seed: int, scheduler: str | None = None, steps: int | None = None,
-               spacing: str | None = None) -> FedBiPConfig:  # fmt: skip
+def run_config(
+    seed: int, scheduler: str | None = None, steps: int | None = None, spacing: str | None = None
+) -> FedBiPConfig:
     """The default federation's run config (pyproject.toml), with this seed and sampler."""
     setting = {"scheduler": scheduler, "num-inference-steps": steps, "timestep-spacing": spacing}
-    flat = {**project_run_config(), "seed": seed, **{k: v for k, v in setting.items() if v is not None}}
+    flat = {
+        **project_run_config(),
+        "seed": seed,
+        **{k: v for k, v in setting.items() if v is not None},
+    }
     return FedBiPConfig.from_flat(flat)
 
 
@@ -119,14 +124,22 @@ def client_noise(cfg: FedBiPConfig, client_id: str) -> torch.Generator:
 
 
 # ----------------------------------------------------------------------------- client side
-def learn_payloads(ldm: LDM, cfg: FedBiPConfig, clients: Mapping[str, ClientSet]) -> dict[str, Payload]:
+def learn_payloads(
+    ldm: LDM, cfg: FedBiPConfig, clients: Mapping[str, ClientSet]
+) -> dict[str, Payload]:
     """Every client's FedBiP payload under the default config: its concepts, learned once."""
     payloads = {}
     for client_id, data in clients.items():
         payloads[client_id], report = personalize(
-            ldm, data.images, data.labels, list(data.classes), data.domain, client_id, cfg,
+            ldm,
+            data.images,
+            data.labels,
+            list(data.classes),
+            data.domain,
+            client_id,
+            cfg,
             client_noise(cfg, client_id),
-        )  # fmt: skip
+        )
         log.info("[%s] concepts learned in %.0f s", client_id, report.seconds["concept"])
         check_replay(renoised(ldm, payloads[client_id], data, cfg), payloads[client_id])
     return payloads
@@ -137,13 +150,24 @@ def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Pay
     sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     instances = personalize_instances(
-        ldm.vae, ldm.scheduler, data.images, data.labels, timestep,
-        gamma_mean=cfg.gamma_mean, gamma_std=cfg.gamma_std, generator=client_noise(cfg, data.client_id),
-        vae_batch_size=cfg.vae_batch_size, draws=cfg.latents_per_image,
-    )  # fmt: skip
-    meta = base.meta.model_copy(update={
-        "timestep": timestep, "scheduler": sampler.name, "num_inference_steps": cfg.num_inference_steps,
-    })  # fmt: skip
+        ldm.vae,
+        ldm.scheduler,
+        data.images,
+        data.labels,
+        timestep,
+        gamma_mean=cfg.gamma_mean,
+        gamma_std=cfg.gamma_std,
+        generator=client_noise(cfg, data.client_id),
+        vae_batch_size=cfg.vae_batch_size,
+        draws=cfg.latents_per_image,
+    )
+    meta = base.meta.model_copy(
+        update={
+            "timestep": timestep,
+            "scheduler": sampler.name,
+            "num_inference_steps": cfg.num_inference_steps,
+        }
+    )
     return dataclasses.replace(
         base,
         latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
@@ -174,7 +198,9 @@ def fedbip_uploads(
     return uploads
 
 
-def prompts_only_uploads(ldm: LDM, clients: Mapping[str, ClientSet], job: ServerJob) -> dict[str, Upload]:
+def prompts_only_uploads(
+    ldm: LDM, clients: Mapping[str, ClientSet], job: ServerJob
+) -> dict[str, Upload]:
     """Prompts-only's uploads (class counts), made and accepted by its method."""
     method = methods.create_one_shot("prompts-only")
     uploads = {}
@@ -207,7 +233,9 @@ def training_set(
     return shards, time.perf_counter() - started
 
 
-def judge(shards: Mapping[str, Sequence[Path]], uploads: Mapping[str, Upload], judges: Judges) -> dict[str, Any]:
+def judge(
+    shards: Mapping[str, Sequence[Path]], uploads: Mapping[str, Upload], judges: Judges
+) -> dict[str, Any]:
     """Class and domain fidelity per client domain, read from the shards as the benchmark does."""
     per_domain, images = {}, 0
     for client_id, paths in sorted(shards.items()):
@@ -226,19 +254,31 @@ def judge(shards: Mapping[str, Sequence[Path]], uploads: Mapping[str, Upload], j
 def test_sets(cfg: FedBiPConfig) -> Tests:
     """Every domain's test set, held at the classifier's input size as the server holds it."""
     sets = dataset.load_test_sets(cfg.data, cfg.domain_list)
-    return {d: (fit_to_classifier(s.images, cfg.classifier_image_size), s.labels) for d, s in sets.items()}
+    return {
+        d: (fit_to_classifier(s.images, cfg.classifier_image_size), s.labels)
+        for d, s in sets.items()
+    }
 
 
 def accuracy(
-    cfg: FedBiPConfig, shards: Mapping[str, Sequence[Path]], folder: RunFolder, tests: Tests,
-    steps: int, seed: int, device: torch.device,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: FedBiPConfig,
+    shards: Mapping[str, Sequence[Path]],
+    folder: RunFolder,
+    tests: Tests,
+    steps: int,
+    seed: int,
+    device: torch.device,
+) -> dict[str, Any]:
     """The server's classifier on the synthetic set (``steps`` SGD steps, ``seed``), scored."""
     recipe = FedBiPConfig.from_flat({**cfg.to_flat(), "seed": seed, "classifier-steps": steps})
     model, facts = train_global(recipe, shards, dataset.class_names(cfg.data), folder, device)
     scores = evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
-    return {**scores, "classifier_steps": steps, "classifier_seed": seed,
-            "classifier_seconds": facts["classifier_seconds"]}  # fmt: skip
+    return {
+        **scores,
+        "classifier_steps": steps,
+        "classifier_seed": seed,
+        "classifier_seconds": facts["classifier_seconds"],
+    }
 
 
 # ----------------------------------------------------------------------------- one setting
@@ -267,25 +307,40 @@ def measure(study: Study, name: str, cfg: FedBiPConfig) -> dict[str, Any]:
         folder = RunFolder(Path(tmp))
         shards, seconds = training_set(name, uploads, job, folder)
         result = {
-            "method": name, "scheduler": str(cfg.scheduler), "steps": cfg.num_inference_steps,
+            "method": name,
+            "scheduler": str(cfg.scheduler),
+            "steps": cfg.num_inference_steps,
             "spacing": cfg.timestep_spacing,
-            "seed": cfg.seed, **setting_facts(study.ldm, cfg),
-            "synthesis_seconds": seconds, "upload_seconds": upload_seconds,
+            "seed": cfg.seed,
+            **setting_facts(study.ldm, cfg),
+            "synthesis_seconds": seconds,
+            "upload_seconds": upload_seconds,
             "fidelity": judge(shards, uploads, study.judges),
-            "config_digest": config_digest(cfg), "device": str(job.device),
+            "config_digest": config_digest(cfg),
+            "device": str(job.device),
             "sampling_precision": str(study.ldm.autocast or study.ldm.dtype),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-        }  # fmt: skip
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
         if study.tests is not None:
-            result["accuracy"] = accuracy(cfg, shards, folder, study.tests, study.classifier_steps,
-                                          study.classifier_seed, study.device)  # fmt: skip
+            result["accuracy"] = accuracy(
+                cfg,
+                shards,
+                folder,
+                study.tests,
+                study.classifier_steps,
+                study.classifier_seed,
+                study.device,
+            )
     return result
 
 
 # ----------------------------------------------------------------------------- results
 def result_key(result: Mapping[str, Any]) -> str:
-    return (f"{result['method']}/{result['scheduler']}/{result['steps']}/{result['spacing']}"
-            f"/seed-{result['seed']}")  # fmt: skip
+    return (
+        f"{result['method']}/{result['scheduler']}/{result['steps']}/{result['spacing']}"
+        f"/seed-{result['seed']}"
+    )
 
 
 def load_results(path: Path) -> dict[str, Any]:
@@ -323,7 +378,8 @@ def table(results: Mapping[str, Mapping[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (method, spacing, scheduler, steps), rows in sorted(
-        groups.items(), key=lambda g: (METHODS.index(g[0][0]), g[0][1], schedulers.index(g[0][2]), g[0][3])
+        groups.items(),
+        key=lambda g: (METHODS.index(g[0][0]), g[0][1], schedulers.index(g[0][2]), g[0][3]),
     ):
         first = rows[0]
         accuracies = [r["accuracy"]["mean"] for r in rows if "accuracy" in r]
@@ -348,24 +404,52 @@ def names(text: str, known: Sequence[str], what: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0, help="run-config seed: clients' data, noise, eta")
-    parser.add_argument("--schedulers", default=",".join(s.value for s in SchedulerName),
-                        type=lambda t: names(t, [s.value for s in SchedulerName], "schedulers"),
-                        help="comma-separated run-config schedulers")
-    parser.add_argument("--steps", default="5,8,10,15,25",
-                        type=lambda t: [int(n) for n in t.split(",") if n.strip()],
-                        help="comma-separated num-inference-steps")
-    parser.add_argument("--spacings", default="trailing", type=lambda t: names(t, SPACINGS, "spacings"),
-                        help="comma-separated timestep-spacing values")
-    parser.add_argument("--methods", default=",".join(METHODS), type=lambda t: names(t, METHODS, "methods"),
-                        help="comma-separated methods")
-    parser.add_argument("--accuracy", action="store_true", help="also train and score the classifier (slow)")
-    parser.add_argument("--classifier-steps", type=int, default=300, help="SGD steps (the benchmark's)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="run-config seed: clients' data, noise, eta"
+    )
+    parser.add_argument(
+        "--schedulers",
+        default=",".join(s.value for s in SchedulerName),
+        type=lambda t: names(t, [s.value for s in SchedulerName], "schedulers"),
+        help="comma-separated run-config schedulers",
+    )
+    parser.add_argument(
+        "--steps",
+        default="5,8,10,15,25",
+        type=lambda t: [int(n) for n in t.split(",") if n.strip()],
+        help="comma-separated num-inference-steps",
+    )
+    parser.add_argument(
+        "--spacings",
+        default="trailing",
+        type=lambda t: names(t, SPACINGS, "spacings"),
+        help="comma-separated timestep-spacing values",
+    )
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        type=lambda t: names(t, METHODS, "methods"),
+        help="comma-separated methods",
+    )
+    parser.add_argument(
+        "--accuracy", action="store_true", help="also train and score the classifier (slow)"
+    )
+    parser.add_argument(
+        "--classifier-steps", type=int, default=300, help="SGD steps (the benchmark's)"
+    )
     parser.add_argument("--classifier-seed", type=int, default=0)
-    parser.add_argument("--judges", type=Path, default=ROOT / "outputs" / "benchmark" / "judges.safetensors",
-                        help="the benchmark's fidelity judges (trained and saved here if missing)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "sampler_study.json",
-                        help="results JSON, merged into by every invocation")
+    parser.add_argument(
+        "--judges",
+        type=Path,
+        default=ROOT / "outputs" / "benchmark" / "judges.safetensors",
+        help="the benchmark's fidelity judges (trained and saved here if missing)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "benchmarks" / "sampler_study.json",
+        help="results JSON, merged into by every invocation",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     return parser.parse_args(argv)
 
@@ -373,13 +457,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    setup_logging(logging.WARNING)  # the library's per-epoch and per-shard lines: its bars show them
+    setup_logging(
+        logging.WARNING
+    )  # the library's per-epoch and per-shard lines: its bars show them
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     base = run_config(args.seed)
     device = select_device(base.device)
-    ldm = load_for_run(base.model, device, base.half_precision, base.image_size,
-                       channels_last=base.channels_last, compile_unet=base.compile_unet)  # fmt: skip
+    ldm = load_for_run(
+        base.model,
+        device,
+        base.half_precision,
+        base.image_size,
+        channels_last=base.channels_last,
+        compile_unet=base.compile_unet,
+    )
     clients = client_sets(base)
     study = Study(
         ldm=ldm,
@@ -392,17 +484,29 @@ def main(argv: Sequence[str] | None = None) -> None:
         classifier_seed=args.classifier_seed,
     )
     stored = load_results(args.out)
-    grid = [(s, n, p, m) for p in args.spacings for s in args.schedulers for n in args.steps
-            for m in args.methods]  # fmt: skip
+    grid = [
+        (s, n, p, m)
+        for p in args.spacings
+        for s in args.schedulers
+        for n in args.steps
+        for m in args.methods
+    ]
     for scheduler, steps, spacing, name in tqdm(grid, desc="settings", unit="setting"):
         cfg = run_config(args.seed, scheduler, steps, spacing)
         result = measure(study, name, cfg)
-        log.info("%s: class %.3f, domain %.3f, %.1f s", result_key(result),
-                 result["fidelity"]["class"], result["fidelity"]["domain"], result["synthesis_seconds"])  # fmt: skip
+        log.info(
+            "%s: class %.3f, domain %.3f, %.1f s",
+            result_key(result),
+            result["fidelity"]["class"],
+            result["fidelity"]["domain"],
+            result["synthesis_seconds"],
+        )
         merge(stored, result, cfg)
         write_json(args.out, stored)
     print(table(stored["results"]))
-    print(f"\n{len(grid)} setting(s) in {time.perf_counter() - started:.0f} s; results in {args.out}")
+    print(
+        f"\n{len(grid)} setting(s) in {time.perf_counter() - started:.0f} s; results in {args.out}"
+    )
 
 
 if __name__ == "__main__":

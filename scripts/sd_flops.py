@@ -63,8 +63,9 @@ def measure() -> dict[str, int]:
     return flops
 
 
-def estimate(flops: dict[str, int], tflops: float, steps: int = 50, epochs: int = 50,
-             guidance: bool = True) -> dict[str, float]:
+def estimate(
+    flops: dict[str, int], tflops: float, steps: int = 50, epochs: int = 50, guidance: bool = True
+) -> dict[str, float]:
     """Seconds per image at the paper's settings, at ``tflops`` sustained."""
     rate = tflops * 1e12
     client = flops["vae_encode_512"] + epochs * flops["concept_step_per_image"]
@@ -82,12 +83,17 @@ def estimate(flops: dict[str, int], tflops: float, steps: int = 50, epochs: int 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tflops", type=float, default=250.0,
-                        help="ASSUMED sustained GPU throughput, TFLOP/s")
+    parser.add_argument(
+        "--tflops", type=float, default=250.0, help="ASSUMED sustained GPU throughput, TFLOP/s"
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args(argv)
     flops = measure()
-    result = {"flops": flops, "assumed_tflops": args.tflops, "paper_settings": estimate(flops, args.tflops)}
+    result = {
+        "flops": flops,
+        "assumed_tflops": args.tflops,
+        "paper_settings": estimate(flops, args.tflops),
+    }
     for name, value in flops.items():
         print(f"{name:26s} {value / 1e9:10.1f} GFLOP")
     print(json.dumps(result["paper_settings"], indent=1))

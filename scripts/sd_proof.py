@@ -114,8 +114,12 @@ class Sampler(threading.Thread):
     @staticmethod
     def gpu_used_mb() -> int | None:
         """GPU memory in use on the whole device (nvidia-smi), MiB."""
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.split()
         return int(out[0]) if out and out[0].isdigit() else None
 
     def role_of(self, proc: psutil.Process, root_role: str) -> str:
@@ -128,7 +132,11 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop_flag.wait(1.0):
-            row = {"t": round(time.time() - self.started, 1), "load1": os.getloadavg()[0], "procs": {}}
+            row = {
+                "t": round(time.time() - self.started, 1),
+                "load1": os.getloadavg()[0],
+                "procs": {},
+            }
             self.roles.update(self.discover())
             for pid, role in list(self.roles.items()):
                 try:
@@ -178,7 +186,11 @@ def window_peak(samples: list[dict], name: str, start: float, end: float) -> dic
         "peak_rss_mb": round(max(r["procs"][name][0] for r in rows) / 2**20),
         "max_threads": max(r["procs"][name][1] for r in rows),
         "mean_load1": round(sum(r["load1"] for r in rows) / len(rows), 2),
-        **({"peak_gpu_mb_device": max(r["gpu_mb"] or 0 for r in rows)} if "gpu_mb" in rows[0] else {}),
+        **(
+            {"peak_gpu_mb_device": max(r["gpu_mb"] or 0 for r in rows)}
+            if "gpu_mb" in rows[0]
+            else {}
+        ),
     }
 
 
@@ -212,8 +224,12 @@ def phases(samples: list[dict], record: RunResults, sampler_started: float | Non
         first, end = block
         concept = end - m["seconds-concept"]
         instance = concept - m["seconds-instance"]
-        found[f"{client.client_id}: start, data, model load"] = window_peak(samples, name, first, instance)
-        found[f"{client.client_id}: instance (VAE encode, z(T))"] = window_peak(samples, name, instance, concept)
+        found[f"{client.client_id}: start, data, model load"] = window_peak(
+            samples, name, first, instance
+        )
+        found[f"{client.client_id}: instance (VAE encode, z(T))"] = window_peak(
+            samples, name, instance, concept
+        )
         found[f"{client.client_id}: concept learning"] = window_peak(samples, name, concept, end)
     server = first_block(samples, "serverapp")
     windows = server_windows(record.seconds or Seconds())
@@ -267,35 +283,73 @@ def deploy(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, re
     run_name = f"sd-{args.device}-proof"
     result["run_config"] = RUN_CONFIG
     try:
-        link = start("superlink", [flwr_tool("flower-superlink"), "--insecure", "--host",
-                                   "127.0.0.1", "--port", str(link_port),
-                                   "--disable-runtime-dependency-installation"])
+        link = start(
+            "superlink",
+            [
+                flwr_tool("flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(link_port),
+                "--disable-runtime-dependency-installation",
+            ],
+        )
         wait_for_port(link_port, link, logs / "superlink.log", timeout=90)
         for i, domain in enumerate(INSTITUTIONS):
-            data = write_institution(work / "data" / domain, domain, args.shots,
-                                     args.test_per_class, i)
-            node_config = (f'data-root="{data}" domain="{domain}" client-id="{domain}-0" '
-                           f'output-dir="{work / "institutions" / domain}"')
-            start(f"supernode-{domain}", [
-                flwr_tool("flower-supernode"), "--insecure", "--superlink",
-                f"127.0.0.1:{link_port}", "--port", str(api_ports[i]),
-                "--node-config", node_config])
-        values = {**RUN_CONFIG, "model": f'"{args.model}"', "output-dir": f'"{work / "outputs"}"',
-                  "device": f'"{args.device}"', "run-name": f'"{run_name}"'}  # fmt: skip
+            data = write_institution(
+                work / "data" / domain, domain, args.shots, args.test_per_class, i
+            )
+            node_config = (
+                f'data-root="{data}" domain="{domain}" client-id="{domain}-0" '
+                f'output-dir="{work / "institutions" / domain}"'
+            )
+            start(
+                f"supernode-{domain}",
+                [
+                    flwr_tool("flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{link_port}",
+                    "--port",
+                    str(api_ports[i]),
+                    "--node-config",
+                    node_config,
+                ],
+            )
+        values = {
+            **RUN_CONFIG,
+            "model": f'"{args.model}"',
+            "output-dir": f'"{work / "outputs"}"',
+            "device": f'"{args.device}"',
+            "run-name": f'"{run_name}"',
+        }
         run_config = " ".join(f"{k}={v}" for k, v in values.items())
         result["command"] = ["flwr", "run", str(ROOT), "sd", "--stream", "--run-config", run_config]
         started = time.time()
         result["run_started_t"] = round(started - sampler.started, 1)
         proc = subprocess.run(
             [flwr_tool("flwr"), "run", str(ROOT), "sd", "--stream", "--run-config", run_config],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+            check=False,
+        )
         result["seconds_wall"] = round(time.time() - started, 1)
         (logs / "flwr-run.log").write_text(proc.stdout + proc.stderr)
         match = re.search(r"Successfully started run (\d+)", proc.stdout + proc.stderr)
         if match:
             status = subprocess.run(
                 [flwr_tool("flwr"), "ls", "sd", "--run-id", match.group(1), "--format", "json"],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             try:
                 result["status"] = json.loads(status.stdout)["runs"][0]["status"]
             except (ValueError, KeyError, IndexError):
@@ -306,29 +360,47 @@ def deploy(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, re
     return work / "outputs" / run_name
 
 
-def simulate(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, result: dict) -> Path:
+def simulate(
+    args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, result: dict
+) -> Path:
     """The README's one-box command through Flower's simulation engine (Ray), its clients and
     the ServerApp sharing the device: ``conf/sd-v1-4-gpu.toml`` with the model, the sizes and
     the epochs changed (SIMULATION_RUN_CONFIG); the run folder. The SuperLink that ``flwr run``
     starts is sampled as it appears, with all its children."""
     home = Path(env["FLWR_HOME"])
     run_name = f"sd-{args.device}-simulation"
-    changed = {**SIMULATION_RUN_CONFIG, "model": str(args.model), "device": args.device,
-               "shots-per-class": args.shots, "test-per-class": args.test_per_class,
-               "image-size": args.image_size, "classifier-image-size": args.image_size,
-               "output-dir": str(work / "outputs"), "run-name": run_name,
-               **dict(toml_pair(pair) for pair in args.set)}  # fmt: skip
+    changed = {
+        **SIMULATION_RUN_CONFIG,
+        "model": str(args.model),
+        "device": args.device,
+        "shots-per-class": args.shots,
+        "test-per-class": args.test_per_class,
+        "image-size": args.image_size,
+        "classifier-image-size": args.image_size,
+        "output-dir": str(work / "outputs"),
+        "run-name": run_name,
+        **dict(toml_pair(pair) for pair in args.set),
+    }
     conf = work / SIMULATION_CONF.name  # Flower takes one TOML file or key=value pairs, not both
     conf.write_text(tomli_w.dumps({**tomllib.loads(SIMULATION_CONF.read_text()), **changed}))
     result["run_config"] = changed
-    result["command"] = ["flwr", "run", str(ROOT), "--stream", "--run-config", str(conf),
-                         "--federation-config", args.federation_config]  # fmt: skip
+    result["command"] = [
+        "flwr",
+        "run",
+        str(ROOT),
+        "--stream",
+        "--run-config",
+        str(conf),
+        "--federation-config",
+        args.federation_config,
+    ]
     sampler.discover = lambda: {p.pid: "superlink" for p in superlink_processes(home)}
     started = time.time()
     result["run_started_t"] = round(started - sampler.started, 1)
     try:
-        run_id, output = run_simulation(home, str(conf), 0, args.timeout, ROOT, env=env,
-                                        federation=args.federation_config)  # fmt: skip
+        run_id, output = run_simulation(
+            home, str(conf), 0, args.timeout, ROOT, env=env, federation=args.federation_config
+        )
         (work / "logs" / "flwr-run.log").write_text(output)
         try:
             result["status"] = run_status(home, run_id)
@@ -356,13 +428,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-per-class", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--engine", choices=("deployment", "simulation"), default="deployment",
-                        help="simulation: the README's one-box command (conf/sd-v1-4-gpu.toml, Ray)")
-    parser.add_argument("--federation-config", default=SIMULATION_FEDERATION,
-                        help="simulation only: flwr run's --federation-config")
+    parser.add_argument(
+        "--engine",
+        choices=("deployment", "simulation"),
+        default="deployment",
+        help="simulation: the README's one-box command (conf/sd-v1-4-gpu.toml, Ray)",
+    )
+    parser.add_argument(
+        "--federation-config",
+        default=SIMULATION_FEDERATION,
+        help="simulation only: flwr run's --federation-config",
+    )
     parser.add_argument("--image-size", type=int, default=512, help="simulation only")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="simulation only: one more run-config value, e.g. compile-unet=true")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="simulation only: one more run-config value, e.g. compile-unet=true",
+    )
     args = parser.parse_args(argv)
     work = args.work.resolve()
     # a proof measures a whole round: an earlier proof's run folder would let the ServerApp
@@ -371,8 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
     if not (args.model / "build_info.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"),
-                        str(args.model)], check=True, env={**os.environ, "PYTHONPATH": python_path()})
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "build_sd_architecture.py"), str(args.model)],
+            check=True,
+            env={**os.environ, "PYTHONPATH": python_path()},
+        )
     home = work / "flwr-home"
     home.mkdir(exist_ok=True)
     env = {

@@ -61,19 +61,32 @@ STATISTICS = {
 VARIANTS = ("rows", "oracle")
 
 
-def per_class_chunk(data: shapes.ImageSet, per_class: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_class_chunk(
+    data: shapes.ImageSet, per_class: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Images ``chunk * per_class .. (chunk + 1) * per_class`` of every class (class-major sets)."""
-    keep = torch.cat([
-        (data.labels == y).nonzero().flatten()[chunk * per_class : (chunk + 1) * per_class]
-        for y in range(len(data.classes))
-    ])  # fmt: skip
+    keep = torch.cat(
+        [
+            (data.labels == y).nonzero().flatten()[chunk * per_class : (chunk + 1) * per_class]
+            for y in range(len(data.classes))
+        ]
+    )
     return data.images[keep], data.labels[keep]
 
 
 def attack(
-    member_z0: torch.Tensor, non_member_z0: torch.Tensor, labels: torch.Tensor, non_labels: torch.Tensor,
-    upload: torch.Tensor, upload_labels: torch.Tensor, n_images: int, draws: int, a: float, gamma: tuple[float, float],
-    reference: LatentReference, generator: torch.Generator,
+    member_z0: torch.Tensor,
+    non_member_z0: torch.Tensor,
+    labels: torch.Tensor,
+    non_labels: torch.Tensor,
+    upload: torch.Tensor,
+    upload_labels: torch.Tensor,
+    n_images: int,
+    draws: int,
+    a: float,
+    gamma: tuple[float, float],
+    reference: LatentReference,
+    generator: torch.Generator,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Scores of one client's members and its share of non-members, per variant and statistic.
     ``upload`` is in the client's order (row k N + i from image i)."""
@@ -84,46 +97,82 @@ def attack(
     for name, (statistic, whiten) in STATISTICS.items():
         for variant in VARIANTS:
             rows, row_labels, row_groups = (
-                (shuffled, shuffled_labels, None) if variant == "rows" else (upload, upload_labels, groups)
+                (shuffled, shuffled_labels, None)
+                if variant == "rows"
+                else (upload, upload_labels, groups)
             )
-            kwargs = {"signal_scale": a, "reference": reference, "groups": row_groups, "latents_per_image": draws,
-                      "gamma_mean": gamma[0], "gamma_std": gamma[1], "statistic": statistic, "whiten": whiten}  # fmt: skip
+            kwargs = {
+                "signal_scale": a,
+                "reference": reference,
+                "groups": row_groups,
+                "latents_per_image": draws,
+                "gamma_mean": gamma[0],
+                "gamma_std": gamma[1],
+                "statistic": statistic,
+                "whiten": whiten,
+            }
             out[f"{variant}/{name}"] = (
                 zT_membership_scores(member_z0, labels, rows, row_labels, **kwargs),
                 zT_membership_scores(non_member_z0, non_labels, rows, row_labels, **kwargs),
             )
         # the rows-as-given statistic must not depend on the order (shuffled vs today's)
-        in_order = zT_membership_scores(member_z0, labels, upload, upload_labels, signal_scale=a, reference=reference,
-                                        latents_per_image=draws, gamma_mean=gamma[0], gamma_std=gamma[1],
-                                        statistic=statistic, whiten=whiten)  # fmt: skip
+        in_order = zT_membership_scores(
+            member_z0,
+            labels,
+            upload,
+            upload_labels,
+            signal_scale=a,
+            reference=reference,
+            latents_per_image=draws,
+            gamma_mean=gamma[0],
+            gamma_std=gamma[1],
+            statistic=statistic,
+            whiten=whiten,
+        )
         gap = float((in_order - out[f"rows/{name}"][0]).abs().max())
-        assert gap < 1e-6 * max(1.0, float(in_order.abs().max())), f"order changed the rows statistic by {gap}"
+        assert gap < 1e-6 * max(1.0, float(in_order.abs().max())), (
+            f"order changed the rows statistic by {gap}"
+        )
     # the first measurement's centring: the upload rows' class mean over sqrt(abar)
     out["rows/max-correlation/upload-centred"] = tuple(
-        zT_membership_scores(z, y, shuffled, shuffled_labels, signal_scale=a, statistic="max-correlation")
+        zT_membership_scores(
+            z, y, shuffled, shuffled_labels, signal_scale=a, statistic="max-correlation"
+        )
         for z, y in ((member_z0, labels), (non_member_z0, non_labels))
     )
     return out
 
 
-def latent_stats(z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float) -> dict:
+def latent_stats(
+    z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
+) -> dict:
     """The per-value spread of class-centred latents and |u|, and the Gaussian model's per-row
     signal-to-noise mu = 0.5 a |u| / sqrt(1 - a^2) (the noise alone; what grows with sqrt(D))."""
     u = torch.stack([z.double().flatten() - centres[int(y)] for z, y in zip(z0, labels)])
     norms = u.norm(dim=1)
-    return {"values": u.shape[1], "centred_std": float(u.std()), "norm_mean": float(norms.mean()),
-            "mu_mean": float((0.5 * a * norms / math.sqrt(1 - a * a)).mean())}  # fmt: skip
+    return {
+        "values": u.shape[1],
+        "centred_std": float(u.std()),
+        "norm_mean": float(norms.mean()),
+        "mu_mean": float((0.5 * a * norms / math.sqrt(1 - a * a)).mean()),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "server_attacks.json")
     parser.add_argument("--domains", nargs="+", help="default: the run config's")
-    parser.add_argument("--replicates", type=int, default=3, help="clients per domain (96 members each)")
+    parser.add_argument(
+        "--replicates", type=int, default=3, help="clients per domain (96 members each)"
+    )
     parser.add_argument("--reference-per-class", type=int, default=50)
-    parser.add_argument("--draws", type=int, nargs="+", default=[10], help="K besides the run config's")
+    parser.add_argument(
+        "--draws", type=int, nargs="+", default=[10], help="K besides the run config's"
+    )
     parser.add_argument("--large-size", type=int, default=256, help="0: skip SD's latent size")
-    parser.add_argument("--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T")
+    parser.add_argument(
+        "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -134,11 +183,15 @@ def main() -> None:
     default_t = SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
     sd = PNDMScheduler.from_pretrained(SD_SCHEDULER, subfolder="scheduler")
     same_schedule = bool(torch.equal(sd.alphas_cumprod, ldm.scheduler.alphas_cumprod))
-    large_ts = args.large_timesteps or sorted({999, Sampler.create("pndm", sd, 25, "leading").first_timestep()}, reverse=True)
+    large_ts = args.large_timesteps or sorted(
+        {999, Sampler.create("pndm", sd, 25, "leading").first_timestep()}, reverse=True
+    )
     draws = sorted({cfg.latents_per_image, *args.draws})
     domains = args.domains or cfg.domain_list
     shots, seed = cfg.shots_per_class, cfg.seed
-    settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [(cfg.image_size, ldm.scheduler, "miniature", [default_t])]
+    settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [
+        (cfg.image_size, ldm.scheduler, "miniature", [default_t])
+    ]
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
     tasks = sum(len(ts) for *_, ts in settings) * len(draws) * len(domains) * args.replicates
@@ -151,8 +204,10 @@ def main() -> None:
             reference = shapes.pretrain_set(domain, args.reference_per_class, seed=seed, size=size)
             prior = LatentReference.of(encode(reference.images), reference.labels)
             unseen = shapes.test_set(domain, shots * args.replicates, seed=seed, size=size)
-            clients = [shapes.client_train_set(domain, shots, client_index=r, seed=seed, size=size)
-                       for r in range(args.replicates)]  # fmt: skip
+            clients = [
+                shapes.client_train_set(domain, shots, client_index=r, seed=seed, size=size)
+                for r in range(args.replicates)
+            ]
             non_members = [per_class_chunk(unseen, shots, r) for r in range(args.replicates)]
             non_member_z0 = [encode(images) for images, _ in non_members]
             for t in timesteps:
@@ -162,17 +217,38 @@ def main() -> None:
                     stats = None
                     for r, client in enumerate(clients):
                         generator = torch.Generator().manual_seed(
-                            args.seed * 1_000_003 + shapes.DOMAINS.index(domain) * 1009 + r * 101 + k
+                            args.seed * 1_000_003
+                            + shapes.DOMAINS.index(domain) * 1009
+                            + r * 101
+                            + k
                         )  # the same partners, gammas and noise at every T of a size
                         inst = personalize_instances(
-                            ldm.vae, schedule, client.images, client.labels, t,
-                            gamma_mean=cfg.gamma_mean, gamma_std=cfg.gamma_std,
-                            vae_batch_size=cfg.vae_batch_size, draws=k, generator=generator,
-                        )  # fmt: skip
+                            ldm.vae,
+                            schedule,
+                            client.images,
+                            client.labels,
+                            t,
+                            gamma_mean=cfg.gamma_mean,
+                            gamma_std=cfg.gamma_std,
+                            vae_batch_size=cfg.vae_batch_size,
+                            draws=k,
+                            generator=generator,
+                        )
                         # the server's encoding of a member is z0 itself (encode_images, deterministic)
-                        scores = attack(inst.z0, non_member_z0[r], inst.labels, non_members[r][1], inst.zT,
-                                        inst.zT_labels, len(client), k, a, (cfg.gamma_mean, cfg.gamma_std),
-                                        prior, generator)  # fmt: skip
+                        scores = attack(
+                            inst.z0,
+                            non_member_z0[r],
+                            inst.labels,
+                            non_members[r][1],
+                            inst.zT,
+                            inst.zT_labels,
+                            len(client),
+                            k,
+                            a,
+                            (cfg.gamma_mean, cfg.gamma_std),
+                            prior,
+                            generator,
+                        )
                         for name, (m, n) in scores.items():
                             pooled.setdefault(name, ([], []))
                             pooled[name][0].append(m)
@@ -180,42 +256,69 @@ def main() -> None:
                         stats = stats or latent_stats(inst.z0, inst.labels, prior.centres, a)
                         bar.update()
                     key = f"{size}px/T={t}/K={k}"
-                    entry = {"latent_shape": list(inst.zT.shape[1:]), "schedule": schedule_name, "timestep": t,
-                             "sqrt_abar": a, "latents_per_image": k, "member_latents": stats, "attacks": {}}  # fmt: skip
+                    entry = {
+                        "latent_shape": list(inst.zT.shape[1:]),
+                        "schedule": schedule_name,
+                        "timestep": t,
+                        "sqrt_abar": a,
+                        "latents_per_image": k,
+                        "member_latents": stats,
+                        "attacks": {},
+                    }
                     for name, (m, n) in pooled.items():
-                        result = zT_membership(torch.cat(m), torch.cat(n), statistic=name.split("/", 1)[1],
-                                               grouped=name.startswith("oracle"))  # fmt: skip
+                        result = zT_membership(
+                            torch.cat(m),
+                            torch.cat(n),
+                            statistic=name.split("/", 1)[1],
+                            grouped=name.startswith("oracle"),
+                        )
                         entry["attacks"][name] = result.summary()
                     results.setdefault(domain, {})[key] = entry
     bar.close()
 
     record = {
         "what": "server-side membership test on FedBiP's z(T) upload (issue 49): members vs unseen images "
-                "of the same domain and classes, scores pooled over the domain's clients",
+        "of the same domain and classes, scores pooled over the domain's clients",
         "command": "OMP_NUM_THREADS=1 python scripts/server_attacks.py "
-                   + " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                              for k, v in vars(args).items() if k != "out" and v is not None),
-        "default_timestep": default_t, "miniature_schedule_is_sd_v1_4": same_schedule,
-        "large_timesteps": large_ts if args.large_size else [], "draws": draws, "replicates": args.replicates,
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+            if k != "out" and v is not None
+        ),
+        "default_timestep": default_t,
+        "miniature_schedule_is_sd_v1_4": same_schedule,
+        "large_timesteps": large_ts if args.large_size else [],
+        "draws": draws,
+        "replicates": args.replicates,
         "members_per_domain": shots * len(shapes.CLASSES) * args.replicates,
-        "reference_per_class": args.reference_per_class, "seconds": round(time.perf_counter() - started, 1),
+        "reference_per_class": args.reference_per_class,
+        "seconds": round(time.perf_counter() - started, 1),
         "provenance": provenance.record(ROOT, torch.get_num_threads(), [args.out]),
         "results": results,
-    }  # fmt: skip
+    }
     write_json(args.out, record)
     print_table(record)
 
 
 def print_table(record: dict) -> None:
     """Markdown: domain x size x K rows, AUC +- stderr / TPR@1%FPR of each variant and statistic."""
-    columns = ["rows/likelihood-ratio", "oracle/likelihood-ratio", "rows/likelihood-ratio/unwhitened",
-               "rows/max-correlation", "oracle/max-correlation", "rows/max-correlation/upload-centred"]  # fmt: skip
+    columns = [
+        "rows/likelihood-ratio",
+        "oracle/likelihood-ratio",
+        "rows/likelihood-ratio/unwhitened",
+        "rows/max-correlation",
+        "oracle/max-correlation",
+        "rows/max-correlation/upload-centred",
+    ]
     print("| domain | setting | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
     for domain, entries in record["results"].items():
         for key, entry in entries.items():
-            cells = [f"{entry['attacks'][c]['auc']:.3f}+-{entry['attacks'][c]['auc_stderr']:.3f} / "
-                     f"{entry['attacks'][c]['tpr_at_max_fpr']:.3f}" for c in columns]  # fmt: skip
+            cells = [
+                f"{entry['attacks'][c]['auc']:.3f}+-{entry['attacks'][c]['auc_stderr']:.3f} / "
+                f"{entry['attacks'][c]['tpr_at_max_fpr']:.3f}"
+                for c in columns
+            ]
             print(f"| {domain} | {key} | " + " | ".join(cells) + " |")
     print(json.dumps({k: v for k, v in record.items() if k not in ("results",)}, indent=1))
 

@@ -29,7 +29,9 @@ from fedbip_flwr.captioner import MiniatureCaptioner
 from fedbip_flwr.paths import resolve
 
 
-def train(captioner: MiniatureCaptioner, images: torch.Tensor, captions: list[str], args) -> list[float]:
+def train(
+    captioner: MiniatureCaptioner, images: torch.Tensor, captions: list[str], args
+) -> list[float]:
     """Teacher-forced training; returns the mean loss of every epoch."""
     net = captioner.net.train().requires_grad_(True)
     ids = captioner.token_ids(captions)
@@ -48,7 +50,10 @@ def train(captioner: MiniatureCaptioner, images: torch.Tensor, captions: list[st
             sched.step()
             total += loss.item() * len(batch)
         losses.append(total / len(images))
-        print(f"epoch {epoch + 1}/{args.epochs} loss {losses[-1]:.4f} ({time.time() - started:.0f} s)", flush=True)
+        print(
+            f"epoch {epoch + 1}/{args.epochs} loss {losses[-1]:.4f} ({time.time() - started:.0f} s)",
+            flush=True,
+        )
     net.eval().requires_grad_(False)
     return losses
 
@@ -69,7 +74,8 @@ def figures(captioner: MiniatureCaptioner, per_class: int, seed: int) -> dict[st
             "images": len(captions),
             "right_class": sum(right_class) / len(captions),
             "right_domain_word": sum(domain in w for w in words) / len(captions),
-            "other_domain_word": sum(bool(w & (set(shapes.DOMAINS) - {domain})) for w in words) / len(captions),
+            "other_domain_word": sum(bool(w & (set(shapes.DOMAINS) - {domain})) for w in words)
+            / len(captions),
             "examples": captions[:: max(1, len(captions) // 6)][:6],
         }
         shares = {k: f"{v:.1%}" for k, v in out[domain].items() if isinstance(v, float)}
@@ -80,15 +86,22 @@ def figures(captioner: MiniatureCaptioner, per_class: int, seed: int) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("models/miniature-captioner"))
-    parser.add_argument("--tokenizer", default="models/miniature-ldm/tokenizer",
-                        help="the miniature LDM's tokenizer: the captioner's vocabulary")
-    parser.add_argument("--per-class", type=int, default=500, help="common-domain corpus images per class")
+    parser.add_argument(
+        "--tokenizer",
+        default="models/miniature-ldm/tokenizer",
+        help="the miniature LDM's tokenizer: the captioner's vocabulary",
+    )
+    parser.add_argument(
+        "--per-class", type=int, default=500, help="common-domain corpus images per class"
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--eval-per-class", type=int, default=50, help="held-out images per class per domain")
+    parser.add_argument(
+        "--eval-per-class", type=int, default=50, help="held-out images per class per domain"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)

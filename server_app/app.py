@@ -68,7 +68,9 @@ def main(grid: Grid, context: Context) -> None:
     cfg = FedBiPConfig.from_flat(context.run_config)
     folder = _open_run_folder(cfg, context.run_id)
     dataset.verify(cfg.data)
-    check_classifier_init(cfg.classifier_init, cfg.model)  # an offline server fails now, not after synthesis
+    check_classifier_init(
+        cfg.classifier_init, cfg.model
+    )  # an offline server fails now, not after synthesis
     device = select_device(cfg.device)
     method = methods.create_for(cfg)
     if isinstance(method, MultiRound):
@@ -97,9 +99,11 @@ def _run_rounds(
     """A multi-round method's rounds on its own Flower strategy, scored like every other method."""
     tests, _ = _test_sets(cfg, cfg.domain_list)
     return method.run_server(
-        grid, cfg, folder,
+        grid,
+        cfg,
+        folder,
         lambda model: Accuracy(**_server_scores({GLOBAL: model}, tests, cfg, device)),
-    )  # fmt: skip
+    )
 
 
 def _run_one_shot(
@@ -111,18 +115,26 @@ def _run_one_shot(
     started_unix = time.time()  # where `seconds` begin: process samplers place the phases by it
     strategy, uploads, clients = _round(method, grid, job, folder, seconds)
     # what metrics.json says if the run stops before it completes
-    stopped = RunResults(status="failed", config=cfg.to_flat(), started_unix=started_unix,
-                         clients=clients)  # fmt: skip
+    stopped = RunResults(
+        status="failed", config=cfg.to_flat(), started_unix=started_unix, clients=clients
+    )
     _require_enough(uploads, cfg, folder, stopped)
     training_set, uploads, clients = _training_set(method, job, uploads, folder, seconds, stopped)
     tests = _test_sets_and_grids(cfg, folder, uploads, training_set)
-    models, accuracy, curves = _classifier(method, job, uploads, training_set, folder, tests,
-                                           seconds)  # fmt: skip
+    models, accuracy, curves = _classifier(
+        method, job, uploads, training_set, folder, tests, seconds
+    )
     evaluation = _evaluate_at_institutions(strategy, grid, cfg, folder, models, seconds)
     completed = RunResults(
-        status="completed", config=cfg.to_flat(), started_unix=started_unix, clients=clients,
-        accuracy=accuracy, classifier=curves, evaluation=evaluation, seconds=seconds,
-    )  # fmt: skip
+        status="completed",
+        config=cfg.to_flat(),
+        started_unix=started_unix,
+        clients=clients,
+        accuracy=accuracy,
+        classifier=curves,
+        evaluation=evaluation,
+        seconds=seconds,
+    )
     results.write(completed, folder.root)
     return completed
 
@@ -158,7 +170,9 @@ def _round(
         uploads.update(strategy.accepted)
         clients = strategy.outcomes
     nodes = {client: node for node, client in uploaders.items()}
-    clients = left_out(clients, {c: r for c, r in refused.items() if c not in uploads}, "rejected", nodes)
+    clients = left_out(
+        clients, {c: r for c, r in refused.items() if c not in uploads}, "rejected", nodes
+    )
     results.write_clients(clients, folder.clients)
     seconds.round = _since(started) - (seconds.load_model or 0.0)
     return strategy, uploads, clients
@@ -173,14 +187,16 @@ def left_out(
         log.warning("%s left out of the training set: %s", client_id, reason)
     out = [
         o.model_copy(update={"status": status, "reason": reasons[o.client_id]})
-        if o.client_id in reasons and o.status in ("accepted", "kept") else o
+        if o.client_id in reasons and o.status in ("accepted", "kept")
+        else o
         for o in clients
-    ]  # fmt: skip
+    ]
     recorded = {o.client_id for o in out if o.client_id in reasons}
     return out + [
         ClientOutcome(node_id=nodes.get(c, 0), status=status, client_id=c, reason=r)
-        for c, r in sorted(reasons.items()) if c not in recorded
-    ]  # fmt: skip
+        for c, r in sorted(reasons.items())
+        if c not in recorded
+    ]
 
 
 def _require_enough(
@@ -251,7 +267,9 @@ def _failing_alone(
         try:
             method.train_set({client_id: upload}, job, folder.shard_path)
         except Exception as err:  # noqa: BLE001 - recorded as the client's failure
-            failed[client_id] = f"synthesis from its accepted upload failed: {type(err).__name__}: {err}"
+            failed[client_id] = (
+                f"synthesis from its accepted upload failed: {type(err).__name__}: {err}"
+            )
     return failed
 
 
@@ -286,8 +304,9 @@ def _classifier(
     started = time.perf_counter()
     models = method.final_models(uploads, job)
     if models is None:
-        model, facts = train_global(job.cfg, training_set, job.class_names, folder, job.device,
-                                    method.teacher(uploads, job))  # fmt: skip
+        model, facts = train_global(
+            job.cfg, training_set, job.class_names, folder, job.device, method.teacher(uploads, job)
+        )
         models, curves = {GLOBAL: model}, ClassifierCurves(epoch_loss=facts["epoch_loss"])
         accuracy = Accuracy(
             num_synthetic_images=facts["num_synthetic_images"],
@@ -297,7 +316,9 @@ def _classifier(
     else:
         curves = None
         if GLOBAL in models:  # one classifier of the method's own: the institutions score it too
-            save_classifier(models[GLOBAL], folder.classifier, {"class_names": ",".join(job.class_names)})
+            save_classifier(
+                models[GLOBAL], folder.classifier, {"class_names": ",".join(job.class_names)}
+            )
         scores = _server_scores(models, tests, job.cfg, job.device)
         accuracy = Accuracy(models=sorted(models), **scores)
     seconds.classifier = _since(started)
@@ -320,9 +341,12 @@ def _evaluate_at_institutions(
     private = methods.create_for(cfg).settings.private  # its institutions send accuracy alone
     bounds = ScoreBounds(len(dataset.class_names(cfg.data)), cfg.max_images_per_client, private)
     per_client = strategy.evaluate_at_institutions(
-        grid, folder.classifier.read_bytes(), {RUN_FOLDER: folder.root.name},
-        timeout=cfg.reply_timeout_s, bounds=bounds,
-    )  # fmt: skip
+        grid,
+        folder.classifier.read_bytes(),
+        {RUN_FOLDER: folder.root.name},
+        timeout=cfg.reply_timeout_s,
+        bounds=bounds,
+    )
     seconds.evaluation = _since(started)
     return Evaluation.of(cfg.evaluation, per_client)
 
@@ -333,8 +357,14 @@ def _model_loader(cfg: FedBiPConfig, seconds: Seconds) -> Callable[[], LDM]:
     @functools.cache
     def load() -> LDM:
         started = time.perf_counter()
-        ldm = load_for_run(cfg.model, cfg.device, cfg.half_precision, cfg.image_size,
-                           channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)
+        ldm = load_for_run(
+            cfg.model,
+            cfg.device,
+            cfg.half_precision,
+            cfg.image_size,
+            channels_last=cfg.channels_last,
+            compile_unet=cfg.compile_unet,
+        )
         seconds.load_model = _since(started)
         return ldm
 

@@ -119,16 +119,18 @@ class OneShotStrategy(Strategy):
     ) -> Iterable[Message]:
         """``train`` for every connected node not yet asked whose upload is not on disk."""
         nodes = [
-            n for n in sorted(grid.get_node_ids())
+            n
+            for n in sorted(grid.get_node_ids())
             if n not in self.sent_to and n not in self.uploaded_by_node
-        ]  # fmt: skip
+        ]
         self.sent_to += nodes
         content = train_content(sorted(self._taken))
         return [
-            Message(content=content, dst_node_id=node, message_type=MessageType.TRAIN,
-                    ttl=self._ttl)
+            Message(
+                content=content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=self._ttl
+            )
             for node in nodes
-        ]  # fmt: skip
+        ]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -151,12 +153,19 @@ class OneShotStrategy(Strategy):
             return []
         connected = set(grid.get_node_ids())
         return [
-            Message(content=evaluate_content(arrays, config), dst_node_id=node,
-                    message_type=MessageType.EVALUATE, ttl=self._ttl)
-            for node in sorted(self.uploaded_by_node) if node in connected
-        ]  # fmt: skip
+            Message(
+                content=evaluate_content(arrays, config),
+                dst_node_id=node,
+                message_type=MessageType.EVALUATE,
+                ttl=self._ttl,
+            )
+            for node in sorted(self.uploaded_by_node)
+            if node in connected
+        ]
 
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
         return None  # see evaluate_at_institutions: metrics are kept per institution
 
     def summary(self) -> None:
@@ -214,8 +223,11 @@ class OneShotStrategy(Strategy):
         if not messages:
             return
         pending.update(grid.push_messages(messages))
-        log.info("sent the one train message to %d client(s) (%d in all)",
-                 len(messages), len(self.sent_to))
+        log.info(
+            "sent the one train message to %d client(s) (%d in all)",
+            len(messages),
+            len(self.sent_to),
+        )
 
     # --- one reply ------------------------------------------------------------------------
 
@@ -243,8 +255,13 @@ class OneShotStrategy(Strategy):
             outcome.status = "accepted"
             outcome.client_id, outcome.domain = upload.client_id, upload.domain
             self.accepted[upload.client_id] = upload
-            log.info("accepted %s (%s, %d images, %.2f MB)", outcome.client_id, outcome.domain,
-                     upload.meta.num_examples, outcome.payload_bytes / 1e6)
+            log.info(
+                "accepted %s (%s, %d images, %.2f MB)",
+                outcome.client_id,
+                outcome.domain,
+                upload.meta.num_examples,
+                outcome.payload_bytes / 1e6,
+            )
             return outcome
         log.warning("rejected the reply of node %d: %s", node, outcome.reason)
         return outcome
@@ -287,10 +304,14 @@ class OneShotStrategy(Strategy):
             return
         owner = self.owners.get(client_id)
         if owner is None:
-            raise PayloadError(f"'{client_id}' is not in run config client-nodes: no node may upload under it")
+            raise PayloadError(
+                f"'{client_id}' is not in run config client-nodes: no node may upload under it"
+            )
         if owner != node:
-            raise PayloadError(f"'{client_id}' belongs to node {owner} (run config client-nodes); "
-                               f"node {node} cannot upload under it or claim its upload")  # fmt: skip
+            raise PayloadError(
+                f"'{client_id}' belongs to node {owner} (run config client-nodes); "
+                f"node {node} cannot upload under it or claim its upload"
+            )
 
     def _remember(self, node: int, client_id: str) -> None:
         """Which node uploaded what, on disk at once: a restart skips those nodes."""
@@ -304,14 +325,19 @@ class OneShotStrategy(Strategy):
     ) -> dict[str, Scored | Unscored]:
         """Send the classifier to every node that uploaded; their scores, by client id, each
         consistent and within ``bounds`` or recorded as refused (never averaged)."""
-        messages = list(self.configure_evaluate(1, blob_record(classifier), ConfigRecord(config), grid))
+        messages = list(
+            self.configure_evaluate(1, blob_record(classifier), ConfigRecord(config), grid)
+        )
         by_node = dict(self.uploaded_by_node)
         asked = {m.metadata.dst_node_id for m in messages}
         results: dict[str, Scored | Unscored] = {
-            client: Unscored(reason=NO_REPLY if node in asked
-                             else "not connected under the node id it uploaded from")
+            client: Unscored(
+                reason=NO_REPLY
+                if node in asked
+                else "not connected under the node id it uploaded from"
+            )
             for node, client in by_node.items()
-        }  # fmt: skip
+        }
         if not messages:
             log.warning("no institution that uploaded is connected: nothing scored at the clients")
             return results
@@ -348,15 +374,25 @@ def _scores(reply: Message, bounds: ScoreBounds) -> Scored | Unscored:
         score = Scored.model_validate(sent)
     except ValidationError as err:
         problems = "; ".join(
-            f"{SCORE_KEYS[str(e['loc'][0])]}: {e['msg']}" if e["loc"] else e["msg"].removeprefix("Value error, ")
+            f"{SCORE_KEYS[str(e['loc'][0])]}: {e['msg']}"
+            if e["loc"]
+            else e["msg"].removeprefix("Value error, ")
             for e in err.errors()
-        )  # fmt: skip
+        )
         return Unscored(reason=f"its scores are malformed ({problems})")
     if not score.counted:
-        return score if bounds.private else Unscored(reason="its scores carry no counts (only a DP run's may)")
+        return (
+            score
+            if bounds.private
+            else Unscored(reason="its scores carry no counts (only a DP run's may)")
+        )
     if len(score.per_class_total or ()) != bounds.classes:
-        return Unscored(reason=f"its scores count {len(score.per_class_total or ())} classes, not the server's {bounds.classes}")
+        return Unscored(
+            reason=f"its scores count {len(score.per_class_total or ())} classes, not the server's {bounds.classes}"
+        )
     if (score.num_examples or 0) > bounds.max_examples:
-        return Unscored(reason=f"its scores claim {score.num_examples} held-out images, more than "
-                               f"max-images-per-client {bounds.max_examples}")  # fmt: skip
+        return Unscored(
+            reason=f"its scores claim {score.num_examples} held-out images, more than "
+            f"max-images-per-client {bounds.max_examples}"
+        )
     return score

@@ -103,7 +103,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
     machine = this_machine()
     switches = " ".join(f"{k}={v}" for k, v in machine.switches.items()) or "none"
-    terminalreporter.write_line(f"machine kind: {machine.kind} ({machine.cpu}); kernel switches: {switches}")
+    terminalreporter.write_line(
+        f"machine kind: {machine.kind} ({machine.cpu}); kernel switches: {switches}"
+    )
 
 
 def share_cores_between_workers() -> None:

@@ -44,16 +44,57 @@ from fedbip_tools.simulation import (
 )
 
 __all__ = [
-    "ACCEPTED", "D", "FLWR", "LATENT_SHAPE", "MALFORMED", "METHOD_CFG", "N", "ONE_SHOT",
-    "PAYLOAD_CLASSES", "PAYLOAD_FINGERPRINT", "PAYLOAD_TEMPLATE", "PLAUSIBLE",
-    "PRECISION_CLASSES", "RECORDING_CLIENT", "ROOT", "SMALL", "WORDS", "as_run_config",
-    "client_job", "completed_metrics", "edit_header", "federation", "flwr_env", "free_port",
-    "free_port_block", "make_expectations", "make_meta", "make_payload", "make_wrapper_app",
-    "meta_strings", "method_config", "processes_mentioning", "raw_blob", "received",
-    "relative_error", "reported_client", "run_folder", "run_simulation", "run_status", "script",
-    "run_to_end", "s_gradient", "save_payload", "server_job", "split_blob", "stop_local_superlink",
-    "stop_process_tree", "tampered", "wait_for_port", "with_header",
-]  # fmt: skip
+    "ACCEPTED",
+    "D",
+    "FLWR",
+    "LATENT_SHAPE",
+    "MALFORMED",
+    "METHOD_CFG",
+    "N",
+    "ONE_SHOT",
+    "PAYLOAD_CLASSES",
+    "PAYLOAD_FINGERPRINT",
+    "PAYLOAD_TEMPLATE",
+    "PLAUSIBLE",
+    "PRECISION_CLASSES",
+    "RECORDING_CLIENT",
+    "ROOT",
+    "SMALL",
+    "WORDS",
+    "as_run_config",
+    "client_job",
+    "completed_metrics",
+    "edit_header",
+    "federation",
+    "flwr_env",
+    "free_port",
+    "free_port_block",
+    "make_expectations",
+    "make_meta",
+    "make_payload",
+    "make_wrapper_app",
+    "meta_strings",
+    "method_config",
+    "processes_mentioning",
+    "raw_blob",
+    "received",
+    "relative_error",
+    "reported_client",
+    "run_folder",
+    "run_simulation",
+    "run_status",
+    "script",
+    "run_to_end",
+    "s_gradient",
+    "save_payload",
+    "server_job",
+    "split_blob",
+    "stop_local_superlink",
+    "stop_process_tree",
+    "tampered",
+    "wait_for_port",
+    "with_header",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 # The checkout under test, not necessarily the one pip installed in editable mode.
@@ -93,14 +134,18 @@ def run_simulation(
     home: Path, run_config: str, supernodes: int, timeout: float, app: Path = ROOT
 ) -> tuple[int, str]:
     """`flwr run APP --stream` on the local simulation SuperLink; returns (run id, output)."""
-    return simulation.run_simulation(home, run_config, supernodes, timeout, app, env=CHECKOUT, actors=ACTORS)
+    return simulation.run_simulation(
+        home, run_config, supernodes, timeout, app, env=CHECKOUT, actors=ACTORS
+    )
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:
     """Live processes whose command line contains ``text`` (e.g. a test's tmp folder)."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(proc.info["cmdline"] or []):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and text in " ".join(
+            proc.info["cmdline"] or []
+        ):
             found.append(proc)
     return found
 
@@ -118,8 +163,6 @@ def free_port_block(count: int) -> int:
         except OSError:
             continue
     raise RuntimeError(f"found no block of {count} free ports on 127.0.0.1")
-
-
 
 
 # --- Run configs of the test federations ----------------------------------------------------------
@@ -152,12 +195,33 @@ WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
 # --- One method's client and server steps on a tiny model -----------------------------------------
 
 
-METHOD_CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 4, "multiplier": 2,
-       "local.epochs": 1, "fedlmg.local-epochs": 1, "espresso.epochs": 1, "classifier-epochs": 1, "shots-per-class": 2, "concept-epochs": 1,
-       "replayable-client-noise": True, "classifier-init": "random"}  # fmt: skip
+METHOD_CFG = {
+    "image-size": 32,
+    "classifier-image-size": 32,
+    "num-inference-steps": 4,
+    "multiplier": 2,
+    "local.epochs": 1,
+    "fedlmg.local-epochs": 1,
+    "espresso.epochs": 1,
+    "classifier-epochs": 1,
+    "shots-per-class": 2,
+    "concept-epochs": 1,
+    "replayable-client-noise": True,
+    "classifier-init": "random",
+}
 
 
-ONE_SHOT = ("prompts-only", "central", "local", "oscar", "fedlmg", "fedld", "fedbip-mixture", "espresso", "fedpft")
+ONE_SHOT = (
+    "prompts-only",
+    "central",
+    "local",
+    "oscar",
+    "fedlmg",
+    "fedld",
+    "fedbip-mixture",
+    "espresso",
+    "fedpft",
+)
 
 
 def method_config(method: str, **values) -> FedBiPConfig:
@@ -243,7 +307,9 @@ def make_wrapper_app(folder: Path, modules: dict[str, str], clientapp: str) -> P
     """
     folder.mkdir()
     for package in ("fedbip_flwr", "client_app", "server_app"):
-        shutil.copytree(ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     pyproject = (ROOT / "pyproject.toml").read_text()
     pyproject = re.sub(r'clientapp = ".*"', f'clientapp = "{clientapp}"', pyproject)
     pyproject = pyproject.replace('name = "fedbip-flwr"', 'name = "fedbip-wrapped-client"')
@@ -288,11 +354,18 @@ def reported_client(client_id: str, domain: str, **metrics: Any) -> dict[str, An
 def completed_metrics() -> dict[str, Any]:
     """Every key a completed run writes, an institution that failed to score included."""
     clients = [
-        reported_client(cid, dom, **{"concept-losses": [0.5, 0.4, 0.3]}) for cid, dom in ACCEPTED.items()
+        reported_client(cid, dom, **{"concept-losses": [0.5, 0.4, 0.3]})
+        for cid, dom in ACCEPTED.items()
     ]
     clients.append(
-        {"node_id": 7, "status": "failed", "reason": "ClientApp raised | out of\nmemory",
-         "client_id": "", "domain": "", "payload_bytes": 0}
+        {
+            "node_id": 7,
+            "status": "failed",
+            "reason": "ClientApp raised | out of\nmemory",
+            "client_id": "",
+            "domain": "",
+            "payload_bytes": 0,
+        }
     )
     return {
         "status": "completed",
@@ -309,16 +382,26 @@ def completed_metrics() -> dict[str, Any]:
         "evaluation": {
             "where": "both",
             "per_client": {
-                "sketch-0": {"status": "ok", "accuracy": 0.7, "num_examples": 300,
-                             "per_class_correct": [100, 110], "per_class_total": [150, 150]},
-                "quickdraw 1": {"status": "ok", "accuracy": 0.5, "num_examples": 100,
-                                "per_class_correct": [30, 20], "per_class_total": [50, 50]},
+                "sketch-0": {
+                    "status": "ok",
+                    "accuracy": 0.7,
+                    "num_examples": 300,
+                    "per_class_correct": [100, 110],
+                    "per_class_total": [150, 150],
+                },
+                "quickdraw 1": {
+                    "status": "ok",
+                    "accuracy": 0.5,
+                    "num_examples": 100,
+                    "per_class_correct": [30, 20],
+                    "per_class_total": [50, 50],
+                },
                 "painting-0": {"status": "failed", "reason": "no reply before the timeout"},
             },
             "weighted_mean": 0.65,
         },
         "config": {"seed": 0},
-    }  # fmt: skip
+    }
 
 
 def run_folder(root: Path, metrics: dict[str, Any], grids: list[str]) -> Path:
@@ -347,8 +430,13 @@ PAYLOAD_FINGERPRINT = "ab12"
 # Stable Diffusion's schedule at T = 981, and concepts of unit scale learned for 2 steps: what
 # make_payload's N(0, I) latents and concepts are plausible under (concepts: RMS <= 2.46).
 PLAUSIBLE = Plausibility(
-    alpha_bar=0.0057755, concept_scale=1.0, concept_init_rms=1.0, concept_step=0.727,
-    concept_epochs=2, concept_batch_size=8, latents_per_image=1,
+    alpha_bar=0.0057755,
+    concept_scale=1.0,
+    concept_init_rms=1.0,
+    concept_step=0.727,
+    concept_epochs=2,
+    concept_batch_size=8,
+    latents_per_image=1,
 )
 
 
@@ -373,7 +461,9 @@ def make_meta(**overrides: Any) -> PayloadMeta:
     return PayloadMeta(**{**fields, **overrides})
 
 
-def make_payload(*, latent_dtype: str = "float32", seed: int = 0, **tensors: torch.Tensor) -> Payload:
+def make_payload(
+    *, latent_dtype: str = "float32", seed: int = 0, **tensors: torch.Tensor
+) -> Payload:
     """A valid payload; keyword tensors replace the random ones (for building bad cases)."""
     meta = make_meta(latent_dtype=latent_dtype)
     gen = torch.Generator().manual_seed(seed)
@@ -571,8 +661,14 @@ MALFORMED: dict[str, tuple[Callable[[], bytes], str]] = {
         "'fedbip.client_id'",
     ),
     "client id hidden file": (lambda: raw_blob(meta_strings(client_id=".x")), "'fedbip.client_id'"),
-    "client id too long": (lambda: raw_blob(meta_strings(client_id="x" * 49)), "'fedbip.client_id'"),
-    "meta num_examples disagrees": (lambda: raw_blob(meta_strings(num_examples=5)), "num_examples=5"),
+    "client id too long": (
+        lambda: raw_blob(meta_strings(client_id="x" * 49)),
+        "'fedbip.client_id'",
+    ),
+    "meta num_examples disagrees": (
+        lambda: raw_blob(meta_strings(num_examples=5)),
+        "num_examples=5",
+    ),
     "extra tensor": (
         lambda: raw_blob(extra=torch.zeros(1)),
         "unexpected tensor(s) ['extra']: expected ['latents', 'labels', 'domain_concept', "

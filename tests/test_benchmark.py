@@ -37,7 +37,11 @@ def test_every_budget_rule_meets_the_global_classifier_budget():
 
 
 def test_variants_that_reuse_uploads_run_after_their_source():
-    chosen = [benchmark.variant("FedBiP-S"), benchmark.variant("Central"), benchmark.variant("FedBiP-L")]
+    chosen = [
+        benchmark.variant("FedBiP-S"),
+        benchmark.variant("Central"),
+        benchmark.variant("FedBiP-L"),
+    ]
     names = [v.name for v in benchmark.ordered(chosen)]
     assert names == ["FedBiP-L", "FedBiP-S", "Central"]
     with pytest.raises(ValueError, match="unknown variant"):
@@ -46,10 +50,16 @@ def test_variants_that_reuse_uploads_run_after_their_source():
 
 def test_summary_is_mean_and_sample_std_over_seeds():
     runs = {
-        seed: {"Central": {"per_domain": {"a": acc, "b": 1 - acc}, "mean": 0.5, "upload_bytes": {"x": 10 * seed},
-                           "mia_gap": {"loss": acc, "entropy": 0.0}}}
+        seed: {
+            "Central": {
+                "per_domain": {"a": acc, "b": 1 - acc},
+                "mean": 0.5,
+                "upload_bytes": {"x": 10 * seed},
+                "mia_gap": {"loss": acc, "entropy": 0.0},
+            }
+        }
         for seed, acc in ((0, 0.2), (1, 0.4), (2, 0.9))
-    }  # fmt: skip
+    }
     entry = benchmark.summarize(runs)["Central"]
     assert entry["seeds"] == [0, 1, 2]
     assert entry["per_domain"]["a"] == pytest.approx(0.5)
@@ -61,25 +71,39 @@ def test_summary_is_mean_and_sample_std_over_seeds():
 def test_summary_leaves_out_what_some_seed_did_not_measure():
     """A column measured on one seed of three is a dash, not that seed's value as the row's."""
     score = {"psnr": 12.0, "baseline_psnr": 11.0, "ssim": 0.3, "baseline_ssim": 0.2}
-    runs = {seed: {"X": {"per_domain": {"a": 0.5}, "mean": 0.5, "upload_bytes": {"c": 1}}} for seed in range(3)}
+    runs = {
+        seed: {"X": {"per_domain": {"a": 0.5}, "mean": 0.5, "upload_bytes": {"c": 1}}}
+        for seed in range(3)
+    }
     runs[0]["X"]["mia"] = {"auc": 0.6}
     for seed in range(3):
         runs[seed]["X"]["reconstruction"] = {"a": dict(score)}
     runs[2]["X"]["reconstruction"]["a"].update(averaged_psnr=13.0, images_averaged=2)
     entry = benchmark.summarize({s: {"FedBiP-S": r["X"]} for s, r in runs.items()})["FedBiP-S"]
     assert entry["mia"] is None and "mia_auc_std" not in entry
-    assert entry["reconstruction"] == {"a": pytest.approx(score)}, "the averaged keys of one seed are left out"
+    assert entry["reconstruction"] == {"a": pytest.approx(score)}, (
+        "the averaged keys of one seed are left out"
+    )
     assert benchmark.reconstruction_cells(entry["reconstruction"])[2] == "–"
     assert entry["upload_bytes"] == {"c": 1.0}
 
 
 def test_dcr_cells_give_the_difference_from_the_no_data_control_on_the_same_seeds():
     def entry(seeds, pixel, feature):
-        return {"seeds": seeds, "dcr": {"a": {"pixel_auc": pixel, "feature_auc": feature, "pixel_share": 0.01}}}
+        return {
+            "seeds": seeds,
+            "dcr": {"a": {"pixel_auc": pixel, "feature_auc": feature, "pixel_share": 0.01}},
+        }
 
     control = entry([0, 1, 2], 0.54, 0.50)
-    assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49), control) == ["0.560 (+0.020)", "0.490 (-0.010)", "0.010"]
-    assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == ["0.560", "0.490", "0.010"], "other seeds"
+    assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49), control) == [
+        "0.560 (+0.020)",
+        "0.490 (-0.010)",
+        "0.010",
+    ]
+    assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == ["0.560", "0.490", "0.010"], (
+        "other seeds"
+    )
     assert benchmark.dcr_cells({"seeds": [0], "dcr": None}, control) == ["–", "–", "–"]
 
 
@@ -105,7 +129,8 @@ def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
     machine = this_machine()
     assert made_with["machine"] == {**machine.model_dump(), "threads": 3, "kind": machine.kind}
     assert {p: made_with[p] for p in ("torch", "diffusers", "flwr")} == {
-        p: metadata.version(p) for p in ("torch", "diffusers", "flwr")}  # fmt: skip
+        p: metadata.version(p) for p in ("torch", "diffusers", "flwr")
+    }
     assert made_with["commit"] == provenance.commit(benchmark.project_dir(), [bench.results])
     assert datetime.fromisoformat(made_with["date"]).tzinfo is not None
 
@@ -121,7 +146,7 @@ def test_the_commit_is_head_dirty_where_tracked_code_changed_and_unknown_outside
     head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
     head = head.stdout.strip()
     assert provenance.commit(root, [outputs]) == head
-    (outputs / "seed-0.json").write_text("{\"new\": 1}\n")
+    (outputs / "seed-0.json").write_text('{"new": 1}\n')
     (root / "untracked.txt").write_text("x")
     assert provenance.commit(root, [outputs]) == head, "the benchmark's own outputs do not count"
     assert provenance.commit(root) == head + "-dirty"
@@ -156,8 +181,11 @@ def test_the_summary_refuses_to_average_machine_kinds_unless_asked():
 def test_rows_cached_without_provenance_are_unrecorded_and_never_merged():
     old = {seed: {"Central": row(0.9)} for seed in (0, 1)}
     assert provenance.kind(old[0]["Central"]) == provenance.UNRECORDED
-    assert benchmark.accuracy_table(benchmark.summarize(old), ["Central"]).splitlines()[2].endswith(
-        "| unrecorded |")  # fmt: skip
+    assert (
+        benchmark.accuracy_table(benchmark.summarize(old), ["Central"])
+        .splitlines()[2]
+        .endswith("| unrecorded |")
+    )
     with pytest.raises(provenance.MixedMachineKinds, match=r"unrecorded: 2 seeds \(0, 1\)"):
         benchmark.summarize({**old, 2: {"Central": row(0.9, made("AVX2"))}})
 
@@ -174,8 +202,10 @@ def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
     mean, half = benchmark.t_interval([1.0, 2.0, 3.0])
     # t(0.975, 2) = 4.303 times the std (1) over sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
-    runs = {s: {"FedBiP-L": row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
-            for s, d in enumerate([0.10, 0.11, 0.12])}  # fmt: skip
+    runs = {
+        s: {"FedBiP-L": row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
+        for s, d in enumerate([0.10, 0.11, 0.12])
+    }
     # a seed whose two rows are of other kinds is not paired
     runs[3] = {"FedBiP-L": row(0.9), "Prompts-only": row(0.1, made("AVX2"))}
     found = benchmark.differences(runs)
@@ -196,7 +226,8 @@ def test_the_accuracy_heading_states_the_pinned_sampler_steps_and_t(tmp_path):
     sampled = benchmark.sampling(bench)
     assert sampled == benchmark.Sampling("pndm", 25, "leading", 961)
     assert benchmark.accuracy_heading(sampled) == (
-        "### Accuracy (%): sampler `pndm` (leading spacing), 25 steps, T = 961\n")  # fmt: skip
+        "### Accuracy (%): sampler `pndm` (leading spacing), 25 steps, T = 961\n"
+    )
 
 
 def test_report_section_is_replaced_in_place(tmp_path):
@@ -228,12 +259,22 @@ def one_seed(tmp_path_factory, tiny_model_dir):
     """FedBiP-S requested alone: FedBiP-L runs first, then S from L's uploads, on two clients."""
     root = tmp_path_factory.mktemp("bench")
     settings = Settings(
-        domains=("sketch", "quickdraw"), classifier_steps=3, mia_per_domain=6,
-        run_config={"model": str(tiny_model_dir), "image-size": 32, "classifier-image-size": 32,
-                    "shots-per-class": 2, "test-per-class": 2, "num-inference-steps": 4,
-                    "guidance-scale": 2.0, "concept-epochs": 1, "classifier-init": "random",
-                    "synthesis-batch-size": 16},
-    )  # fmt: skip
+        domains=("sketch", "quickdraw"),
+        classifier_steps=3,
+        mia_per_domain=6,
+        run_config={
+            "model": str(tiny_model_dir),
+            "image-size": 32,
+            "classifier-image-size": 32,
+            "shots-per-class": 2,
+            "test-per-class": 2,
+            "num-inference-steps": 4,
+            "guidance-scale": 2.0,
+            "concept-epochs": 1,
+            "classifier-init": "random",
+            "synthesis-batch-size": 16,
+        },
+    )
     bench = Bench(settings, work=root / "work", results=root / "results", threads=1, timeout_s=900)
     judges = load_judges(root / "judges.safetensors", size=32, per_class=2, epochs=1)
     results = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges)
@@ -254,12 +295,17 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     assert math.isfinite(small["mia_gap"]["loss"]) and small["sgd_steps"] == 3
     # the tiny model ships a (random) backbone: membership by distance in pixels and in its features
     keys = {"pixel_auc", "pixel_share", "feature_auc", "feature_share"}
-    assert all(set(d) == keys and 0 <= d["pixel_auc"] <= 1 and 0 <= d["feature_auc"] <= 1 for d in small["dcr"].values())
+    assert all(
+        set(d) == keys and 0 <= d["pixel_auc"] <= 1 and 0 <= d["feature_auc"] <= 1
+        for d in small["dcr"].values()
+    )
     # the pooled loss attack: 6 class-balanced members per client (mia_per_domain) against as
     # many unseen test images of its domain, both clients in one set
     attack = small["mia"]
     assert (attack["members"], attack["non_members"], attack["low_fpr"]) == (12, 12, 0.01)
-    assert 0 <= attack["auc"] <= 1 and 0 <= attack["tpr_at_low_fpr"] <= 1 and attack["auc_stderr"] > 0
+    assert (
+        0 <= attack["auc"] <= 1 and 0 <= attack["tpr_at_low_fpr"] <= 1 and attack["auc_stderr"] > 0
+    )
     # FedBiP's rows are the server's reconstructions of each private image, scored per client
     assert set(small["reconstruction"]) == {"sketch", "quickdraw"}
     for score in small["reconstruction"].values():
@@ -283,8 +329,9 @@ def test_a_reusing_variant_resumes_from_its_sources_shards(one_seed):
             assert os.stat(small.shards / name).st_ino == os.stat(large.shards / name).st_ino, (
                 "the shard was reused (same file), not synthesized again"
             )
-    assert not small.payloads.joinpath("x").exists() and sorted(p.name for p in small.payloads.iterdir()) == \
-        sorted(p.name for p in large.payloads.iterdir())  # fmt: skip
+    assert not small.payloads.joinpath("x").exists() and sorted(
+        p.name for p in small.payloads.iterdir()
+    ) == sorted(p.name for p in large.payloads.iterdir())
 
 
 def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_runs_row(one_seed):
@@ -300,8 +347,13 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
     benchmark.write_json(bench.cache(0), stored)
     try:
         again = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges, remeasure=True)
-        assert again["FedBiP-S"]["mia"] == small["mia"] and again["FedBiP-S"]["reconstruction"] == small["reconstruction"]
-        assert again["FedBiP-S"]["wall_seconds"] == small["wall_seconds"], "the run's own record stays"
+        assert (
+            again["FedBiP-S"]["mia"] == small["mia"]
+            and again["FedBiP-S"]["reconstruction"] == small["reconstruction"]
+        )
+        assert again["FedBiP-S"]["wall_seconds"] == small["wall_seconds"], (
+            "the run's own record stays"
+        )
         assert again["FedBiP-L"] == other, "not this folder's run: kept as cached"
     finally:
         stored["results"].update(results)
@@ -315,7 +367,10 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     summary = benchmark.report(bench, "fedbip benchmark --seeds 0", md)
     text = md.read_text()
     assert "| FedBiP-S |" in text and "| FedBiP-L |" in text
-    assert "| MIA AUC, pooled | TPR at 1% FPR |" in text and "reconstruction PSNR (dB), own / same-class" in text
+    assert (
+        "| MIA AUC, pooled | TPR at 1% FPR |" in text
+        and "reconstruction PSNR (dB), own / same-class" in text
+    )
     assert "### Accuracy (%): sampler `pndm` (leading spacing), 4 steps, T = " in text
     assert f"| 1 | {this_machine().kind}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text

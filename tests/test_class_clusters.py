@@ -37,7 +37,9 @@ def test_one_concept_per_sub_cluster_and_each_z_t_tagged_with_its_images(tiny_ld
     assert torch.equal(sizes.sum(1), torch.bincount(job.data.labels, minlength=classes))
     # every row was learned: it moved from the class name it started from
     names = [name for name in job.data.classes for _ in range(J)]
-    layout = prompt_layout(tiny_ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, job.data.domain, names)
+    layout = prompt_layout(
+        tiny_ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, job.data.domain, names
+    )
     _, v0 = initial_concepts(tiny_ldm, layout, cfg.concept_space)
     assert ((payload.class_concepts - v0).flatten(1).abs().amax(1) > 0).all()
     assert "latent_clusters" in audit_upload(blob, 2**30).tensors
@@ -48,10 +50,14 @@ def test_each_z_t_is_denoised_with_its_sub_clusters_concept(tiny_ldm, tmp_path):
     cfg, _, blob = upload_of("fedbip", tiny_ldm)
     server = server_job(cfg, tiny_ldm)
     images = {}
-    for name, data in (("as sent", blob), ("moved", tampered(blob, "fedbip", cfg, _move_first_two))):
+    for name, data in (
+        ("as sent", blob),
+        ("moved", tampered(blob, "fedbip", cfg, _move_first_two)),
+    ):
         upload = create_for(cfg).accept(data, server)
-        (path, *_) = create_for(cfg).train_set({upload.client_id: upload}, server,
-                                                RunFolder(tmp_path / name).shard_path)[upload.client_id]  # fmt: skip
+        (path, *_) = create_for(cfg).train_set(
+            {upload.client_id: upload}, server, RunFolder(tmp_path / name).shard_path
+        )[upload.client_id]
         images[name] = read_tensors(path)["images"]
     same = (images["as sent"] == images["moved"]).flatten(1).all(1)
     assert not same[:2].any() and same[2:].all()
@@ -87,9 +93,14 @@ def test_the_mixture_mode_draws_among_the_learned_sub_cluster_concepts(tiny_ldm,
     upload = create_for(cfg).accept(blob, server)
     assert upload.content.concepts.class_concepts.shape[0] == len(job.data.classes) * J
     assert "latent_clusters" not in upload.tensors, "no per-image tensor leaves the client"
-    shards = create_for(cfg).train_set({upload.client_id: upload}, server, RunFolder(tmp_path).shard_path)
+    shards = create_for(cfg).train_set(
+        {upload.client_id: upload}, server, RunFolder(tmp_path).shard_path
+    )
     labels = torch.cat([read_tensors(p)["labels"] for p in shards[upload.client_id]])
-    assert torch.equal(torch.bincount(labels), torch.bincount(job.data.labels) * cfg.latents_per_image * cfg.multiplier)
+    assert torch.equal(
+        torch.bincount(labels),
+        torch.bincount(job.data.labels) * cfg.latents_per_image * cfg.multiplier,
+    )
     other = method_config("fedbip-mixture", **{"shots-per-class": 4})
     with pytest.raises(PayloadError, match="class_clusters 3 does not match the server's 1"):
         create_for(other).accept(blob, server_job(other, tiny_ldm))

@@ -19,11 +19,14 @@ def test_a_step_budget_makes_exactly_that_many_sgd_steps(n, steps):
     model = build_classifier(3, "random")
     images, labels = torch.rand(n, 3, 16, 16) * 2 - 1, torch.arange(n) % 3
     made, epochs = [], []
-    settings = TrainSettings(epochs=50, lr=0.01, momentum=0.9, batch_size=8, image_size=16,
-                             steps=steps)  # fmt: skip
+    settings = TrainSettings(
+        epochs=50, lr=0.01, momentum=0.9, batch_size=8, image_size=16, steps=steps
+    )
     hook = register_optimizer_step_post_hook(lambda *_: made.append(1))
     try:
-        train_classifier(model, images, labels, settings, seed=0, on_epoch=lambda e, _l: epochs.append(e))
+        train_classifier(
+            model, images, labels, settings, seed=0, on_epoch=lambda e, _l: epochs.append(e)
+        )
     finally:
         hook.remove()
     assert len(made) == steps, "the budget, not the 50 configured epochs"

@@ -72,14 +72,23 @@ def test_the_shipped_backbone_is_a_fair_start():
     image is drawn from its own (seed, split, domain, class, index) key, so a smaller corpus is
     exactly a subset of the real one, which the first assertion checks at a tiny size.
     """
-    log = json.loads((ROOT / "models" / "miniature-ldm" / BACKBONE_DIR / "train_log.json").read_text())
-    assert log["classes"] == list(shapes.PUBLIC_CLASSES) and not set(log["classes"]) & set(shapes.CLASSES)
+    log = json.loads(
+        (ROOT / "models" / "miniature-ldm" / BACKBONE_DIR / "train_log.json").read_text()
+    )
+    assert log["classes"] == list(shapes.PUBLIC_CLASSES) and not set(log["classes"]) & set(
+        shapes.CLASSES
+    )
     assert log["corpus"]["function"] == "fedbip_flwr.shapes.public_corpus"
-    with safe_open(str(ROOT / "models" / "miniature-ldm" / BACKBONE_DIR / BACKBONE_FILE), "pt") as f:
+    with safe_open(
+        str(ROOT / "models" / "miniature-ldm" / BACKBONE_DIR / BACKBONE_FILE), "pt"
+    ) as f:
         assert json.loads(f.metadata()["backbone"])["classes"] == list(shapes.PUBLIC_CLASSES)
     pretrain = script("pretrain_backbone")
     seed = log["corpus"]["seed"]
-    small, large = _hashes(pretrain.public_labelled(3, seed)[0]), _hashes(pretrain.public_labelled(6, seed)[0])
+    small, large = (
+        _hashes(pretrain.public_labelled(3, seed)[0]),
+        _hashes(pretrain.public_labelled(6, seed)[0]),
+    )
     assert small < large
 
     images, labels, domains = pretrain.public_labelled(60, seed)
@@ -90,9 +99,17 @@ def test_the_shipped_backbone_is_a_fair_start():
     with open(ROOT / "pyproject.toml", "rb") as handle:
         flat = flatten_dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
     cfg = FedBiPConfig.from_flat(flat)
-    assert (cfg.dataset, cfg.domain_list, cfg.shots_per_class) == ("shapes", ["sketch", "quickdraw", "painting"], 16)
+    assert (cfg.dataset, cfg.domain_list, cfg.shots_per_class) == (
+        "shapes",
+        ["sketch", "quickdraw", "painting"],
+        16,
+    )
     clients = [dataset.load_client_data(cfg.data, p) for p in range(3)]
-    assert [(c.client_id, len(c)) for c in clients] == [("sketch-0", 96), ("quickdraw-0", 96), ("painting-0", 96)]
+    assert [(c.client_id, len(c)) for c in clients] == [
+        ("sketch-0", 96),
+        ("quickdraw-0", 96),
+        ("painting-0", 96),
+    ]
     tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
     private = set().union(*(_hashes(c.images) for c in clients))
     held_out = set().union(*(_hashes(t.images) for t in tests.values()))
@@ -108,29 +125,38 @@ def _tiny_backbone(folder: Path) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         net.bn1.running_mean.uniform_(-1, 1)  # not an init value: loading must carry statistics
     script("pretrain_backbone").save_backbone(net, folder / BACKBONE_DIR)
-    return {name: t.half().float() if t.is_floating_point() else t for name, t in net.state_dict().items()}
+    return {
+        name: t.half().float() if t.is_floating_point() else t
+        for name, t in net.state_dict().items()
+    }
 
 
 def test_pretrained_init_loads_the_backbone_shipped_with_the_model(tmp_path, monkeypatch):
     saved = _tiny_backbone(tmp_path / "tiny-model")
     on_disk = read_tensors(tmp_path / "tiny-model" / BACKBONE_DIR / BACKBONE_FILE)
     assert on_disk["conv1.weight"].dtype == torch.float16 and on_disk["fc.weight"].shape == (6, 512)
-    monkeypatch.setenv("FEDBIP_PROJECT_DIR", str(tmp_path))  # a relative model resolves as the LDM's does
+    monkeypatch.setenv(
+        "FEDBIP_PROJECT_DIR", str(tmp_path)
+    )  # a relative model resolves as the LDM's does
     check_classifier_init("pretrained", "tiny-model")
     model = build_classifier(4, "pretrained", "tiny-model")
     state = model.state_dict()
     assert torch.equal(state["conv1.weight"], saved["conv1.weight"])
     assert state["conv1.weight"].dtype == torch.float32
     assert all(torch.equal(state[k], saved[k]) for k in saved if not k.startswith("fc."))
-    assert model.fc.weight.shape == (4, 512) and model.fc.bias.shape == (4,)  # fresh, the task's classes
+    assert model.fc.weight.shape == (4, 512) and model.fc.bias.shape == (
+        4,
+    )  # fresh, the task's classes
     assert FedBiPConfig.from_flat({"classifier-init": "pretrained"}).classifier_init == "pretrained"
 
 
 def test_missing_backbone_fails_with_one_sentence_naming_file_and_script(tmp_path):
     (tmp_path / "model").mkdir()
     expected = tmp_path / "model" / BACKBONE_DIR / BACKBONE_FILE
-    for attempt in (lambda: check_classifier_init("pretrained", tmp_path / "model"),
-                    lambda: build_classifier(6, "pretrained", tmp_path / "model")):  # fmt: skip
+    for attempt in (
+        lambda: check_classifier_init("pretrained", tmp_path / "model"),
+        lambda: build_classifier(6, "pretrained", tmp_path / "model"),
+    ):
         with pytest.raises(ClassifierInitError) as info:
             attempt()
         message = str(info.value)

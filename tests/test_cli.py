@@ -47,7 +47,10 @@ def _truncated() -> bytes:
 # name -> (bytes to write, or None for a missing file; text expected on stderr)
 INVALID: dict[str, tuple[Callable[[], bytes] | None, str]] = {
     "truncated": (_truncated, "invalid payload: tensor data ends"),
-    "garbage": (lambda: b"\x89PNG\r\n\x1a\n" + bytes(range(256)), "invalid payload: declared header"),
+    "garbage": (
+        lambda: b"\x89PNG\r\n\x1a\n" + bytes(range(256)),
+        "invalid payload: declared header",
+    ),
     "missing file": (None, "No such file or directory"),
 }
 # Checked in-process through main(): same handler, without paying a torch import per case.
@@ -102,10 +105,17 @@ def test_inspect_valid_payload_prints_metadata_and_tensors(
     assert "timestep: 981" in lines
     assert 'class_names: ["cat", "dog", "fish"]' in lines
     assert "latent_shape: [4, 8, 8]" in lines
-    head = next(i for i, line in enumerate(lines) if line.split() == ["name", "shape", "dtype", "mean", "std"])
+    head = next(
+        i
+        for i, line in enumerate(lines)
+        if line.split() == ["name", "shape", "dtype", "mean", "std"]
+    )
     table = {line.split()[0]: line for line in lines[head + 1 : head + 5]}
-    assert lines[head + 5 :] == ["", "verdict: structure valid; not checked against a run's base model and "
-                                 "plausibility bounds (give the federation's --run-config for the server's verdict)"]
+    assert lines[head + 5 :] == [
+        "",
+        "verdict: structure valid; not checked against a run's base model and "
+        "plausibility bounds (give the federation's --run-config for the server's verdict)",
+    ]
     assert list(table) == ["latents", "labels", "domain_concept", "class_concepts"]
     assert "[6, 4, 8, 8]" in table["latents"] and "float32" in table["latents"]
     assert "int64" in table["labels"]
@@ -137,7 +147,9 @@ def test_inspect_reports_reason_in_one_line(
     assert captured.err.startswith(reason)
 
 
-def test_inspect_in_process_respects_max_mb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_in_process_respects_max_mb(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = save_payload(make_payload(latent_dtype="float16"), tmp_path / "p.safetensors")
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
@@ -211,7 +223,9 @@ def test_export_concepts_refuses_hidden_space_in_one_line(
     assert not (tmp_path / "out").exists()
 
 
-def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_personalize_writes_what_inspect_and_the_server_accept(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     """An institution computes and audits its upload offline, through the ClientApp's own path."""
     from fedbip_flwr import shapes
     from fedbip_flwr.config import FedBiPConfig
@@ -220,34 +234,88 @@ def test_personalize_writes_what_inspect_and_the_server_accept(tmp_path: Path, t
     from fedbip_flwr.payload import decode_payload
 
     data = shapes.write_image_folder(tmp_path / "data", "quickdraw", 2, 1, size=32)
-    run_config = (f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '
-                  f'model="{tiny_model_dir}" image-size=32 concept-epochs=1 num-inference-steps=4')
+    run_config = (
+        f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '
+        f'model="{tiny_model_dir}" image-size=32 concept-epochs=1 num-inference-steps=4'
+    )
     out = tmp_path / "upload.safetensors"
     made = subprocess.run(
-        [sys.executable, "-m", "fedbip_tools.cli", "personalize", str(data), "--domain",
-         "quickdraw", "--client-id", "lab-b", "--out", str(out), "--run-config", run_config],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            "-m",
+            "fedbip_tools.cli",
+            "personalize",
+            str(data),
+            "--domain",
+            "quickdraw",
+            "--client-id",
+            "lab-b",
+            "--out",
+            str(out),
+            "--run-config",
+            run_config,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert made.returncode == 0, made.stderr[-3000:]
     assert f"fedbip inspect {out}" in made.stdout
-    inspected = subprocess.run([sys.executable, "-m", "fedbip_tools.cli", "inspect", str(out)],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    inspected = subprocess.run(
+        [sys.executable, "-m", "fedbip_tools.cli", "inspect", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert inspected.returncode == 0 and "client_id: lab-b" in inspected.stdout
-    cfg = FedBiPConfig.from_flat({**project_run_config(), "dataset": "imagefolder",
-                                  "classes": ",".join(shapes.CLASSES), "model": str(tiny_model_dir),
-                                  "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4})
+    cfg = FedBiPConfig.from_flat(
+        {
+            **project_run_config(),
+            "dataset": "imagefolder",
+            "classes": ",".join(shapes.CLASSES),
+            "model": str(tiny_model_dir),
+            "image-size": 32,
+            "concept-epochs": 1,
+            "num-inference-steps": 4,
+        }
+    )
     ldm = load_ldm(tiny_model_dir)
     payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list))
     # 12 images, each as the federation's latents-per-image independent z(T) (default 2)
-    assert (payload.meta.domain, payload.meta.num_examples) == ("quickdraw", 12 * cfg.latents_per_image)
+    assert (payload.meta.domain, payload.meta.num_examples) == (
+        "quickdraw",
+        12 * cfg.latents_per_image,
+    )
     assert cfg.latents_per_image == 2
 
 
 def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> None:
     made = subprocess.run(
-        [sys.executable, "-m", "fedbip_tools.cli", "personalize", str(tmp_path / "missing"),
-         "--domain", "sketch", "--client-id", "lab", "--out", str(tmp_path / "x.safetensors"),
-         "--run-config", 'dataset="imagefolder" classes="a,b"'],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "fedbip_tools.cli",
+            "personalize",
+            str(tmp_path / "missing"),
+            "--domain",
+            "sketch",
+            "--client-id",
+            "lab",
+            "--out",
+            str(tmp_path / "x.safetensors"),
+            "--run-config",
+            'dataset="imagefolder" classes="a,b"',
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert made.returncode == 1
     last = made.stderr.strip().splitlines()[-1]
     assert last.startswith("fedbip personalize: ") and "is not a folder" in last
@@ -315,7 +383,13 @@ def test_report_refuses_metrics_of_another_shape_in_one_line(
 
 @pytest.mark.parametrize(
     ("flag", "value"),
-    [("--shots", "0"), ("--test-per-class", "-2"), ("--client-index", "-1"), ("--seed", "x"), ("--size", "0")],
+    [
+        ("--shots", "0"),
+        ("--test-per-class", "-2"),
+        ("--client-index", "-1"),
+        ("--seed", "x"),
+        ("--size", "0"),
+    ],
 )
 def test_shapes_folder_names_the_bad_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
@@ -331,15 +405,32 @@ def test_shapes_folder_into_a_file_says_so_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "taken").write_text("")
-    assert main(["shapes-folder", "sketch", str(tmp_path / "taken"), "--shots", "1",
-                 "--test-per-class", "1", "--size", "16"]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "shapes-folder",
+                "sketch",
+                str(tmp_path / "taken"),
+                "--shots",
+                "1",
+                "--test-per-class",
+                "1",
+                "--size",
+                "16",
+            ]
+        )
+        == 1
+    )
     assert "Not a directory" in _one_line_error(capsys, "fedbip shapes-folder: cannot write ")
 
 
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        (["--run-config", "dataset=imagefolder"], "--run-config: The provided configuration string"),
+        (
+            ["--run-config", "dataset=imagefolder"],
+            "--run-config: The provided configuration string",
+        ),
         (["--model", "/nonexistent/model"], "does not exist"),
     ],
     ids=["unquoted run config", "missing model"],
@@ -349,9 +440,19 @@ def test_personalize_refuses_a_bad_run_config_or_model_in_one_line(
 ) -> None:
     data = shapes.write_image_folder(tmp_path / "lab", "sketch", 1, 1, size=16)
     classes = ",".join(shapes.CLASSES)
-    command = ["personalize", str(data), "--domain", "sketch", "--client-id", "lab",
-               "--out", str(tmp_path / "x.safetensors"),
-               "--run-config", f'dataset="imagefolder" classes="{classes}"', *extra]  # fmt: skip
+    command = [
+        "personalize",
+        str(data),
+        "--domain",
+        "sketch",
+        "--client-id",
+        "lab",
+        "--out",
+        str(tmp_path / "x.safetensors"),
+        "--run-config",
+        f'dataset="imagefolder" classes="{classes}"',
+        *extra,
+    ]
     assert main(command) == 1
     assert reason in _one_line_error(capsys, "fedbip personalize: ")
     assert not (tmp_path / "x.safetensors").exists()
@@ -363,7 +464,9 @@ def test_synthesize_with_no_accepted_upload_says_there_is_nothing_to_do(
     """A round whose every upload was refused is not 'every shard on disk'."""
     from fedbip_flwr.config import FedBiPConfig
 
-    (tmp_path / "config.json").write_text(json.dumps(FedBiPConfig.from_flat(project_run_config()).to_flat()))
+    (tmp_path / "config.json").write_text(
+        json.dumps(FedBiPConfig.from_flat(project_run_config()).to_flat())
+    )
     (tmp_path / "clients.json").write_text("{}")
     assert main(["synthesize", str(tmp_path)]) == 1
     assert "holds no accepted upload" in _one_line_error(capsys, "fedbip synthesize: ")

@@ -49,7 +49,9 @@ def test_table5_sizes_never_cut_a_phrase(tok, spec, caplog):
     for domain in spec.domains:
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="fedbip_flwr.concepts"):
-            layout = prompt_layout(tok, spec.prompt_template, spec.n_s, spec.n_v, domain, spec.classes)
+            layout = prompt_layout(
+                tok, spec.prompt_template, spec.n_s, spec.n_v, domain, spec.classes
+            )
         phrase = tok(domain, add_special_tokens=False).input_ids
         for row, s_pos in zip(layout.input_ids, layout.s_positions):
             assert row[s_pos].tolist()[: len(phrase)] == phrase

@@ -16,15 +16,21 @@ MODEL = "models/miniature-ldm"
 CLASSIFIER_SIZE = FedBiPConfig.model_fields["classifier_image_size"].default
 
 
-def grouped_features(groups_per_class: list[int], per_group: int, seed: int) -> tuple[torch.Tensor, ...]:
+def grouped_features(
+    groups_per_class: list[int], per_group: int, seed: int
+) -> tuple[torch.Tensor, ...]:
     """Features in groups that differ in direction only: each group's points are its own random
     direction, scaled by 0.5 to 3 (so, unnormalised, a group is wider than the gap between
     groups), plus 1% noise. Returns features, labels and each point's group (unique overall)."""
     g = torch.Generator().manual_seed(seed)
     group_sizes = [per_group] * sum(groups_per_class)
     group = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(group_sizes))
-    labels = torch.repeat_interleave(torch.arange(len(groups_per_class)), torch.tensor(groups_per_class) * per_group)
-    directions = torch.nn.functional.normalize(torch.randn(len(group_sizes), FEATURES, generator=g), dim=1)
+    labels = torch.repeat_interleave(
+        torch.arange(len(groups_per_class)), torch.tensor(groups_per_class) * per_group
+    )
+    directions = torch.nn.functional.normalize(
+        torch.randn(len(group_sizes), FEATURES, generator=g), dim=1
+    )
     scale = 0.5 + 2.5 * torch.rand(len(group), 1, generator=g)
     features = scale * (directions[group] + 0.01 * torch.randn(len(group), FEATURES, generator=g))
     return features, labels, group

@@ -62,8 +62,9 @@ def last_line(text: str) -> str:
 def engine_absent(reason: str) -> None:
     """Skip with ``reason`` on a machine without the engine, or fail where CI requires it."""
     if os.environ.get(REQUIRE) == "1":
-        pytest.fail(f"{reason} ({REQUIRE}=1, as .ci/run sets it: the engine must be here).",
-                    pytrace=False)
+        pytest.fail(
+            f"{reason} ({REQUIRE}=1, as .ci/run sets it: the engine must be here).", pytrace=False
+        )
     pytest.skip(f"{reason} ({INSTALL}; {DESELECT}; {REQUIRE}=1 makes this a failure).")
 
 
@@ -83,27 +84,52 @@ def engine_preflight(env: dict) -> None:
             (Path(root) / link).symlink_to(f"usr/{link}")
         try:
             proc = subprocess.run(
-                ["podman", "run", "--rm", "--network", "none", "-v", "/usr:/usr:ro",
-                 "--rootfs", root, "/usr/bin/true"],
-                env=env, capture_output=True, text=True, timeout=120, check=False)
+                [
+                    "podman",
+                    "run",
+                    "--rm",
+                    "--network",
+                    "none",
+                    "-v",
+                    "/usr:/usr:ro",
+                    "--rootfs",
+                    root,
+                    "/usr/bin/true",
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
-            pytest.fail(f"Podman did not run a container within 120 s (CONTAINERS_CONF={conf}).",
-                        pytrace=False)
+            pytest.fail(
+                f"Podman did not run a container within 120 s (CONTAINERS_CONF={conf}).",
+                pytrace=False,
+            )
     if proc.returncode != 0:
         reason = last_line(proc.stderr + proc.stdout).removeprefix("Error: ").rstrip(".")
-        pytest.fail(f"Podman cannot run a container here (CONTAINERS_CONF={conf}): {reason}.",
-                    pytrace=False)
+        pytest.fail(
+            f"Podman cannot run a container here (CONTAINERS_CONF={conf}): {reason}.", pytrace=False
+        )
 
 
 def image_id(name: str, env: dict) -> str:
-    proc = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", name], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
 def run(args: list[str], env: dict, timeout: float, what: str) -> str:
-    proc = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.run(
+        args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{output[-6000:]}"
     return output
@@ -111,8 +137,9 @@ def run(args: list[str], env: dict, timeout: float, what: str) -> str:
 
 @pytest.fixture(scope="module")
 def topology(tiny_model_dir):
-    containers_conf = os.environ.get("CONTAINERS_CONF",
-                                     str(ROOT / "docker" / "podman-containers.conf"))
+    containers_conf = os.environ.get(
+        "CONTAINERS_CONF", str(ROOT / "docker" / "podman-containers.conf")
+    )
     engine_preflight({**os.environ, "CONTAINERS_CONF": containers_conf})
     # Outside pytest's private tmp folder: the containers' user must read the mounted files.
     work = Path(tempfile.mkdtemp(prefix="fedbip-compose-"))
@@ -136,14 +163,28 @@ def topology(tiny_model_dir):
         started = time.monotonic()
         run([str(ROOT / "docker" / "local-images.sh")], env, 3600, "building the base images")
         seconds_images = time.monotonic() - started
-        run([str(ROOT / "deploy" / "make-credentials.sh"), "-o", str(CONTAINER_UID),
-             str(work / "credentials"), str(INSTITUTIONS), "superlink"], env, 60, "credentials")
+        run(
+            [
+                str(ROOT / "deploy" / "make-credentials.sh"),
+                "-o",
+                str(CONTAINER_UID),
+                str(work / "credentials"),
+                str(INSTITUTIONS),
+                "superlink",
+            ],
+            env,
+            60,
+            "credentials",
+        )
         shutil.copytree(tiny_model_dir, work / "models" / "tiny-ldm")
         for index, domain in enumerate(DOMAINS):  # each institution's own folder, nobody else's
             folder = work / f"institution-{index}-data"
             shapes.write_image_folder(folder, domain, SHOTS, TEST_PER_CLASS, size=32)
             env[f"INSTITUTION_{index}_DATA"] = str(folder)
-        for top in [work / "models", *(work / f"institution-{i}-data" for i in range(INSTITUTIONS))]:
+        for top in [
+            work / "models",
+            *(work / f"institution-{i}-data" for i in range(INSTITUTIONS)),
+        ]:
             for path in [top, *top.rglob("*")]:
                 path.chmod(0o755 if path.is_dir() else 0o644)
         (work / "flwr-home").mkdir()
@@ -155,34 +196,74 @@ def topology(tiny_model_dir):
         # The executor image is rebuilt from podman's layer cache: only the steps after a changed
         # file run again. The version it replaces (and that version's own layers) is removed.
         executor_before = image_id(EXECUTOR_IMAGE, env)
-        run([*compose, "--podman-build-args", BUILD_ARGS, "up", "--build", "-d"], env, 3600,
-            "podman-compose up")
+        run(
+            [*compose, "--podman-build-args", BUILD_ARGS, "up", "--build", "-d"],
+            env,
+            3600,
+            "podman-compose up",
+        )
         if executor_before and executor_before != image_id(EXECUTOR_IMAGE, env):
-            subprocess.run(["podman", "rmi", executor_before], env=env, capture_output=True,
-                           timeout=300, check=False)
+            subprocess.run(
+                ["podman", "rmi", executor_before],
+                env=env,
+                capture_output=True,
+                timeout=300,
+                check=False,
+            )
         seconds_up = time.monotonic() - started
-        yield {"env": env, "project": project, "compose": compose, "seconds_up": seconds_up,
-               "seconds_images": seconds_images}
+        yield {
+            "env": env,
+            "project": project,
+            "compose": compose,
+            "seconds_up": seconds_up,
+            "seconds_images": seconds_images,
+        }
     finally:
-        down = subprocess.run([*compose, "down", "-v"], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=600, check=False)
+        down = subprocess.run(
+            [*compose, "down", "-v"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         shutil.rmtree(work, ignore_errors=True)
         left = subprocess.run(
             ["podman", "ps", "-a", "-q", "--filter", f"label=io.podman.compose.project={project}"],
-            env=env, capture_output=True, text=True, timeout=60, check=False).stdout.split()
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        ).stdout.split()
     assert down.returncode == 0, f"podman-compose down failed:\n{down.stdout}{down.stderr}"
     assert left == [], f"containers of {project} survived the teardown: {left}"
 
 
 def logs(topology) -> str:
-    proc = subprocess.run([*topology["compose"], "logs"], env=topology["env"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [*topology["compose"], "logs"],
+        env=topology["env"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return (proc.stdout + proc.stderr)[-8000:]
 
 
 def flwr_json(topology, *args: str) -> dict:
-    proc = subprocess.run([FLWR, *args, "--format", "json"], env=topology["env"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [FLWR, *args, "--format", "json"],
+        env=topology["env"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return json.loads(proc.stdout) if proc.returncode == 0 else {}
 
 
@@ -196,14 +277,26 @@ def test_compose_federation_runs_to_completion(topology):
         statuses = [n["status"] for n in flwr_json(topology, "supernode", "ls").get("nodes", [])]
 
     # The default federation, shrunk, on the institutions' own folders: the server holds none.
-    values = {**SMALL, "model": '"models/tiny-ldm"', "run-name": '"compose"',
-              "dataset": '"imagefolder"', "classes": f'"{",".join(shapes.CLASSES)}"'}
+    values = {
+        **SMALL,
+        "model": '"models/tiny-ldm"',
+        "run-name": '"compose"',
+        "dataset": '"imagefolder"',
+        "classes": f'"{",".join(shapes.CLASSES)}"',
+    }
     values.pop("replayable-client-noise")  # institutions keep the private default
     run_started = time.monotonic()
-    output = run([FLWR, "run", ".", "fedbip-compose", "--stream", "--run-config",
-                  as_run_config(values)], topology["env"], 1800, "flwr run")
-    run_id = next(line.split()[-1] for line in output.splitlines()
-                  if line.startswith("Successfully started run"))
+    output = run(
+        [FLWR, "run", ".", "fedbip-compose", "--stream", "--run-config", as_run_config(values)],
+        topology["env"],
+        1800,
+        "flwr run",
+    )
+    run_id = next(
+        line.split()[-1]
+        for line in output.splitlines()
+        if line.startswith("Successfully started run")
+    )
     runs = flwr_json(topology, "ls", "--run-id", run_id)["runs"]
     assert runs[0]["status"] == "finished:completed", output[-6000:] + logs(topology)
 
@@ -215,38 +308,70 @@ def test_compose_federation_runs_to_completion(topology):
     assert "per_domain" not in metrics["accuracy"], "the server scored on data it cannot hold"
     per_client = metrics["evaluation"]["per_client"]
     assert sorted(per_client) == accepted
-    assert all(r["status"] == "ok" and r["num_examples"] == 6 * TEST_PER_CLASS
-               for r in per_client.values()), per_client
+    assert all(
+        r["status"] == "ok" and r["num_examples"] == 6 * TEST_PER_CLASS for r in per_client.values()
+    ), per_client
     assert sorted(p.name for p in (folder / "payloads").glob("*.safetensors")) == [
-        "painting-0.safetensors", "quickdraw-0.safetensors", "sketch-0.safetensors"]
+        "painting-0.safetensors",
+        "quickdraw-0.safetensors",
+        "sketch-0.safetensors",
+    ]
     for index, domain in enumerate(DOMAINS):
-        kept = (volume_path(topology, f"institution-{index}-outputs") / "compose"
-                / "institutions" / f"{domain}-0" / "classifier.safetensors")
+        kept = (
+            volume_path(topology, f"institution-{index}-outputs")
+            / "compose"
+            / "institutions"
+            / f"{domain}-0"
+            / "classifier.safetensors"
+        )
         assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()
     assert "/app/data" not in container_mounts(topology, "serverapp")
     assert "/app/data" in container_mounts(topology, "clientapp-0")
-    print(f"compose: base images ready in {topology['seconds_images']:.0f} s, "
-          f"built and up in {topology['seconds_up']:.0f} s, "
-          f"run {run_id} {runs[0]['status']} in {time.monotonic() - run_started:.0f} s")
+    print(
+        f"compose: base images ready in {topology['seconds_images']:.0f} s, "
+        f"built and up in {topology['seconds_up']:.0f} s, "
+        f"run {run_id} {runs[0]['status']} in {time.monotonic() - run_started:.0f} s"
+    )
 
 
 def volume_path(topology, name: str) -> Path:
     volume = f"{topology['project']}_{name}"
-    return Path(subprocess.run(
-        ["podman", "volume", "inspect", volume, "--format", "{{.Mountpoint}}"],
-        env=topology["env"], capture_output=True, text=True, timeout=60, check=True,
-    ).stdout.strip())
+    return Path(
+        subprocess.run(
+            ["podman", "volume", "inspect", volume, "--format", "{{.Mountpoint}}"],
+            env=topology["env"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+    )
 
 
 def container_mounts(topology, service: str) -> list[str]:
     """Where a service's container has volumes mounted (its Destination paths)."""
     ids = subprocess.run(
-        ["podman", "ps", "-q", "--filter", f"label=io.podman.compose.project={topology['project']}",
-         "--filter", f"label=io.podman.compose.service={service}"],
-        env=topology["env"], capture_output=True, text=True, timeout=60, check=True,
+        [
+            "podman",
+            "ps",
+            "-q",
+            "--filter",
+            f"label=io.podman.compose.project={topology['project']}",
+            "--filter",
+            f"label=io.podman.compose.service={service}",
+        ],
+        env=topology["env"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout.split()
     assert ids, f"no running container of {service}"
     return subprocess.run(
         ["podman", "inspect", ids[0], "--format", "{{range .Mounts}}{{.Destination}} {{end}}"],
-        env=topology["env"], capture_output=True, text=True, timeout=60, check=True,
+        env=topology["env"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout.split()

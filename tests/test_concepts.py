@@ -67,7 +67,9 @@ def test_concepts_start_from_the_whole_phrase(tiny_ldm, caplog):
         assert not v0[0, 1:].any() and v0[1].abs().amax(-1).gt(0).all()  # unused rows are zero
         states = encode_prompts(tiny_ldm, layout, space, s0, v0, torch.arange(3))
         # the same forward on the same batch (see the next test): equal to a few 2^-24
-        assert torch.allclose(states, tiny_ldm.text_encoder(layout.input_ids).last_hidden_state, atol=1e-5)
+        assert torch.allclose(
+            states, tiny_ldm.text_encoder(layout.input_ids).last_hidden_state, atol=1e-5
+        )
 
 
 def test_prompt_too_long_is_a_clear_error(tiny_ldm):
@@ -94,7 +96,11 @@ def test_learning_lowers_loss_and_changes_only_concepts(tiny_ldm, space):
     layout = prompt_layout(tiny_ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", CLASSES)
     before = {
         name: {k: v.clone() for k, v in m.state_dict().items()}
-        for name, m in [("vae", tiny_ldm.vae), ("unet", tiny_ldm.unet), ("text", tiny_ldm.text_encoder)]
+        for name, m in [
+            ("vae", tiny_ldm.vae),
+            ("unet", tiny_ldm.unet),
+            ("text", tiny_ldm.text_encoder),
+        ]
     }
     g = torch.Generator().manual_seed(0)
     z0 = torch.randn(6, *tiny_ldm.latent_shape(), generator=g)
@@ -110,12 +116,18 @@ def test_learning_lowers_loss_and_changes_only_concepts(tiny_ldm, space):
         tiny_ldm, layout, space, z0, labels, 981, epochs=30, batch_size=6, lr=0.1, generator=g
     )
     with torch.no_grad():
-        end = diffusion_loss(tiny_ldm, layout, space, result.domain, result.classes, zs, ys, t, noise).item()
+        end = diffusion_loss(
+            tiny_ldm, layout, space, result.domain, result.classes, zs, ys, t, noise
+        ).item()
     # a random-init UNet listens to its text only weakly: a small but real drop
     assert end < start, (start, end, result.losses)
     assert not torch.allclose(result.domain, s0) and not torch.allclose(result.classes, v0)
     assert result.domain.shape == s0.shape and result.classes.shape == (3, 1, tiny_ldm.concept_dim)
-    for name, m in [("vae", tiny_ldm.vae), ("unet", tiny_ldm.unet), ("text", tiny_ldm.text_encoder)]:
+    for name, m in [
+        ("vae", tiny_ldm.vae),
+        ("unet", tiny_ldm.unet),
+        ("text", tiny_ldm.text_encoder),
+    ]:
         for key, value in m.state_dict().items():
             assert torch.equal(value, before[name][key]), f"{name}.{key} changed"
         assert all(p.grad is None for p in m.parameters())
@@ -171,25 +183,46 @@ def test_adapted_concepts_round_trip_through_server_checks(tiny_ldm):
     )
     assert not result.classes[0, 1:].any() and not result.classes[2, 1:].any()
     meta = PayloadMeta(
-        schema_version=SCHEMA_VERSION, client_id="sketch-0", domain="sketch", timestep=901,
-        scheduler="PNDMScheduler", num_inference_steps=10, n_s=layout.n_s, n_v=layout.n_v,
-        concept_space="token", class_names=names, prompt_template=template,
-        base_model=tiny_ldm.fingerprint, latent_shape=list(z0.shape[1:]),
-        latent_dtype="float32", num_examples=6,
-    )  # fmt: skip
+        schema_version=SCHEMA_VERSION,
+        client_id="sketch-0",
+        domain="sketch",
+        timestep=901,
+        scheduler="PNDMScheduler",
+        num_inference_steps=10,
+        n_s=layout.n_s,
+        n_v=layout.n_v,
+        concept_space="token",
+        class_names=names,
+        prompt_template=template,
+        base_model=tiny_ldm.fingerprint,
+        latent_shape=list(z0.shape[1:]),
+        latent_dtype="float32",
+        num_examples=6,
+    )
     payload = Payload(z0, labels, result.domain, result.classes, meta)
 
     def expect(n_v: int) -> Expectations:
         return Expectations(
-            max_bytes=2**24, base_model=tiny_ldm.fingerprint, latent_shape=tuple(z0.shape[1:]),
-            concept_dim=tiny_ldm.concept_dim, timestep=901, num_inference_steps=10,
-            scheduler="PNDMScheduler", n_s=1, n_v=n_v, concept_space="token",
-            class_names=tuple(names), prompt_template=template, domains=("sketch",),
+            max_bytes=2**24,
+            base_model=tiny_ldm.fingerprint,
+            latent_shape=tuple(z0.shape[1:]),
+            concept_dim=tiny_ldm.concept_dim,
+            timestep=901,
+            num_inference_steps=10,
+            scheduler="PNDMScheduler",
+            n_s=1,
+            n_v=n_v,
+            concept_space="token",
+            class_names=tuple(names),
+            prompt_template=template,
+            domains=("sketch",),
             phrase_tokens=partial(count_tokens, tiny_ldm.tokenizer),
-        )  # fmt: skip
+        )
 
     decode_payload(encode_payload(payload), expect(1))
-    with pytest.raises(PayloadError, match="class concept of 'circle' does not use exactly its first 2"):
+    with pytest.raises(
+        PayloadError, match="class concept of 'circle' does not use exactly its first 2"
+    ):
         decode_payload(encode_payload(payload), expect(2))
     settings = SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=1)
     rebuilt = payload_layout(tiny_ldm, payload, settings)
@@ -219,4 +252,3 @@ def test_v_prediction_model_trains_against_the_velocity(tmp_path):
         loss = diffusion_loss(ldm, layout, "token", s0, v0, z0, labels, t, noise)
     assert loss.item() == pytest.approx(float(((pred - target) ** 2).mean()), rel=1e-5)
     assert loss.item() != pytest.approx(float(((pred - noise) ** 2).mean()), rel=1e-3)
-

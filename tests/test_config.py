@@ -13,7 +13,9 @@ from fedbip_flwr.method_settings import METHOD_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 # The app's run config as pyproject.toml lists it: what flwr merges every --run-config over.
-PYPROJECT_CONFIG = flatten_dict(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"])
+PYPROJECT_CONFIG = flatten_dict(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+)
 
 
 def conf(path: Path) -> dict:
@@ -38,10 +40,13 @@ PAPER_SETTINGS = {  # file -> (dataset, partitioning, beta or None, SuperNodes);
     **{
         f"{name}-{split}.toml": (name, how, beta, 5)
         for name in ("dermamnist", "ucm")
-        for split, how, beta in (("iid", "iid", None), ("beta0.5", "dirichlet", 0.5),
-                                 ("beta0.01", "dirichlet", 0.01))
+        for split, how, beta in (
+            ("iid", "iid", None),
+            ("beta0.5", "dirichlet", 0.5),
+            ("beta0.01", "dirichlet", 0.01),
+        )
     },
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("path", CONF_FILES, ids=lambda p: p.name)
@@ -51,16 +56,27 @@ def test_every_conf_file_validates(path):
 
 def test_every_paper_setting_has_a_documented_conf_file():
     docs = (ROOT / "docs" / "datasets.md").read_text()
-    on_disk = {p.name for p in CONF_FILES if tomllib.loads(p.read_text()).get("dataset", "shapes") != "shapes"}
+    on_disk = {
+        p.name
+        for p in CONF_FILES
+        if tomllib.loads(p.read_text()).get("dataset", "shapes") != "shapes"
+    }
     assert on_disk == set(PAPER_SETTINGS)
     for name, (dataset, partitioning, beta, supernodes) in PAPER_SETTINGS.items():
         text = (ROOT / "conf" / name).read_text()
         cfg = FedBiPConfig.from_flat(conf(ROOT / "conf" / name))
-        assert (cfg.dataset, cfg.partitioning, cfg.min_clients) == (dataset, partitioning, supernodes)
+        assert (cfg.dataset, cfg.partitioning, cfg.min_clients) == (
+            dataset,
+            partitioning,
+            supernodes,
+        )
         if beta is not None:
             assert cfg.dirichlet_beta == beta
         assert (cfg.model, cfg.image_size, cfg.concept_epochs, cfg.num_inference_steps) == (
-            SD_V1_4, 512, 50, 50
+            SD_V1_4,
+            512,
+            50,
+            50,
         )
         if partitioning == "domain":
             assert cfg.shots_per_class == (8 if dataset == "officehome" else 16)
@@ -78,14 +94,23 @@ def test_stable_diffusion_confs_run_the_peers_with_their_papers_settings():
         cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, **conf(path)})
         oscar, fedlmg = cfg.settings_of("oscar"), cfg.settings_of("fedlmg")
         peers = (oscar.captioner, fedlmg.prompt, fedlmg.guidance_step, fedlmg.edit_step)
-        assert peers == ("Salesforce/blip-image-captioning-base", "an image of {class}", 1.0, 0.1), path.name
+        assert peers == (
+            "Salesforce/blip-image-captioning-base",
+            "an image of {class}",
+            1.0,
+            0.1,
+        ), path.name
 
 
 def test_paper_defaults():
     cfg = FedBiPConfig()
     assert (cfg.gamma_mean, cfg.gamma_std, cfg.eta_std) == (0.5, 0.1, 0.1)
     assert (cfg.concept_lr, cfg.concept_epochs, cfg.concept_batch_size) == (0.1, 50, 8)
-    assert (cfg.classifier_lr, cfg.classifier_momentum, cfg.classifier_batch_size) == (0.01, 0.9, 64)
+    assert (cfg.classifier_lr, cfg.classifier_momentum, cfg.classifier_batch_size) == (
+        0.01,
+        0.9,
+        64,
+    )
     assert (cfg.num_inference_steps, cfg.guidance_scale, cfg.multiplier) == (50, 7.5, 2)
 
 
@@ -97,8 +122,14 @@ def test_paper_defaults():
         ({"concept-space": "pixels"}, "'concept-space'"),
         ({"prompt-template": "a {V}"}, "{S} exactly once"),
         ({"gamma-mean": 1.5}, "'gamma-mean'"),
-        ({"max-images-per-client": 0}, "'max-images-per-client': Input should be greater than or equal to 1"),
-        ({"max-images-per-client": 2.5}, "'max-images-per-client': Input should be a valid integer"),
+        (
+            {"max-images-per-client": 0},
+            "'max-images-per-client': Input should be greater than or equal to 1",
+        ),
+        (
+            {"max-images-per-client": 2.5},
+            "'max-images-per-client': Input should be a valid integer",
+        ),
     ],
 )
 def test_bad_config_is_one_sentence(flat, needle):
@@ -113,7 +144,9 @@ def test_an_unknown_dataset_is_the_one_error(dataset):
     """Over pyproject's sentinels (n-s = 0, ...), which only a known dataset fills."""
     with pytest.raises(ConfigError) as err:
         FedBiPConfig.from_flat({**PYPROJECT_CONFIG, "dataset": dataset})
-    assert str(err.value).startswith("Invalid FedBiP run config: 'dataset': Input should be 'shapes'")
+    assert str(err.value).startswith(
+        "Invalid FedBiP run config: 'dataset': Input should be 'shapes'"
+    )
     assert str(err.value).count("': ") == 1, str(err.value)
 
 
@@ -124,14 +157,19 @@ def test_an_institutions_node_config_wins_over_the_run_config():
     from client_app.app import configs
 
     run = {"data-root": "/shared/default", "seed": 3, "device": "auto"}
-    node = {"partition-id": 0, "num-partitions": 3, "data-root": "/hospital-a/images",
-            "device": "cpu"}
+    node = {
+        "partition-id": 0,
+        "num-partitions": 3,
+        "data-root": "/hospital-a/images",
+        "device": "cpu",
+    }
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
     cfg, node_cfg = configs(context)
     assert (cfg.data_root, cfg.device, cfg.seed) == ("/hospital-a/images", "cpu", 3)
     assert node_cfg.partition_id == 0
-    context = Context(run_id=1, node_id=1, node_config={"partition-id": 1}, state=RecordDict(),
-                      run_config=run)
+    context = Context(
+        run_id=1, node_id=1, node_config={"partition-id": 1}, state=RecordDict(), run_config=run
+    )
     assert configs(context)[0].data_root == "/shared/default"
 
 
@@ -146,8 +184,9 @@ def test_every_method_has_its_own_table_in_pyproject_and_nowhere_else():
 
 
 def test_a_method_table_reaches_that_method_and_round_trips():
-    cfg = FedBiPConfig.from_flat({**PYPROJECT_CONFIG, "method": "fedlmg", "fedlmg.batch-size": 4,
-                                  "fedlmg.global": "sd"})  # fmt: skip
+    cfg = FedBiPConfig.from_flat(
+        {**PYPROJECT_CONFIG, "method": "fedlmg", "fedlmg.batch-size": 4, "fedlmg.global": "sd"}
+    )
     assert (cfg.settings_of("fedlmg").batch_size, cfg.settings_of("fedlmg").global_) == (4, "sd")
     assert FedBiPConfig.from_flat(cfg.to_flat()) == cfg
     from fedbip_flwr.methods import create_for
@@ -158,9 +197,15 @@ def test_a_method_table_reaches_that_method_and_round_trips():
 @pytest.mark.parametrize(
     ("flat", "needle"),
     [
-        ({"fedlmg-batch-size": 4}, "'fedlmg-batch-size' is method fedlmg's setting: set 'fedlmg.batch-size'"),
+        (
+            {"fedlmg-batch-size": 4},
+            "'fedlmg-batch-size' is method fedlmg's setting: set 'fedlmg.batch-size'",
+        ),
         ({"captioner": "x"}, "'captioner' is method oscar's setting: set 'oscar.captioner'"),
-        ({"fedbip.captioner": "x"}, "'fedbip.captioner' belongs to method oscar: set 'oscar.captioner'"),
+        (
+            {"fedbip.captioner": "x"},
+            "'fedbip.captioner' belongs to method oscar: set 'oscar.captioner'",
+        ),
         ({"oscar.concept-lr": 0.1}, "'concept-lr' is a shared key: set it without 'oscar.'"),
         ({"nope.x": 1}, "no method is named 'nope'"),
         ({"local.epochs": 0}, "'local.epochs': Input should be greater than or equal to 1"),

@@ -29,8 +29,13 @@ print("MACHINE " + json.dumps(this_machine().model_dump()))
 def probe(switches: dict[str, str]) -> tuple[dict, str]:
     """This machine's kind and oneDNN's ISA line in a fresh process with only ``switches`` set."""
     env = {k: v for k, v in os.environ.items() if k not in KERNEL_SWITCHES} | switches
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env | {"ONEDNN_VERBOSE": "1"},
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env | {"ONEDNN_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     isa = next(line.rsplit("isa:", 1)[1] for line in out.splitlines() if ",isa:" in line)
     machine = json.loads(next(line for line in out.splitlines() if line.startswith("MACHINE "))[8:])
     return machine, isa

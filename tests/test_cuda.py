@@ -53,11 +53,20 @@ def one_shot(method: str, model_dir: Path, device: torch.device, out: Path) -> d
     models, shards = m.final_models(uploads, server), {}
     if models is None:
         shards = m.train_set(uploads, server, folder.shard_path)
-        models = {"global": train_global(cfg, shards, server.class_names, folder, device,
-                                         m.teacher(uploads, server))[0]}  # fmt: skip
-    images = {c: torch.cat([read_tensors(p)["images"] for p in paths]) for c, paths in shards.items()}
-    return {"ldm_dtype": ldm.dtype, "uploads": {c: u.tensors for c, u in uploads.items()},
-            "images": images, "models": models}  # fmt: skip
+        models = {
+            "global": train_global(
+                cfg, shards, server.class_names, folder, device, m.teacher(uploads, server)
+            )[0]
+        }
+    images = {
+        c: torch.cat([read_tensors(p)["images"] for p in paths]) for c, paths in shards.items()
+    }
+    return {
+        "ldm_dtype": ldm.dtype,
+        "uploads": {c: u.tensors for c, u in uploads.items()},
+        "images": images,
+        "models": models,
+    }
 
 
 @pytest.mark.parametrize("method", ["fedbip", *ONE_SHOT])
@@ -71,12 +80,17 @@ def test_each_method_runs_on_the_gpu_as_on_the_cpu(method, tiny_model_dir, tmp_p
         assert tensors.keys() == expected.keys(), client
         for name, tensor in tensors.items():
             assert tensor.device.type == "cpu", (client, name)  # uploads leave the GPU
-            assert (tensor.shape, tensor.dtype) == (expected[name].shape, expected[name].dtype), (client, name)
+            assert (tensor.shape, tensor.dtype) == (expected[name].shape, expected[name].dtype), (
+                client,
+                name,
+            )
             if tensor.is_floating_point():
                 assert torch.isfinite(tensor).all(), (client, name)
     if method == "fedbip":  # the same client randomness: z(T) differ only by the fp16 encode
         for client, tensors in gpu["uploads"].items():
-            error = relative_error(tensors["latents"].float(), cpu["uploads"][client]["latents"].float())
+            error = relative_error(
+                tensors["latents"].float(), cpu["uploads"][client]["latents"].float()
+            )
             print(f"{client}: z(T) relative error GPU fp16 vs CPU float32 {error:.2e}")
             assert error < 0.02, (client, error)
     for client, images in gpu["images"].items():
@@ -100,7 +114,10 @@ def test_fp16_concept_gradients_on_the_gpu_match_fp32():
     raw = s_gradient(ldm, torch.float16, scaled=False, device="cuda")
     scaled = s_gradient(ldm, torch.float16, scaled=True, device="cuda")
     bf16 = s_gradient(ldm, torch.bfloat16, scaled=True, device="cuda")
-    errors = {name: relative_error(g, exact) for name, g in (("raw", raw), ("scaled", scaled), ("bf16", bf16))}
+    errors = {
+        name: relative_error(g, exact)
+        for name, g in (("raw", raw), ("scaled", scaled), ("bf16", bf16))
+    }
     print(f"S gradient relative error on the GPU: {errors}")
     assert errors["scaled"] < 0.01 and errors["bf16"] < 0.05
     assert errors["raw"] > 3 * errors["scaled"]

@@ -48,9 +48,25 @@ def demo(tmp_path_factory, tiny_model_dir):
     }
     env = flwr_env(work / "flwr-home")
     proc = subprocess.Popen(
-        [str(DEPLOY / "demo.sh"), "-n", str(NUM_SUPERNODES), "-p", str(port), "-k", "3",
-         "-t", "4", str(work), "--run-config", as_run_config(values)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(DEPLOY / "demo.sh"),
+            "-n",
+            str(NUM_SUPERNODES),
+            "-p",
+            str(port),
+            "-k",
+            "3",
+            "-t",
+            "4",
+            str(work),
+            "--run-config",
+            as_run_config(values),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         output, _ = proc.communicate(timeout=900)
@@ -60,8 +76,13 @@ def demo(tmp_path_factory, tiny_model_dir):
         stop_process_tree(proc.pid)
         for leftover in processes_mentioning(str(work)):
             stop_process_tree(leftover.pid)
-    return {"work": work, "returncode": proc.returncode, "output": output, "leftovers": leftovers,
-            "model": str(tiny_model_dir)}
+    return {
+        "work": work,
+        "returncode": proc.returncode,
+        "output": output,
+        "leftovers": leftovers,
+        "model": str(tiny_model_dir),
+    }
 
 
 def test_demo_runs_the_federation_to_completion(demo):
@@ -88,8 +109,15 @@ def test_demo_runs_the_federation_to_completion(demo):
     assert 0.0 <= record.evaluation.weighted_mean <= 1.0
     for i in range(NUM_SUPERNODES):
         client = ("sketch-0", "quickdraw-0", "painting-0")[i]
-        kept = (demo["work"] / "institutions" / f"institution-{i}" / "deployment" / "institutions"
-                / client / "classifier.safetensors")
+        kept = (
+            demo["work"]
+            / "institutions"
+            / f"institution-{i}"
+            / "deployment"
+            / "institutions"
+            / client
+            / "classifier.safetensors"
+        )
         assert kept.read_bytes() == (run / "classifier.safetensors").read_bytes()
 
 
@@ -109,8 +137,9 @@ def secured_superlink(tmp_path_factory):
     """A SuperLink with TLS and SuperNode auth; supernode-0's key is registered, supernode-1's not."""
     work = tmp_path_factory.mktemp("secured")
     creds = work / "credentials"
-    subprocess.run([str(DEPLOY / "make-credentials.sh"), str(creds), "2"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(DEPLOY / "make-credentials.sh"), str(creds), "2"], check=True, capture_output=True
+    )
     home = work / "flwr-home"
     home.mkdir()
     port = free_port()
@@ -124,24 +153,39 @@ def secured_superlink(tmp_path_factory):
     log = work / "superlink.log"
     with log.open("w") as out:
         superlink = subprocess.Popen(
-            [str(DEPLOY / "superlink.sh"), str(creds / "superlink"), "--host", "127.0.0.1",
-             "--port", str(port)],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
+            [
+                str(DEPLOY / "superlink.sh"),
+                str(creds / "superlink"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     started: list[subprocess.Popen] = [superlink]
     try:
         wait_for_port(port, superlink, log)
         flwr(env, "supernode", "register", str(creds / "supernode-0" / "node.key.pub"), "tls")
-        yield {"work": work, "creds": creds, "port": port, "env": env, "log": log,
-               "started": started}
+        yield {
+            "work": work,
+            "creds": creds,
+            "port": port,
+            "env": env,
+            "log": log,
+            "started": started,
+        }
     finally:
         for proc in reversed(started):
             stop_process_tree(proc.pid)
 
 
 def flwr(env: dict, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([FLWR, *args], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
+    proc = subprocess.run(
+        [FLWR, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     if check:
         assert proc.returncode == 0, f"flwr {' '.join(args)} failed:\n{proc.stdout}{proc.stderr}"
     return proc
@@ -156,8 +200,16 @@ def start_supernode(link: dict, name: str, args: list[str]) -> tuple[subprocess.
 
 
 def supernode_script(link: dict, node: str, runtime_port: int) -> list[str]:
-    return [str(DEPLOY / "supernode.sh"), str(link["creds"] / node), f"127.0.0.1:{link['port']}",
-            "partition-id=0", "--port", str(runtime_port), "--max-retries", "0"]
+    return [
+        str(DEPLOY / "supernode.sh"),
+        str(link["creds"] / node),
+        f"127.0.0.1:{link['port']}",
+        "partition-id=0",
+        "--port",
+        str(runtime_port),
+        "--max-retries",
+        "0",
+    ]
 
 
 def node_statuses(link: dict) -> list[str]:
@@ -167,8 +219,11 @@ def node_statuses(link: dict) -> list[str]:
 
 def test_registered_supernode_comes_online(secured_superlink):
     """The control for the refusals below: same SuperLink, registered key, CA certificate."""
-    proc, log = start_supernode(secured_superlink, "registered",
-                                supernode_script(secured_superlink, "supernode-0", free_port()))
+    proc, log = start_supernode(
+        secured_superlink,
+        "registered",
+        supernode_script(secured_superlink, "supernode-0", free_port()),
+    )
     deadline = time.monotonic() + 120
     while node_statuses(secured_superlink) != ["online"]:
         assert proc.poll() is None, log.read_text()[-4000:]
@@ -178,8 +233,11 @@ def test_registered_supernode_comes_online(secured_superlink):
 
 
 def test_unregistered_supernode_is_refused(secured_superlink):
-    proc, log = start_supernode(secured_superlink, "unregistered",
-                                supernode_script(secured_superlink, "supernode-1", free_port()))
+    proc, log = start_supernode(
+        secured_superlink,
+        "unregistered",
+        supernode_script(secured_superlink, "supernode-1", free_port()),
+    )
     assert proc.wait(timeout=120) != 0, "a SuperNode with an unregistered key kept running"
     assert "Failed to activate SuperNode" in log.read_text()
     assert "No SuperNode found with the given public key" in secured_superlink["log"].read_text()
@@ -189,12 +247,23 @@ def test_unregistered_supernode_is_refused(secured_superlink):
 def test_supernode_without_ca_certificate_cannot_connect(secured_superlink):
     """A registered key is not enough: without the CA the SuperLink's certificate is untrusted."""
     creds = secured_superlink["creds"] / "supernode-0"
-    proc, log = start_supernode(secured_superlink, "no-ca", [
-        str(Path(FLWR).with_name("flower-supernode")),
-        "--superlink", f"127.0.0.1:{secured_superlink['port']}",
-        "--auth-supernode-private-key", str(creds / "node.key"),
-        "--node-config", "partition-id=0", "--port", str(free_port()), "--max-retries", "0",
-    ])
+    proc, log = start_supernode(
+        secured_superlink,
+        "no-ca",
+        [
+            str(Path(FLWR).with_name("flower-supernode")),
+            "--superlink",
+            f"127.0.0.1:{secured_superlink['port']}",
+            "--auth-supernode-private-key",
+            str(creds / "node.key"),
+            "--node-config",
+            "partition-id=0",
+            "--port",
+            str(free_port()),
+            "--max-retries",
+            "0",
+        ],
+    )
     assert proc.wait(timeout=120) != 0, "a SuperNode without the CA certificate kept running"
     assert "CERTIFICATE_VERIFY_FAILED" in log.read_text()
 
@@ -210,30 +279,55 @@ def test_only_the_executor_with_the_secret_takes_the_serverapp_task(tmp_path):
     """Process isolation (compose): the Runtime API shares the SuperLink's port with the Fleet
     API, so the SuperExec secret is what keeps a stranger from acting as the ServerApp."""
     creds = tmp_path / "credentials"
-    subprocess.run([str(DEPLOY / "make-credentials.sh"), str(creds), "1"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(DEPLOY / "make-credentials.sh"), str(creds), "1"], check=True, capture_output=True
+    )
     secret = creds / "superlink" / "superexec.secret"
     port = free_port()
     env = flwr_env(tmp_path / "flwr-home")
-    executor = [str(Path(FLWR).with_name("flower-superexec")),
-                "--runtime-api-address", f"127.0.0.1:{port}",
-                "--root-certificates", str(creds / "ca" / "ca.crt")]
+    executor = [
+        str(Path(FLWR).with_name("flower-superexec")),
+        "--runtime-api-address",
+        f"127.0.0.1:{port}",
+        "--root-certificates",
+        str(creds / "ca" / "ca.crt"),
+    ]
     log = tmp_path / "superlink.log"
     started: list[subprocess.Popen] = []
     try:
         with log.open("w") as out:
-            started.append(subprocess.Popen(
-                [str(DEPLOY / "superlink.sh"), str(creds / "superlink"), "--host", "127.0.0.1",
-                 "--port", str(port), "--isolation", "process",
-                 "--superexec-auth-secret-file", str(secret)],
-                env=env, stdout=out, stderr=subprocess.STDOUT))
+            started.append(
+                subprocess.Popen(
+                    [
+                        str(DEPLOY / "superlink.sh"),
+                        str(creds / "superlink"),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--isolation",
+                        "process",
+                        "--superexec-auth-secret-file",
+                        str(secret),
+                    ],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         wait_for_port(port, started[0], log)
-        stranger = subprocess.run(executor, env=env, capture_output=True, text=True,
-                                  timeout=120, check=False)
+        stranger = subprocess.run(
+            executor, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
         assert "SuperExec authentication failed" in log.read_text(), stranger.stdout
-        started.append(subprocess.Popen([*executor, "--superexec-auth-secret-file", str(secret)],
-                                        env=env, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL))
+        started.append(
+            subprocess.Popen(
+                [*executor, "--superexec-auth-secret-file", str(secret)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         time.sleep(15)
         assert started[1].poll() is None, "the executor holding the secret stopped"
         assert log.read_text().count("SuperExec authentication failed") == 1

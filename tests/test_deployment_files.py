@@ -92,8 +92,12 @@ def credentials(tmp_path_factory):
     out = base / "out"
     proc = subprocess.run(
         [str(DEPLOY / "make-credentials.sh"), str(out), str(NUM_SUPERNODES), "superlink"],
-        env={**os.environ, "TMPDIR": str(scratch)}, capture_output=True, text=True,
-        timeout=120, check=False)
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, scratch
 
@@ -108,15 +112,22 @@ def test_make_credentials_hands_out_no_ca_key(credentials):
     assert not [p for p in out.rglob("*") if p.suffix == ".srl"]
     assert not any(scratch.iterdir()), "the CA's temporary folder was left behind"
     # The only private keys are the owners' own, in the owners' folders, readable by them only.
-    private = {str(p.relative_to(out)) for p in out.rglob("*")
-               if p.is_file() and b"PRIVATE KEY" in p.read_bytes()}
+    private = {
+        str(p.relative_to(out))
+        for p in out.rglob("*")
+        if p.is_file() and b"PRIVATE KEY" in p.read_bytes()
+    }
     owners = {"superlink/server.key", *(f"supernode-{i}/node.key" for i in range(NUM_SUPERNODES))}
     assert private == owners
     for key in owners:
         assert (out / key).stat().st_mode & 0o077 == 0, f"{key} is readable by others"
     assert files_under(out / "ca") == {"ca.crt"}
-    assert files_under(out / "superlink") == {"ca.crt", "server.pem", "server.key",
-                                              "superexec.secret"}
+    assert files_under(out / "superlink") == {
+        "ca.crt",
+        "server.pem",
+        "server.key",
+        "superexec.secret",
+    }
     for i in range(NUM_SUPERNODES):
         assert files_under(out / f"supernode-{i}") == {"ca.crt", "node.key", "node.key.pub"}
 
@@ -124,13 +135,29 @@ def test_make_credentials_hands_out_no_ca_key(credentials):
 def test_make_credentials_certificate_still_verifies(credentials):
     out, _ = credentials
     for ca in [out / "ca" / "ca.crt", out / "superlink" / "ca.crt", out / "supernode-0" / "ca.crt"]:
-        proc = subprocess.run(["openssl", "verify", "-CAfile", str(ca),
-                               str(out / "superlink" / "server.pem")],
-                              capture_output=True, text=True, timeout=30, check=False)
+        proc = subprocess.run(
+            ["openssl", "verify", "-CAfile", str(ca), str(out / "superlink" / "server.pem")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert proc.returncode == 0 and ": OK" in proc.stdout, proc.stdout + proc.stderr
-    sans = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
-                           str(out / "superlink" / "server.pem")],
-                          capture_output=True, text=True, timeout=30, check=True).stdout
+    sans = subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-noout",
+            "-ext",
+            "subjectAltName",
+            "-in",
+            str(out / "superlink" / "server.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     assert all(name in sans for name in ("DNS:localhost", "IP Address:127.0.0.1", "DNS:superlink"))
 
 
@@ -140,8 +167,10 @@ def fake_superlink(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "flower-superlink"
-    fake.write_text('#!/usr/bin/env bash\n'
-                    'echo "FAKE-SUPERLINK $* grpc=${FLWR_INTERNAL_GRPC_CONTROL_API:-unset}"\n')
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'echo "FAKE-SUPERLINK $* grpc=${FLWR_INTERNAL_GRPC_CONTROL_API:-unset}"\n'
+    )
     fake.chmod(0o755)
     creds = tmp_path / "superlink"
     creds.mkdir()
@@ -152,7 +181,11 @@ def fake_superlink(tmp_path):
         return subprocess.run(
             [str(DEPLOY / "superlink.sh"), str(creds), *args],
             env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env},
-            capture_output=True, text=True, timeout=30, check=False)
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
 
     return run
 

@@ -22,8 +22,12 @@ def test_the_readme_starts_with_two_commands_and_ci_runs_the_second():
 
 
 # Flower's own --federation-config keys that the docs use; "key" is the docs' placeholder.
-FEDERATION_KEYS = {"num-supernodes", "client-resources-num-cpus", "client-resources-num-gpus",
-                   "init-args-num-cpus"}  # fmt: skip
+FEDERATION_KEYS = {
+    "num-supernodes",
+    "client-resources-num-cpus",
+    "client-resources-num-gpus",
+    "init-args-num-cpus",
+}
 PLACEHOLDERS = {"key"}
 
 
@@ -42,8 +46,12 @@ def test_every_config_key_the_docs_set_is_one_the_config_accepts():
 
     known = set(FedBiPConfig().to_flat()) | NodeConfig.keys()
     known |= FEDERATION_KEYS | PLACEHOLDERS
-    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").glob("*.sh"),
-             ROOT / "docker" / "compose.yaml"]  # fmt: skip
+    texts = [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        *(ROOT / "deploy").glob("*.sh"),
+        ROOT / "docker" / "compose.yaml",
+    ]
     unknown = {
         f"{path.relative_to(ROOT)}: {key}"
         for path in texts

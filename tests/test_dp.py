@@ -50,12 +50,16 @@ def epsilon_for(sigma: float, delta: float, releases: int = 1) -> float:
 
 def balle_wang_delta(epsilon: float, sigma: float) -> float:
     """delta(eps) of one Gaussian mechanism, sensitivity 1, noise std sigma."""
-    return norm.cdf(-epsilon * sigma + 1 / (2 * sigma)) - math.exp(epsilon) * norm.cdf(-epsilon * sigma - 1 / (2 * sigma))
+    return norm.cdf(-epsilon * sigma + 1 / (2 * sigma)) - math.exp(epsilon) * norm.cdf(
+        -epsilon * sigma - 1 / (2 * sigma)
+    )
 
 
 @pytest.mark.parametrize("sigma", [0.8, 1.5, 4.0])
 @pytest.mark.parametrize("epsilon", [0.25, 1.0])  # deltas 3e-6 .. 0.4
-def test_epsilon_matches_the_closed_form_of_the_gaussian_mechanism(sigma: float, epsilon: float) -> None:
+def test_epsilon_matches_the_closed_form_of_the_gaussian_mechanism(
+    sigma: float, epsilon: float
+) -> None:
     delta = balle_wang_delta(epsilon, sigma)
     assert epsilon_for(sigma, delta) == pytest.approx(epsilon, rel=1e-3)
 
@@ -98,7 +102,10 @@ def test_noise_std_follows_the_clip_and_the_budget() -> None:
     clip, epsilon, width, draws = 2.0, 3.0, 4000, 5  # C^2 != C tells the two sums' noise apart
     rows = clip_rows(torch.randn(6, width, generator=torch.Generator().manual_seed(0)), clip)
     generator = torch.Generator().manual_seed(1)
-    estimates = [noisy_estimate(rows, gaussian_guarantee(clip, epsilon, DELTA), generator) for _ in range(draws)]
+    estimates = [
+        noisy_estimate(rows, gaussian_guarantee(clip, epsilon, DELTA), generator)
+        for _ in range(draws)
+    ]
     sigma = noise_multiplier_for(epsilon, DELTA, 3)
     guarantee = estimates[0].guarantee
     assert (guarantee.noise_multiplier, guarantee.releases, guarantee.clip) == (sigma, 3, clip)
@@ -112,24 +119,41 @@ def test_noise_std_follows_the_clip_and_the_budget() -> None:
     assert square_noise.std().item() == pytest.approx(sigma * clip**2, rel=0.03)
     # the count's noise, one draw per release: 2,000 draws, 1.6 % per standard error, 5 % is 3
     few = rows[:, :1]
-    counts = torch.tensor([noisy_estimate(few, gaussian_guarantee(clip, epsilon, DELTA), generator).count for _ in range(2000)])
+    counts = torch.tensor(
+        [
+            noisy_estimate(few, gaussian_guarantee(clip, epsilon, DELTA), generator).count
+            for _ in range(2000)
+        ]
+    )
     assert (counts - len(rows)).std().item() == pytest.approx(sigma, rel=0.05)
 
 
 def test_exact_count_is_left_out_of_the_guarantee() -> None:
     rows = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
-    estimate = noisy_estimate(rows, gaussian_guarantee(1.0, 3.0, DELTA, noise_count=False), torch.Generator().manual_seed(1))
+    estimate = noisy_estimate(
+        rows,
+        gaussian_guarantee(1.0, 3.0, DELTA, noise_count=False),
+        torch.Generator().manual_seed(1),
+    )
     assert estimate.count == 6.0
     assert estimate.guarantee.covers == ("sum", "sum of squares")
     assert estimate.guarantee.releases == 2
-    assert estimate.guarantee.noise_multiplier == noise_multiplier_for(3.0, DELTA, 2) < noise_multiplier_for(3.0, DELTA, 3)
+    assert (
+        estimate.guarantee.noise_multiplier
+        == noise_multiplier_for(3.0, DELTA, 2)
+        < noise_multiplier_for(3.0, DELTA, 3)
+    )
 
 
 def test_huge_epsilon_gives_the_clipped_moments() -> None:
     clip = 1.0
-    rows = 0.5 * torch.randn(4000, 8, generator=torch.Generator().manual_seed(0))  # norms ~1.4: most clipped
+    rows = 0.5 * torch.randn(
+        4000, 8, generator=torch.Generator().manual_seed(0)
+    )  # norms ~1.4: most clipped
     clipped = clip_rows(rows, clip)
-    estimate = noisy_estimate(rows, gaussian_guarantee(clip, 20.0, DELTA), torch.Generator().manual_seed(1))
+    estimate = noisy_estimate(
+        rows, gaussian_guarantee(clip, 20.0, DELTA), torch.Generator().manual_seed(1)
+    )
     # noise on the mean and on E[x^2]: sigma * C / n and sigma * C^2 / n, about 1.3e-4 here
     tolerance = 2e-3
     assert (estimate.mean() - clipped.mean(0)).abs().max() < tolerance
@@ -139,20 +163,34 @@ def test_huge_epsilon_gives_the_clipped_moments() -> None:
 
 
 def test_variance_is_floored_where_noise_makes_it_negative() -> None:
-    rows = torch.full((4, 500), 0.1)  # true variance 0: noise sends about half the coordinates below
-    variance = noisy_estimate(rows, gaussian_guarantee(1.0, 1.0, DELTA), torch.Generator().manual_seed(0)).variance()
+    rows = torch.full(
+        (4, 500), 0.1
+    )  # true variance 0: noise sends about half the coordinates below
+    variance = noisy_estimate(
+        rows, gaussian_guarantee(1.0, 1.0, DELTA), torch.Generator().manual_seed(0)
+    ).variance()
     assert (variance >= VARIANCE_FLOOR).all()
     assert (variance == VARIANCE_FLOOR).any()
 
 
 @pytest.mark.parametrize(
     ("clip", "epsilon", "delta"),
-    [(0.0, 1.0, DELTA), (-1.0, 1.0, DELTA), (1.0, 0.0, DELTA), (1.0, -2.0, DELTA),
-     (1.0, math.inf, DELTA), (1.0, 1.0, 0.0), (1.0, 1.0, 1.0), (1.0, 1.0, -0.1)],
-)  # fmt: skip
+    [
+        (0.0, 1.0, DELTA),
+        (-1.0, 1.0, DELTA),
+        (1.0, 0.0, DELTA),
+        (1.0, -2.0, DELTA),
+        (1.0, math.inf, DELTA),
+        (1.0, 1.0, 0.0),
+        (1.0, 1.0, 1.0),
+        (1.0, 1.0, -0.1),
+    ],
+)
 def test_bad_arguments_raise(clip: float, epsilon: float, delta: float) -> None:
     with pytest.raises(ValueError, match="must"):
-        noisy_estimate(torch.ones(2, 3), gaussian_guarantee(clip, epsilon, delta), torch.Generator())
+        noisy_estimate(
+            torch.ones(2, 3), gaussian_guarantee(clip, epsilon, delta), torch.Generator()
+        )
 
 
 def test_bad_accounting_arguments_raise() -> None:
@@ -168,7 +206,9 @@ def test_bad_accounting_arguments_raise() -> None:
 
 def test_a_mean_only_release_composes_two_mechanisms_and_has_no_variance():
     rows = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
-    estimate = noisy_estimate(rows, gaussian_guarantee(2.0, 4.0, 1e-5, squares=False), torch.Generator().manual_seed(1))
+    estimate = noisy_estimate(
+        rows, gaussian_guarantee(2.0, 4.0, 1e-5, squares=False), torch.Generator().manual_seed(1)
+    )
     assert estimate.sum_squares is None and estimate.guarantee.covers == ("sum", "count")
     assert estimate.guarantee.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 2))
     with pytest.raises(ValueError, match="no sum of squares"):
@@ -197,12 +237,18 @@ def poisson_gaussian_delta(epsilon: float, q: float, sigma: float) -> float:
     return max(remove, add)
 
 
-@pytest.mark.parametrize(("q", "sigma", "epsilon"), [(0.08, 1.0, 0.5), (0.01, 0.8, 1.0), (0.5, 2.0, 0.3)])
-def test_one_dp_sgd_step_matches_the_exact_profile_of_the_poisson_sampled_gaussian(q, sigma, epsilon) -> None:
+@pytest.mark.parametrize(
+    ("q", "sigma", "epsilon"), [(0.08, 1.0, 0.5), (0.01, 0.8, 1.0), (0.5, 2.0, 0.3)]
+)
+def test_one_dp_sgd_step_matches_the_exact_profile_of_the_poisson_sampled_gaussian(
+    q, sigma, epsilon
+) -> None:
     delta = poisson_gaussian_delta(epsilon, q, sigma)
     assert 1e-12 < delta < 0.5
     # the accountant's epsilon is a pessimistic bound: at or a hair above the exact one
-    assert composed_epsilon(delta, dp_sgd_event(q, sigma, 1)) == pytest.approx(epsilon, rel=1e-2, abs=2e-3)
+    assert composed_epsilon(delta, dp_sgd_event(q, sigma, 1)) == pytest.approx(
+        epsilon, rel=1e-2, abs=2e-3
+    )
     assert composed_epsilon(delta, dp_sgd_event(q, sigma, 1)) >= epsilon * (1 - 1e-3)
 
 
@@ -211,7 +257,9 @@ def test_full_batch_dp_sgd_is_composed_gaussians() -> None:
     noise multiplier sigma / sqrt(k) (closed form above)."""
     sigma, steps, epsilon = 4.0, 16, 1.0
     delta = balle_wang_delta(epsilon, sigma / math.sqrt(steps))
-    assert composed_epsilon(delta, dp_sgd_event(1.0, sigma, steps)) == pytest.approx(epsilon, rel=1e-3)
+    assert composed_epsilon(delta, dp_sgd_event(1.0, sigma, steps)) == pytest.approx(
+        epsilon, rel=1e-3
+    )
 
 
 def test_dp_sgd_over_many_steps_is_below_rdp_and_abadi_et_al() -> None:
@@ -240,8 +288,10 @@ def test_steps_per_epoch_take_each_image_once_in_expectation() -> None:
 def test_one_budget_for_dp_sgd_and_the_statistics_is_met_by_their_composition(epsilon) -> None:
     budget = split_budget(epsilon, DELTA, 0.5, 0.08, 130, 2)
     recomputed = composed_epsilon(
-        DELTA, dp_sgd_event(0.08, budget.sgd_noise_multiplier, 130), gaussian_releases(budget.stats_noise_multiplier, 2)
-    )  # fmt: skip
+        DELTA,
+        dp_sgd_event(0.08, budget.sgd_noise_multiplier, 130),
+        gaussian_releases(budget.stats_noise_multiplier, 2),
+    )
     assert budget.epsilon == recomputed
     assert epsilon * (1 - 1e-3) < budget.epsilon <= epsilon  # all of it spent, never more
     # each part alone is cheaper than the whole, and composing beats adding halves
@@ -251,7 +301,10 @@ def test_one_budget_for_dp_sgd_and_the_statistics_is_met_by_their_composition(ep
 
 
 def test_a_larger_concept_share_gives_dp_sgd_less_noise_and_the_statistics_more() -> None:
-    low, high = split_budget(4.0, DELTA, 0.3, 0.08, 130, 2), split_budget(4.0, DELTA, 0.7, 0.08, 130, 2)
+    low, high = (
+        split_budget(4.0, DELTA, 0.3, 0.08, 130, 2),
+        split_budget(4.0, DELTA, 0.7, 0.08, 130, 2),
+    )
     assert high.sgd_noise_multiplier < low.sgd_noise_multiplier
     assert high.stats_noise_multiplier > low.stats_noise_multiplier
     with pytest.raises(ValueError, match="sgd_share"):
@@ -266,12 +319,17 @@ def test_a_larger_concept_share_gives_dp_sgd_less_noise_and_the_statistics_more(
 def make_concept_problem(ldm):
     """Learn_concepts' loss on 4 random latents of 3 classes, with each image's t and noise, in
     the dtype of ``ldm``'s weights."""
-    layout = prompt_layout(ldm.tokenizer, "a {S} of a {V}", 1, 1, "sketch", ["circle", "zebra", "star"])
+    layout = prompt_layout(
+        ldm.tokenizer, "a {S} of a {V}", 1, 1, "sketch", ["circle", "zebra", "star"]
+    )
     s0, v0 = (c.to(ldm.dtype) for c in initial_concepts(ldm, layout, "token"))
     g = torch.Generator().manual_seed(0)
     z0 = torch.randn(4, *ldm.latent_shape(16), generator=g, dtype=torch.float64).to(ldm.dtype)
     labels = torch.tensor([0, 1, 2, 1])
-    t, noise = torch.randint(1, 1000, (4,), generator=g), torch.randn(z0.shape, generator=g, dtype=torch.float64).to(ldm.dtype)
+    t, noise = (
+        torch.randint(1, 1000, (4,), generator=g),
+        torch.randn(z0.shape, generator=g, dtype=torch.float64).to(ldm.dtype),
+    )
     shifts = [torch.zeros_like(s0), torch.zeros_like(v0)]
     loss = concept_batch_loss(ldm, layout, "token", z0, labels)
     return loss, [s0, v0], shifts, concept_scale(ldm, "token"), t, noise, layout
@@ -286,7 +344,9 @@ def clipped_sum(problem, images: list[int], clip: float) -> torch.Tensor:
     """private_gradient's sum over ``images``, two at a time, flat."""
     loss, starts, shifts, scale, t, noise, _ = problem
     batch = torch.tensor(images)
-    grads, _ = private_gradient(loss, starts, shifts, scale, batch, t[batch], noise[batch], clip, chunk=2)
+    grads, _ = private_gradient(
+        loss, starts, shifts, scale, batch, t[batch], noise[batch], clip, chunk=2
+    )
     return torch.cat([g.flatten() for g in grads])
 
 
@@ -305,7 +365,12 @@ def test_each_images_gradient_is_its_own_as_in_a_batch_of_one(tiny_ldm) -> None:
     alone = []
     for i in range(4):
         copies = [u.clone().requires_grad_(True) for u in shifts]
-        value = loss([c + scale * u for c, u in zip(starts, copies, strict=True)], torch.tensor([i]), t[i:i + 1], noise[i:i + 1])
+        value = loss(
+            [c + scale * u for c, u in zip(starts, copies, strict=True)],
+            torch.tensor([i]),
+            t[i : i + 1],
+            noise[i : i + 1],
+        )
         alone.append(torch.cat([g.flatten() for g in torch.autograd.grad(value, copies)]))
     summed, expected = clipped_sum(problem, [0, 1, 2, 3], clip=1e6), torch.stack(alone).sum(0)
     assert summed.dtype == torch.float64
@@ -319,19 +384,27 @@ def test_removing_one_image_moves_the_clipped_sum_by_at_most_the_clip(concept_pr
     everyone = clipped_sum(concept_problem, [0, 1, 2, 3], clip)
     for i in (0, 3):  # a class held once and one held twice
         others = [j for j in range(4) if j != i]
-        assert (everyone - clipped_sum(concept_problem, others, clip)).norm().item() == pytest.approx(clip, rel=1e-3)
+        assert (
+            everyone - clipped_sum(concept_problem, others, clip)
+        ).norm().item() == pytest.approx(clip, rel=1e-3)
         unclipped = clipped_sum(concept_problem, [i], clip=1e6).norm().item()
         assert unclipped > 10 * clip, "without the clip one image would move it further"
 
 
-def test_dp_sgd_noise_has_std_sigma_times_clip_on_the_trainable_coordinates(concept_problem) -> None:
+def test_dp_sgd_noise_has_std_sigma_times_clip_on_the_trainable_coordinates(
+    concept_problem,
+) -> None:
     """An empty Poisson sample: the gradient is the noise alone. V's rows past a class's tokens
     (zebra spells 5 tokens here, circle and star 1) get none."""
     loss, starts, shifts, scale, t, noise, layout = concept_problem
     empty = torch.tensor([], dtype=torch.int64)
-    zero, loss_sum = private_gradient(loss, starts, shifts, scale, empty, t[empty], noise[empty], 0.5, 2)
+    zero, loss_sum = private_gradient(
+        loss, starts, shifts, scale, empty, t[empty], noise[empty], 0.5, 2
+    )
     assert loss_sum == 0 and all(not g.any() for g in zero)
-    privacy = DPSGD(0.1, 10, noise_multiplier=1.5, clip=0.5, trainable=(None, layout.v_mask.unsqueeze(-1)))
+    privacy = DPSGD(
+        0.1, 10, noise_multiplier=1.5, clip=0.5, trainable=(None, layout.v_mask.unsqueeze(-1))
+    )
     generator = torch.Generator().manual_seed(0)
     draws = [add_gradient_noise(zero, privacy, generator) for _ in range(200)]
     s_noise = torch.stack([d[0] for d in draws])

@@ -50,14 +50,20 @@ def folder_without_test(tmp_path: Path) -> Path:
 # --- the held-out split --------------------------------------------------------------------------
 
 
-def test_adding_a_file_moves_no_other_file_between_train_and_test(folder_without_test: Path) -> None:
+def test_adding_a_file_moves_no_other_file_between_train_and_test(
+    folder_without_test: Path,
+) -> None:
     """Under add/remove one image, the split of every other image must not change: a DP
     guarantee per image of the folder needs it (a permutation of the class moves several)."""
     before = own_folder_split(folder_without_test, CLASSES)
     extra = shapes.render("circle", "sketch", np.random.default_rng(99), SIZE)
     Image.fromarray(extra).save(folder_without_test / "train" / "circle" / "extra.png")
     after = own_folder_split(folder_without_test, CLASSES)
-    new = {np.asarray(Image.open(folder_without_test / "train" / "circle" / "extra.png").convert("RGB")).tobytes()}
+    new = {
+        np.asarray(
+            Image.open(folder_without_test / "train" / "circle" / "extra.png").convert("RGB")
+        ).tobytes()
+    }
     assert _pixels(after.test) - new == _pixels(before.test)
     assert _pixels(after.train) - new == _pixels(before.train)
 
@@ -66,19 +72,35 @@ def test_about_a_fifth_of_the_files_are_held_out(folder_without_test: Path) -> N
     split = own_folder_split(folder_without_test, CLASSES)
     n = len(split.train) + len(split.test)
     # Binomial(120, 0.2): mean 24, sd 4.4; this band fails with probability below 1e-5
-    assert abs(len(split.test) - TEST_FRACTION * n) < 5 * (n * TEST_FRACTION * (1 - TEST_FRACTION)) ** 0.5
+    assert (
+        abs(len(split.test) - TEST_FRACTION * n)
+        < 5 * (n * TEST_FRACTION * (1 - TEST_FRACTION)) ** 0.5
+    )
 
 
 # --- the evaluation reply ------------------------------------------------------------------------
 
 
-def _evaluate_reply(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: dict) -> Message:
+def _evaluate_reply(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: dict
+) -> Message:
     """The ClientApp's own evaluate step on a random classifier sent as the server sends it."""
     for field in ("_task_id", "_run_id", "_node_id"):  # what a SuperNode's runtime sets
         monkeypatch.setattr(TaskIdentity, field, 1)
-    config = {**project_run_config(), "dataset": "imagefolder", "classes": ",".join(CLASSES), "image-size": SIZE,
-              "classifier-image-size": 32, **run}  # fmt: skip
-    node = {"data-root": str(folder), "domain": "sketch", "client-id": "inst", "output-dir": str(tmp_path / "out")}
+    config = {
+        **project_run_config(),
+        "dataset": "imagefolder",
+        "classes": ",".join(CLASSES),
+        "image-size": SIZE,
+        "classifier-image-size": 32,
+        **run,
+    }
+    node = {
+        "data-root": str(folder),
+        "domain": "sketch",
+        "client-id": "inst",
+        "output-dir": str(tmp_path / "out"),
+    }
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=config)
     classifier = safetensors_bytes(dict(build_classifier(len(CLASSES), "random").state_dict()))
     content = evaluate_content(blob_record(classifier), ConfigRecord({RUN_FOLDER: "run-1"}))
@@ -91,7 +113,9 @@ def test_a_dp_institution_replies_its_accuracy_alone(
 ) -> None:
     """Its held-out counts per class are round(0.2 n_c) of the class counts the release adds
     noise to; a full-precision accuracy names its denominator. The server takes the reply."""
-    reply = _evaluate_reply(folder_without_test, tmp_path, monkeypatch, {"method": "fedld", "fedld.dp-epsilon": 4.0})
+    reply = _evaluate_reply(
+        folder_without_test, tmp_path, monkeypatch, {"method": "fedld", "fedld.dp-epsilon": 4.0}
+    )
     sent = reply_metrics(reply)
     assert set(sent) == {"accuracy"} and round(sent["accuracy"], 2) == sent["accuracy"]
     score = _scores(reply, ScoreBounds(classes=len(CLASSES), max_examples=1000, private=True))
@@ -104,11 +128,18 @@ def test_a_plain_institution_still_replies_its_counts(
     folder_without_test: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reply = _evaluate_reply(folder_without_test, tmp_path, monkeypatch, {"method": "fedld"})
-    assert set(reply_metrics(reply)) == {"accuracy", "num-examples", "per-class-correct", "per-class-total"}
+    assert set(reply_metrics(reply)) == {
+        "accuracy",
+        "num-examples",
+        "per-class-correct",
+        "per-class-total",
+    }
 
 
 def test_the_mean_of_scores_without_counts_is_unweighted() -> None:
-    counted = Scored(accuracy=0.5, num_examples=30, per_class_correct=[15, 0], per_class_total=[15, 15])
+    counted = Scored(
+        accuracy=0.5, num_examples=30, per_class_correct=[15, 0], per_class_total=[15, 15]
+    )
     assert weighted_mean({"a": counted, "b": Scored(accuracy=0.91)}) == pytest.approx(0.705)
     assert weighted_mean({"a": counted, "b": counted}) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="together or not at all"):
@@ -140,8 +171,19 @@ def _epoch(loss, n: int, privacy: DPSGD, batch_size: int, seed: int = 0) -> torc
     returns u afterwards."""
     shift = torch.zeros(4000, requires_grad=True)
     optimizer = torch.optim.SGD([shift], lr=1.0)
-    _private_epoch(optimizer, loss, [torch.zeros(4000)], [shift], torch.Size([n, 1]), 10, 1.0, batch_size,
-                   privacy, torch.Generator().manual_seed(seed), 1.0)  # fmt: skip
+    _private_epoch(
+        optimizer,
+        loss,
+        [torch.zeros(4000)],
+        [shift],
+        torch.Size([n, 1]),
+        10,
+        1.0,
+        batch_size,
+        privacy,
+        torch.Generator().manual_seed(seed),
+        1.0,
+    )
     return shift.detach()
 
 
@@ -163,7 +205,9 @@ def test_dp_sgd_batches_are_poisson_samples() -> None:
 def test_dp_sgd_adds_noise_of_sigma_times_clip() -> None:
     """With every image's gradient 0, one step moves u by the noise alone: std sigma C / B."""
     privacy = DPSGD(sample_rate=0.1, steps_per_epoch=1, noise_multiplier=2.0, clip=0.5)
-    moved = _epoch(lambda shifts, batch, t, noise: (shifts[0] * 0).sum(), 100, privacy, batch_size=10)
+    moved = _epoch(
+        lambda shifts, batch, t, noise: (shifts[0] * 0).sum(), 100, privacy, batch_size=10
+    )
     assert moved.std().item() == pytest.approx(2.0 * 0.5 / 10, rel=0.1)
 
 

@@ -52,8 +52,15 @@ def one_thread():
 
 
 def config(tiny_model_dir, **values) -> FedBiPConfig:
-    return method_config("fedavg", model=str(tiny_model_dir), **{"fedavg.part": "head", "fedavg.local-epochs": 2,
-                                                                  **{f"fedavg.{k}": v for k, v in values.items()}})  # fmt: skip
+    return method_config(
+        "fedavg",
+        model=str(tiny_model_dir),
+        **{
+            "fedavg.part": "head",
+            "fedavg.local-epochs": 2,
+            **{f"fedavg.{k}": v for k, v in values.items()},
+        },
+    )
 
 
 def method(cfg: FedBiPConfig) -> fedavg.FedAvg:
@@ -68,7 +75,9 @@ def global_head(cfg: FedBiPConfig) -> dict[str, torch.Tensor]:
 def message(arrays, cfg: FedBiPConfig, kind: str = MessageType.TRAIN, **config) -> Message:
     """A train or evaluate message as Flower's FedAvg sends it under part = head."""
     sent = {fedavg.ENCODER: encoder_identity(cfg.model)[0], fedavg.ROUND: 1, **config}
-    content = RecordDict({fedavg.CONFIG: ConfigRecord({k: v for k, v in sent.items() if v is not None})})
+    content = RecordDict(
+        {fedavg.CONFIG: ConfigRecord({k: v for k, v in sent.items() if v is not None})}
+    )
     if arrays is not None:
         content[fedavg.ARRAYS] = arrays if isinstance(arrays, ArrayRecord) else ArrayRecord(arrays)
     return delivered(content, kind, src=0, dst=1)
@@ -81,9 +90,16 @@ def reply(node: int, content: RecordDict) -> Message:
 
 def delivered(content: RecordDict, kind: str, src: int, dst: int) -> Message:
     metadata = Metadata(
-        run_id=1, message_id="", src_node_id=src, dst_node_id=dst, reply_to_message_id="" if src == 0 else "m",
-        group_id="1", created_at=time.time(), ttl=3600, message_type=kind,
-    )  # fmt: skip
+        run_id=1,
+        message_id="",
+        src_node_id=src,
+        dst_node_id=dst,
+        reply_to_message_id="" if src == 0 else "m",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600,
+        message_type=kind,
+    )
     return Message(content, metadata=metadata)
 
 
@@ -112,16 +128,24 @@ def test_a_head_round_trains_the_global_head_on_the_frozen_encoders_features_and
     sent = method(cfg).client_round(message(start, cfg), cfg, NODE, CPU)
 
     data = dataset.institution_data(cfg.data, NODE)
-    assert torch.equal(seen["features"], public_encoder(tiny_model_dir, cfg.classifier_image_size)(data.images))
+    assert torch.equal(
+        seen["features"], public_encoder(tiny_model_dir, cfg.classifier_image_size)(data.images)
+    )
     assert torch.equal(seen["labels"], data.labels)
     assert all(torch.equal(seen["start"][k], start[k]) for k in start), "from the global head"
-    assert seen["epochs"] == 2 and seen["recipe"] == cfg.settings_of("fedpft"), "FedPFT's head recipe"
+    assert seen["epochs"] == 2 and seen["recipe"] == cfg.settings_of("fedpft"), (
+        "FedPFT's head recipe"
+    )
     assert sorted(sent.keys()) == [fedavg.ARRAYS, fedavg.METRICS]
     arrays = sent[fedavg.ARRAYS].to_torch_state_dict()
     assert {k: (v.dtype, tuple(v.shape)) for k, v in arrays.items()} == {
-        "weight": (torch.float32, (C, D)), "bias": (torch.float32, (C,))}  # fmt: skip
+        "weight": (torch.float32, (C, D)),
+        "bias": (torch.float32, (C,)),
+    }
     assert not torch.equal(arrays["weight"], start["weight"]), "the head moved"
-    assert sum(len(a.data) for a in sent[fedavg.ARRAYS].values()) < 16_000, "kilobytes, not the backbone"
+    assert sum(len(a.data) for a in sent[fedavg.ARRAYS].values()) < 16_000, (
+        "kilobytes, not the backbone"
+    )
     assert dict(sent[fedavg.METRICS]) == {SENT_IMAGES: len(data)}
     assert backbone_path(tiny_model_dir).read_bytes() == backbone_bytes, "the encoder stays frozen"
     # the server's check takes the reply; the global classifier is the frozen backbone + that head
@@ -137,8 +161,12 @@ def test_each_round_shuffles_anew_and_a_replayed_round_is_the_same(tiny_model_di
     """The round's seed is the round-th draw of the client's own stream (replayable here)."""
     cfg = config(tiny_model_dir)
     start = global_head(cfg)
-    heads = [method(cfg).client_round(message(start, cfg, **{fedavg.ROUND: r}), cfg, NODE, CPU)[fedavg.ARRAYS]
-             for r in (1, 1, 2)]  # fmt: skip
+    heads = [
+        method(cfg).client_round(message(start, cfg, **{fedavg.ROUND: r}), cfg, NODE, CPU)[
+            fedavg.ARRAYS
+        ]
+        for r in (1, 1, 2)
+    ]
     first, again, second = (h.to_torch_state_dict()["weight"] for h in heads)
     assert torch.equal(first, again) and not torch.equal(first, second)
 
@@ -149,7 +177,9 @@ def test_the_head_learns_separable_features_and_two_averaged_clients_do_too():
 
     def draw(n):
         labels = torch.arange(C).repeat(n)
-        return (centres[labels] + 0.5 * torch.randn(len(labels), D, generator=generator)).clamp(min=0), labels
+        return (centres[labels] + 0.5 * torch.randn(len(labels), D, generator=generator)).clamp(
+            min=0
+        ), labels
 
     test_x, test_y = draw(50)
     recipe = FedPFTSettings()
@@ -165,10 +195,21 @@ def test_the_head_learns_separable_features_and_two_averaged_clients_do_too():
         counts.append(len(y))
         assert float((head(test_x).argmax(1) == test_y).float().mean()) > 0.9
     # Flower's FedAvg (through the checks) averages them, weighted by the image counts
-    strategy = fedavg.CheckedFedAvg(start.state_dict(), 1000, min_train_nodes=1, min_available_nodes=1)
-    replies = [reply(i + 1, RecordDict({fedavg.ARRAYS: ArrayRecord(h.state_dict()),
-                                        fedavg.METRICS: MetricRecord({SENT_IMAGES: n})}))
-               for i, (h, n) in enumerate(zip(heads, counts, strict=True))]  # fmt: skip
+    strategy = fedavg.CheckedFedAvg(
+        start.state_dict(), 1000, min_train_nodes=1, min_available_nodes=1
+    )
+    replies = [
+        reply(
+            i + 1,
+            RecordDict(
+                {
+                    fedavg.ARRAYS: ArrayRecord(h.state_dict()),
+                    fedavg.METRICS: MetricRecord({SENT_IMAGES: n}),
+                }
+            ),
+        )
+        for i, (h, n) in enumerate(zip(heads, counts, strict=True))
+    ]
     averaged, _ = strategy.aggregate_train(1, replies)
     mean = nn.Linear(D, C)
     mean.load_state_dict(fedavg.checked_arrays(averaged, start.state_dict(), "the average"))
@@ -188,18 +229,29 @@ def _wrong(change):
 
 
 MALFORMED_HEADS = {
-    "a class too many": (_wrong(lambda h: h.update(weight=torch.zeros(C + 1, D))),
-                         r"'weight' has shape \[7, 512\], expected \[6, 512\]"),
-    "another feature size": (_wrong(lambda h: h.update(weight=torch.zeros(C, 2048))),
-                             r"'weight' has shape \[6, 2048\], expected \[6, 512\]"),
-    "the model's own names": (_wrong(lambda h: h.update({"fc.weight": h.pop("weight")})),
-                              r"lack \['weight'\] and hold \['fc.weight'\]"),
+    "a class too many": (
+        _wrong(lambda h: h.update(weight=torch.zeros(C + 1, D))),
+        r"'weight' has shape \[7, 512\], expected \[6, 512\]",
+    ),
+    "another feature size": (
+        _wrong(lambda h: h.update(weight=torch.zeros(C, 2048))),
+        r"'weight' has shape \[6, 2048\], expected \[6, 512\]",
+    ),
+    "the model's own names": (
+        _wrong(lambda h: h.update({"fc.weight": h.pop("weight")})),
+        r"lack \['weight'\] and hold \['fc.weight'\]",
+    ),
     "no bias": (_wrong(lambda h: h.pop("bias")), r"lack \['bias'\]"),
-    "float64": (_wrong(lambda h: h.update(bias=h["bias"].double())), "'bias' must be float32, got float64"),
+    "float64": (
+        _wrong(lambda h: h.update(bias=h["bias"].double())),
+        "'bias' must be float32, got float64",
+    ),
     "NaN": (_wrong(lambda h: h["weight"].__setitem__((0, 0), math.nan)), "NaN or Inf"),
-    "a backbone besides": (_wrong(lambda h: h.update({f"layer{i}": torch.zeros(1) for i in range(9)})),
-                           r"hold \['layer0', .*\(9 in all\)"),
-}  # fmt: skip
+    "a backbone besides": (
+        _wrong(lambda h: h.update({f"layer{i}": torch.zeros(1) for i in range(9)})),
+        r"hold \['layer0', .*\(9 in all\)",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", MALFORMED_HEADS)
@@ -210,33 +262,50 @@ def test_a_malformed_global_head_is_refused_before_it_is_loaded(tiny_model_dir, 
     with pytest.raises(PayloadError, match=f"the server's global head.*{reason}"):
         method(cfg).client_round(bad, cfg, NODE, CPU)
     with pytest.raises(PayloadError, match=f"the server's global head.*{reason}"):
-        method(cfg).client_evaluate(message(make(global_head(cfg)), cfg, MessageType.EVALUATE), cfg, NODE)
+        method(cfg).client_evaluate(
+            message(make(global_head(cfg)), cfg, MessageType.EVALUATE), cfg, NODE
+        )
 
 
 def test_a_round_from_another_encoder_or_none_is_refused(tiny_model_dir):
     cfg = config(tiny_model_dir)
-    with pytest.raises(PayloadError, match="the server's encoder 'another'.*must ship the server's"):
+    with pytest.raises(
+        PayloadError, match="the server's encoder 'another'.*must ship the server's"
+    ):
         method(cfg).client_round(message(global_head(cfg), cfg, encoder="another"), cfg, NODE, CPU)
     with pytest.raises(PayloadError, match="the server's encoder None"):
-        method(cfg).client_evaluate(message(global_head(cfg), cfg, MessageType.EVALUATE, encoder=None), cfg, NODE)
+        method(cfg).client_evaluate(
+            message(global_head(cfg), cfg, MessageType.EVALUATE, encoder=None), cfg, NODE
+        )
     with pytest.raises(PayloadError, match="no ArrayRecord"):
         method(cfg).client_round(message(None, cfg), cfg, NODE, CPU)
     with pytest.raises(PayloadError, match="round 99, not one of 1..10"):
-        method(cfg).client_round(message(global_head(cfg), cfg, **{fedavg.ROUND: 99}), cfg, NODE, CPU)
+        method(cfg).client_round(
+            message(global_head(cfg), cfg, **{fedavg.ROUND: 99}), cfg, NODE, CPU
+        )
 
 
 def test_client_evaluation_scores_the_backbone_with_the_global_head(tiny_model_dir):
     cfg = config(tiny_model_dir)
-    sent = method(cfg).client_evaluate(message(global_head(cfg), cfg, MessageType.EVALUATE), cfg, NODE)
+    sent = method(cfg).client_evaluate(
+        message(global_head(cfg), cfg, MessageType.EVALUATE), cfg, NODE
+    )
     scores = dict(sent[fedavg.METRICS])
     assert set(scores) == {SENT_ACCURACY, SENT_IMAGES} and 0 <= scores[SENT_ACCURACY] <= 1
     everything = method_config("fedavg", model=str(tiny_model_dir))  # part all: the whole model
     torch.manual_seed(0)
     whole = method(everything).classifier(everything, "random").state_dict()
-    msg = delivered(RecordDict({fedavg.ARRAYS: ArrayRecord(whole)}), MessageType.EVALUATE, src=0, dst=1)
-    assert set(dict(method(everything).client_evaluate(msg, everything, NODE)[fedavg.METRICS])) == {SENT_ACCURACY, SENT_IMAGES}
+    msg = delivered(
+        RecordDict({fedavg.ARRAYS: ArrayRecord(whole)}), MessageType.EVALUATE, src=0, dst=1
+    )
+    assert set(dict(method(everything).client_evaluate(msg, everything, NODE)[fedavg.METRICS])) == {
+        SENT_ACCURACY,
+        SENT_IMAGES,
+    }
     with pytest.raises(PayloadError, match="the server's global model lack"):
-        method(everything).client_evaluate(message(global_head(cfg), everything, MessageType.EVALUATE), everything, NODE)
+        method(everything).client_evaluate(
+            message(global_head(cfg), everything, MessageType.EVALUATE), everything, NODE
+        )
 
 
 def test_the_server_leaves_a_malformed_reply_out_of_the_average(tiny_model_dir, caplog):
@@ -244,8 +313,13 @@ def test_the_server_leaves_a_malformed_reply_out_of_the_average(tiny_model_dir, 
     start = global_head(cfg)
 
     def content(arrays=None, metrics=None, **extra):
-        return RecordDict({fedavg.ARRAYS: ArrayRecord(arrays or start),
-                           fedavg.METRICS: MetricRecord(metrics or {SENT_IMAGES: 10}), **extra})  # fmt: skip
+        return RecordDict(
+            {
+                fedavg.ARRAYS: ArrayRecord(arrays or start),
+                fedavg.METRICS: MetricRecord(metrics or {SENT_IMAGES: 10}),
+                **extra,
+            }
+        )
 
     bad = {
         "shape": content({"weight": torch.zeros(1, D), "bias": torch.zeros(C)}),
@@ -254,27 +328,38 @@ def test_the_server_leaves_a_malformed_reply_out_of_the_average(tiny_model_dir, 
         "records": content(config=ConfigRecord({"x": 1})),
     }
     reasons = {
-        "shape": r"'weight' has shape \[1, 512\]", "images": "claims 100001 images, not an integer in 1..100000",
-        "keys": r"metrics are \['num-examples', 'loss'\]", "records": "holds records",
-    }  # fmt: skip
+        "shape": r"'weight' has shape \[1, 512\]",
+        "images": "claims 100001 images, not an integer in 1..100000",
+        "keys": r"metrics are \['num-examples', 'loss'\]",
+        "records": "holds records",
+    }
     for name, record in bad.items():
         with pytest.raises(PayloadError, match=reasons[name]):
             fedavg.check_reply(record, start, cfg.max_images_per_client)
     good = {k: v + 1 for k, v in start.items()}
-    strategy = fedavg.CheckedFedAvg(start, cfg.max_images_per_client, min_train_nodes=1, min_available_nodes=1)
+    strategy = fedavg.CheckedFedAvg(
+        start, cfg.max_images_per_client, min_train_nodes=1, min_available_nodes=1
+    )
     replies = [reply(1, content(good)), *(reply(i + 2, c) for i, c in enumerate(bad.values()))]
     averaged, _ = strategy.aggregate_train(1, replies)
-    assert all(torch.equal(v, good[k]) for k, v in averaged.to_torch_state_dict().items()), "the good reply alone"
+    assert all(torch.equal(v, good[k]) for k, v in averaged.to_torch_state_dict().items()), (
+        "the good reply alone"
+    )
     assert sum("left out of the average" in r.getMessage() for r in caplog.records) == len(bad)
 
 
 def test_part_all_takes_flowers_float64_average_of_batchnorms_count():
     template = {"w": torch.zeros(2), "n": torch.tensor(0, dtype=torch.int64)}
-    got = fedavg.checked_arrays(ArrayRecord({"w": torch.ones(2), "n": torch.tensor(3.5, dtype=torch.float64)}),
-                                template, "the average")  # fmt: skip
+    got = fedavg.checked_arrays(
+        ArrayRecord({"w": torch.ones(2), "n": torch.tensor(3.5, dtype=torch.float64)}),
+        template,
+        "the average",
+    )
     assert got["n"].dtype == torch.float64
     with pytest.raises(PayloadError, match="'n' must be int64, got bool"):
-        fedavg.checked_arrays(ArrayRecord({"w": torch.ones(2), "n": torch.tensor(True)}), template, "x")
+        fedavg.checked_arrays(
+            ArrayRecord({"w": torch.ones(2), "n": torch.tensor(True)}), template, "x"
+        )
 
 
 # --- through the real `flwr run` ---------------------------------------------------------------
@@ -282,9 +367,19 @@ def test_part_all_takes_flowers_float64_average_of_batchnorms_count():
 
 def test_head_only_fedavg_runs_end_to_end_through_flwr(tiny_model_dir, tmp_path):
     out, home = tmp_path / "outputs", tmp_path / "flwr-home"
-    values = {**SMALL, "shots-per-class": 2, "domains": '"sketch,quickdraw"', "method": '"fedavg"',
-              "fedavg.part": '"head"', "fedavg.rounds": 2, "fedavg.local-epochs": 1, "evaluation": '"both"',
-              "run-name": '"head"', "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}  # fmt: skip
+    values = {
+        **SMALL,
+        "shots-per-class": 2,
+        "domains": '"sketch,quickdraw"',
+        "method": '"fedavg"',
+        "fedavg.part": '"head"',
+        "fedavg.rounds": 2,
+        "fedavg.local-epochs": 1,
+        "evaluation": '"both"',
+        "run-name": '"head"',
+        "model": f'"{tiny_model_dir}"',
+        "output-dir": f'"{out}"',
+    }
     try:
         run_id, log = run_simulation(home, as_run_config(values), supernodes=2, timeout=600)
         status = run_status(home, run_id)
@@ -292,9 +387,13 @@ def test_head_only_fedavg_runs_end_to_end_through_flwr(tiny_model_dir, tmp_path)
         stop_local_superlink(home)
     assert status == "finished:completed", log[-4000:]
     metrics = json.loads((out / "head" / "metrics.json").read_text())
-    assert metrics["config"]["fedavg.part"] == "head" and set(metrics["accuracy"]["per_domain"]) == {"sketch", "quickdraw"}
+    assert metrics["config"]["fedavg.part"] == "head" and set(
+        metrics["accuracy"]["per_domain"]
+    ) == {"sketch", "quickdraw"}
     assert metrics["evaluation"]["round"] == 2, "both institutions scored the last round's head"
     saved = read_tensors(out / "head" / "classifier.safetensors")
     backbone = load_backbone(backbone_path(tiny_model_dir)).state_dict()
-    assert all(torch.equal(saved[k], v) for k, v in backbone.items() if not k.startswith("fc.")), "frozen"
+    assert all(torch.equal(saved[k], v) for k, v in backbone.items() if not k.startswith("fc.")), (
+        "frozen"
+    )
     assert tuple(saved["fc.weight"].shape) == (C, D)

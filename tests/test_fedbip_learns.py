@@ -36,21 +36,36 @@ BATCH = 32
 
 def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
     cfg = FedBiPConfig(
-        method=method, domains="sketch,quickdraw", shots_per_class=8, test_per_class=20,
-        num_inference_steps=10, guidance_scale=4.0, concept_epochs=2, multiplier=1,
-        classifier_init="random", classifier_steps=SGD_STEPS, classifier_batch_size=BATCH, seed=seed, replayable_client_noise=True,
-    )  # fmt: skip
+        method=method,
+        domains="sketch,quickdraw",
+        shots_per_class=8,
+        test_per_class=20,
+        num_inference_steps=10,
+        guidance_scale=4.0,
+        concept_epochs=2,
+        multiplier=1,
+        classifier_init="random",
+        classifier_steps=SGD_STEPS,
+        classifier_batch_size=BATCH,
+        seed=seed,
+        replayable_client_noise=True,
+    )
     server = ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
     uploads = {}
     for partition in range(2):
         data = dataset.load_client_data(cfg.data, partition)
-        job = ClientJob(cfg, data, torch.Generator().manual_seed(seed * 10 + partition), lambda: ldm)
+        job = ClientJob(
+            cfg, data, torch.Generator().manual_seed(seed * 10 + partition), lambda: ldm
+        )
         upload = create(method).accept(create(method).upload(job)[0], server)
         uploads[upload.client_id] = upload
     folder = RunFolder(out / f"{method}-{seed}")
     shards = create(method).train_set(uploads, server, folder.shard_path)
     model, _ = train_global(cfg, shards, server.class_names, folder, "cpu")
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(cfg.data, cfg.domain_list).items()}
+    tests = {
+        d: (s.images, s.labels)
+        for d, s in dataset.load_test_sets(cfg.data, cfg.domain_list).items()
+    }
     scores = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
     print(f"seed {seed} {method}: {scores['per_domain']}")
     return scores["mean"]
@@ -60,6 +75,8 @@ def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
 def test_fedbip_beats_prompts_only_on_rare_domains(seeds, tmp_path):
     ldm = load_ldm(ROOT / "models" / "miniature-ldm")
     fedbip = statistics.fmean(rare_domain_accuracy("fedbip", s, ldm, tmp_path) for s in seeds)
-    prompts = statistics.fmean(rare_domain_accuracy("prompts-only", s, ldm, tmp_path) for s in seeds)
+    prompts = statistics.fmean(
+        rare_domain_accuracy("prompts-only", s, ldm, tmp_path) for s in seeds
+    )
     print(f"rare-domain accuracy: FedBiP {fedbip:.3f}, prompts-only {prompts:.3f}")
     assert fedbip - prompts >= MARGIN, (fedbip, prompts)

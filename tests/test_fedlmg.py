@@ -40,9 +40,18 @@ from fedbip_flwr.upload import PayloadError
 from fedbip_flwr.viz import quantize
 from tests.helpers import tampered
 
-CFG = {"image-size": 32, "classifier-image-size": 32, "num-inference-steps": 3, "fedlmg.local-epochs": 1,
-       "shots-per-class": 2, "replayable-client-noise": True, "classifier-init": "random",
-       "method": "fedlmg", "images-per-class": 1, "fedlmg.noise-edits": 1}  # fmt: skip
+CFG = {
+    "image-size": 32,
+    "classifier-image-size": 32,
+    "num-inference-steps": 3,
+    "fedlmg.local-epochs": 1,
+    "shots-per-class": 2,
+    "replayable-client-noise": True,
+    "classifier-init": "random",
+    "method": "fedlmg",
+    "images-per-class": 1,
+    "fedlmg.noise-edits": 1,
+}
 
 
 def config(**values) -> FedBiPConfig:
@@ -64,10 +73,16 @@ def toy_classifier(seed: int = 0, classes: int = 3) -> nn.Module:
     """Two BatchNorm2d layers with non-trivial running statistics, in eval mode."""
     torch.manual_seed(seed)
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 5, 1), nn.BatchNorm2d(5), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, classes),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 5, 1),
+        nn.BatchNorm2d(5),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(5, classes),
+    )
     for layer in model:
         if isinstance(layer, nn.BatchNorm2d):
             layer.running_mean.normal_()
@@ -87,8 +102,12 @@ def test_the_upload_is_a_trained_resnet18_with_its_bn_statistics_and_class_count
     for name, tensor in fresh.items():
         assert upload.tensors[PREFIX + name].shape == tensor.shape, name
     assert int(upload.tensors[PREFIX + "bn1.num_batches_tracked"]) > 0, "trained on the client"
-    assert not torch.equal(upload.tensors[PREFIX + "layer4.1.bn2.running_var"], fresh["layer4.1.bn2.running_var"])
-    assert upload.tensors["class_counts"].tolist() == torch.bincount(data.labels, minlength=6).tolist()
+    assert not torch.equal(
+        upload.tensors[PREFIX + "layer4.1.bn2.running_var"], fresh["layer4.1.bn2.running_var"]
+    )
+    assert (
+        upload.tensors["class_counts"].tolist() == torch.bincount(data.labels, minlength=6).tolist()
+    )
     model = upload.content
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert torch.equal(model.state_dict()["fc.weight"], upload.tensors[PREFIX + "fc.weight"])
@@ -114,8 +133,11 @@ def test_bn_statistics_are_per_image_as_a_batch_of_one_gives_them():
     _, per_image = forward_with_bn_inputs(model, images)
 
     seen: list[torch.Tensor] = []  # the BN layers' inputs, recorded independently
-    handles = [m.register_forward_pre_hook(lambda _m, i: seen.append(i[0].detach()))
-               for m in model.modules() if isinstance(m, nn.BatchNorm2d)]  # fmt: skip
+    handles = [
+        m.register_forward_pre_hook(lambda _m, i: seen.append(i[0].detach()))
+        for m in model.modules()
+        if isinstance(m, nn.BatchNorm2d)
+    ]
     with torch.no_grad():
         model(images)
         batched = [(x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)) for x in seen]
@@ -168,15 +190,27 @@ def test_ce_and_bn_losses_are_eqs_7_and_9_computed_by_hand():
 
 
 def settings(**changes) -> GuidanceSettings:
-    base = GuidanceSettings(num_inference_steps=3, guidance_scale=3.0, step=1.0, bn_weight=0.2,
-                            noise_edits=1, edit_step=0.1, batch_size=4, classifier_size=32)  # fmt: skip
+    base = GuidanceSettings(
+        num_inference_steps=3,
+        guidance_scale=3.0,
+        step=1.0,
+        bn_weight=0.2,
+        noise_edits=1,
+        edit_step=0.1,
+        batch_size=4,
+        classifier_size=32,
+    )
     return dataclasses.replace(base, **changes)
 
 
 def sample(ldm, classifier, chosen: GuidanceSettings, labels: torch.Tensor) -> torch.Tensor:
     cond = encode_texts(ldm, ["a circle", "a square", "a triangle"])[labels]
-    noise = torch.randn((len(labels), *ldm.latent_shape()), generator=torch.Generator().manual_seed(0))
-    return GuidedSampler(ldm, classifier, chosen).sample(noise, cond, unconditional_embedding(ldm), labels)
+    noise = torch.randn(
+        (len(labels), *ldm.latent_shape()), generator=torch.Generator().manual_seed(0)
+    )
+    return GuidedSampler(ldm, classifier, chosen).sample(
+        noise, cond, unconditional_embedding(ldm), labels
+    )
 
 
 def test_the_gradient_through_unet_vae_and_classifier_descends_the_loss(tiny_ldm):
@@ -184,9 +218,14 @@ def test_the_gradient_through_unet_vae_and_classifier_descends_the_loss(tiny_ldm
     labels = torch.tensor([0, 2])
     cond = encode_texts(tiny_ldm, ["a circle", "a triangle"])
     context = torch.cat([unconditional_embedding(tiny_ldm).expand_as(cond), cond])
-    x, t = torch.randn((2, *tiny_ldm.latent_shape()), generator=torch.Generator().manual_seed(1)), torch.tensor(501)
+    x, t = (
+        torch.randn((2, *tiny_ldm.latent_shape()), generator=torch.Generator().manual_seed(1)),
+        torch.tensor(501),
+    )
     _, grad, before = sampler.loss_gradient(x, t, context, labels)
-    assert grad.shape == x.shape and bool(grad.abs().sum(dim=(1, 2, 3)).gt(0).all()), "every image gets one"
+    assert grad.shape == x.shape and bool(grad.abs().sum(dim=(1, 2, 3)).gt(0).all()), (
+        "every image gets one"
+    )
     _, _, after = sampler.loss_gradient(x - 1e-2 * grad / grad.norm(), t, context, labels)
     assert bool((after.total(0.2) < before.total(0.2)).all())
 
@@ -194,10 +233,15 @@ def test_the_gradient_through_unet_vae_and_classifier_descends_the_loss(tiny_ldm
 def test_guided_and_unguided_sampling_from_the_same_noise_differ(tiny_ldm):
     classifier, labels = toy_classifier(), torch.tensor([0, 1, 2])
     plain = sample(tiny_ldm, classifier, settings(step=0.0, noise_edits=0), labels)
-    assert torch.equal(plain, sample(tiny_ldm, classifier, settings(step=0.0, noise_edits=0), labels))
+    assert torch.equal(
+        plain, sample(tiny_ldm, classifier, settings(step=0.0, noise_edits=0), labels)
+    )
     # a random tiny model's gradients are small: large steps make the change plain to see
-    for changes in ({"step": 30.0, "noise_edits": 0}, {"step": 0.0, "edit_step": 10.0},
-                    {"step": 30.0, "shift": "latents", "noise_edits": 0}):  # fmt: skip
+    for changes in (
+        {"step": 30.0, "noise_edits": 0},
+        {"step": 0.0, "edit_step": 10.0},
+        {"step": 30.0, "shift": "latents", "noise_edits": 0},
+    ):
         guided = sample(tiny_ldm, classifier, settings(**changes), labels)
         assert guided.shape == plain.shape
         assert (guided - plain).abs().mean() > 1e-3 * plain.abs().mean(), changes
@@ -222,17 +266,25 @@ def test_train_set_is_one_keyed_resumable_shard_per_client(tiny_ldm, tmp_path):
     blob, _ = upload_of(cfg, tiny_ldm)
     upload = create("fedlmg").accept(blob, server)
     shard_path = RunFolder(tmp_path).shard_path
-    (path,) = create("fedlmg").train_set({upload.client_id: upload}, server, shard_path)[upload.client_id]
+    (path,) = create("fedlmg").train_set({upload.client_id: upload}, server, shard_path)[
+        upload.client_id
+    ]
     stored = ShardImages([path], 32)
     counts = upload.tensors["class_counts"]
-    assert stored.labels.tolist() == torch.repeat_interleave(torch.arange(6), (counts > 0).long()).tolist()
+    assert (
+        stored.labels.tolist()
+        == torch.repeat_interleave(torch.arange(6), (counts > 0).long()).tolist()
+    )
     key, made = read_metadata(path)["fedbip.shard-key"], path.stat().st_mtime_ns
     create("fedlmg").train_set({upload.client_id: upload}, server, shard_path)
     assert path.stat().st_mtime_ns == made, "reused, not redone"
     other = create("fedlmg").accept(upload_of(cfg, tiny_ldm, partition=2)[0], server)
-    moved = create("fedlmg").train_set({upload.client_id: dataclasses.replace(other, meta=upload.meta)},
-                                       server, shard_path)  # fmt: skip
-    assert read_metadata(moved[upload.client_id][0])["fedbip.shard-key"] != key, "other weights, other key"
+    moved = create("fedlmg").train_set(
+        {upload.client_id: dataclasses.replace(other, meta=upload.meta)}, server, shard_path
+    )
+    assert read_metadata(moved[upload.client_id][0])["fedbip.shard-key"] != key, (
+        "other weights, other key"
+    )
 
 
 # --- the global model: FT, MD, SD ------------------------------------------------------------
@@ -254,7 +306,9 @@ def test_distillation_losses_are_the_divergences_computed_by_hand():
     soft_ce = float(distillation_loss(student, teacher, "soft-ce"))
     code = float(kl_t_s + entropy_t)
     assert soft_ce == pytest.approx(code, rel=1e-5), "the code's soft CE: KL(t || s) + H(t)"
-    assert float(distillation_loss(teacher, teacher, "kl-student-teacher")) == pytest.approx(0.0, abs=1e-7)
+    assert float(distillation_loss(teacher, teacher, "kl-student-teacher")) == pytest.approx(
+        0.0, abs=1e-7
+    )
 
 
 def test_md_targets_the_mean_softmax_and_sd_each_rows_own_client():
@@ -280,8 +334,12 @@ def shards_of(tmp_path, values: dict[str, float]) -> ShardImages:
     paths = []
     for client_id, value in values.items():
         images = quantize(torch.full((6, 3, 16, 16), value))
-        paths.append(write_tensors(tmp_path / f"{client_id}.safetensors",
-                                   {"images": images, "labels": torch.arange(6) % 3}))  # fmt: skip
+        paths.append(
+            write_tensors(
+                tmp_path / f"{client_id}.safetensors",
+                {"images": images, "labels": torch.arange(6) % 3},
+            )
+        )
     return ShardImages(paths, 16, groups=list(values))
 
 
@@ -296,11 +354,15 @@ def test_the_shared_recipe_distils_on_the_same_batch_with_each_rows_source(tmp_p
 
     def train(distillation: Distillation | None) -> dict:
         model = toy_classifier(seed=0)  # any model: the recipe is what is under test
-        return train_classifier(model, data, None, recipe, seed=0, distillation=distillation).state_dict()
+        return train_classifier(
+            model, data, None, recipe, seed=0, distillation=distillation
+        ).state_dict()
 
     plain = train(None)
     weightless = train(Distillation(teacher, weight=0.0))
-    assert seen and all(signs == [-1.0 if s == "dark" else 1.0 for s in sources] for signs, sources in seen)
+    assert seen and all(
+        signs == [-1.0 if s == "dark" else 1.0 for s in sources] for signs, sources in seen
+    )
     assert sum(len(s) for _, s in seen) == 2 * 12, "every row of every epoch, once"
     for name in plain:
         torch.testing.assert_close(weightless[name], plain[name], msg=name)  # the same recipe
@@ -328,4 +390,6 @@ def test_the_global_mode_picks_the_teacher_and_the_variant_its_divergence(tiny_l
         # SD: each row alone, as `own` (the same forward); MD: the same logits, probabilities
         # <= 1 by two float32 formulas, a few 2^-24 apart (the default atol is 1e-5)
         torch.testing.assert_close(teacher(**{"fedlmg.global": "sd"}).teacher(x, sources), own)
-        torch.testing.assert_close(teacher(**{"fedlmg.global": "md"}).teacher(x, sources).softmax(-1), mean)
+        torch.testing.assert_close(
+            teacher(**{"fedlmg.global": "md"}).teacher(x, sources).softmax(-1), mean
+        )

@@ -29,7 +29,9 @@ def one_thread():
 
 
 def config(tiny_model_dir, **values):
-    return method_config("fedpft", model=str(tiny_model_dir), **{f"fedpft.{k}": v for k, v in values.items()})
+    return method_config(
+        "fedpft", model=str(tiny_model_dir), **{f"fedpft.{k}": v for k, v in values.items()}
+    )
 
 
 def upload_of(cfg, partition=0):
@@ -42,9 +44,16 @@ def accept(cfg, blob):
     return create("fedpft", cfg.settings_of("fedpft")).accept(blob, server_job(cfg, None))
 
 
-def test_the_defaults_are_the_flower_baselines_and_reach_gaussian_mixture(tiny_model_dir, monkeypatch):
+def test_the_defaults_are_the_flower_baselines_and_reach_gaussian_mixture(
+    tiny_model_dir, monkeypatch
+):
     own = FedPFTSettings()
-    assert (own.components, own.covariance_type, own.tol, own.max_iter) == (1, "spherical", 1e-12, 1000)
+    assert (own.components, own.covariance_type, own.tol, own.max_iter) == (
+        1,
+        "spherical",
+        1e-12,
+        1000,
+    )
     made = []
     real = fedpft.GaussianMixture
 
@@ -55,27 +64,41 @@ def test_the_defaults_are_the_flower_baselines_and_reach_gaussian_mixture(tiny_m
     monkeypatch.setattr(fedpft, "GaussianMixture", recording)
     upload_of(config(tiny_model_dir))
     assert len(made) == 6, "one mixture per held class"
-    assert {(k["n_components"], k["covariance_type"], k["tol"], k["max_iter"]) for k in made} == {(1, "spherical", 1e-12, 1000)}
-    assert len({k["random_state"] for k in made}) == 6, "each class seeded from the client's generator"
+    assert {(k["n_components"], k["covariance_type"], k["tol"], k["max_iter"]) for k in made} == {
+        (1, "spherical", 1e-12, 1000)
+    }
+    assert len({k["random_state"] for k in made}) == 6, (
+        "each class seeded from the client's generator"
+    )
 
 
 def test_the_upload_is_the_classes_feature_mixtures_of_the_frozen_backbone(tiny_model_dir):
     cfg = config(tiny_model_dir)
     _, blob, _ = upload_of(cfg)
     upload = accept(cfg, blob)
-    header = {k: (v["dtype"], v["shape"]) for k, v in read_header(blob)[0].items() if k != "__metadata__"}
-    assert header == {"class_counts": ("I64", [6]), "gmm_weights": ("F32", [6, 1]),
-                      "gmm_means": ("F32", [6, 1, 512]), "gmm_covariances": ("F32", [6, 1])}  # fmt: skip
+    header = {
+        k: (v["dtype"], v["shape"]) for k, v in read_header(blob)[0].items() if k != "__metadata__"
+    }
+    assert header == {
+        "class_counts": ("I64", [6]),
+        "gmm_weights": ("F32", [6, 1]),
+        "gmm_means": ("F32", [6, 1, 512]),
+        "gmm_covariances": ("F32", [6, 1]),
+    }
     assert len(blob) < 4 * 6 * 514 + 8 * 6 + 2000, "C x K x (D + 2) floats, the counts and a header"
     # K = 1: the fit is each class's mean and spread of the backbone's features, unaugmented
     data = client_job(cfg, None).data
     features = public_encoder(tiny_model_dir, cfg.classifier_image_size)(data.images).double()
-    assert upload.tensors["class_counts"].tolist() == torch.bincount(data.labels, minlength=6).tolist()
+    assert (
+        upload.tensors["class_counts"].tolist() == torch.bincount(data.labels, minlength=6).tolist()
+    )
     for c in range(6):
         rows = features[data.labels == c]
         assert torch.allclose(upload.tensors["gmm_means"][c, 0].double(), rows.mean(0), atol=1e-5)
         spread = rows.var(0, unbiased=False).mean() + fedpft.REG_COVAR
-        assert float(upload.tensors["gmm_covariances"][c, 0]) == pytest.approx(float(spread), rel=1e-4)
+        assert float(upload.tensors["gmm_covariances"][c, 0]) == pytest.approx(
+            float(spread), rel=1e-4
+        )
     assert upload.meta.encoder == fedpft.encoder_identity(tiny_model_dir)[0]
     assert (upload.meta.image_size, upload.meta.feature_dim) == (32, 512)
 
@@ -89,11 +112,15 @@ def test_diag_covariances_and_a_class_with_fewer_images_than_components(tiny_mod
     # every class holds 2 images (shots-per-class): 2 fitted components and one of weight 0
     assert bool((weights[:, :2] > 0).all()) and bool((weights[:, 2] == 0).all())
     assert metrics["mixture-smallest-weight"] > 0
-    assert torch.equal(upload.tensors["gmm_means"][:, 2], upload.tensors["gmm_means"][:, 0]), "padding copies"
+    assert torch.equal(upload.tensors["gmm_means"][:, 2], upload.tensors["gmm_means"][:, 0]), (
+        "padding copies"
+    )
 
 
 def test_full_covariances_are_refused_when_the_config_is_read():
-    with pytest.raises(ConfigError, match="'fedpft.covariance-type': 'full' covariances are not supported"):
+    with pytest.raises(
+        ConfigError, match="'fedpft.covariance-type': 'full' covariances are not supported"
+    ):
         method_config("fedpft", **{"fedpft.covariance-type": "full"})
     with pytest.raises(ConfigError, match="set components = 1, not 2"):
         method_config("fedpft", **{"fedpft.dp-epsilon": 4.0, "fedpft.components": 2})
@@ -111,7 +138,9 @@ def test_the_server_head_classifies_the_clients_own_images(tiny_model_dir):
     models = create("fedpft", cfg.settings_of("fedpft")).final_models(uploads, server)
     assert list(models) == ["global"]
     model, shipped = models["global"], load_backbone(backbone_path(tiny_model_dir)).state_dict()
-    assert all(torch.equal(t, shipped[n]) for n, t in model.state_dict().items() if not n.startswith("fc.")), "frozen"
+    assert all(
+        torch.equal(t, shipped[n]) for n, t in model.state_dict().items() if not n.startswith("fc.")
+    ), "frozen"
     assert tuple(model.fc.weight.shape) == (6, 512)
     jobs = [client_job(cfg, None, p).data for p in (0, 1)]
     images, labels = torch.cat([d.images for d in jobs]), torch.cat([d.labels for d in jobs])
@@ -122,7 +151,9 @@ def test_draws_follow_the_clipped_counts(tiny_model_dir):
     cfg = config(tiny_model_dir, **{"draws-per-image": 3})
     _, blob, _ = upload_of(cfg)
 
-    def more_circles(tensors, meta):  # 5 of class 0 (above max-images-per-class 2), as many fewer elsewhere
+    def more_circles(
+        tensors, meta
+    ):  # 5 of class 0 (above max-images-per-class 2), as many fewer elsewhere
         tensors["class_counts"] = torch.tensor([5, 2, 2, 0, 0, 3])
 
     upload = accept(cfg, tampered(blob, "fedpft", cfg, more_circles))
@@ -165,9 +196,18 @@ HOSTILE = {
     "infinite variance": (_set("gmm_covariances", (0, 0), float("inf")), "NaN or Inf"),
     "negative mean": (_set("gmm_means", (3, 0, 7), -0.5), "never negative"),
     "mean beyond any feature": (_set("gmm_means", (3, 0, 7), 5e3), "above any feature's"),
-    "variance beyond the range's spread": (_set("gmm_covariances", (4, 0), 1e6), "class 4, component 0 has a variance above"),
-    "another encoder": (_meta("encoder", "0123456789abcdef"), "encoder '0123456789abcdef' does not match"),
-    "another covariance type": (_meta("covariance_type", "diag"), "covariance type 'diag' does not match"),
+    "variance beyond the range's spread": (
+        _set("gmm_covariances", (4, 0), 1e6),
+        "class 4, component 0 has a variance above",
+    ),
+    "another encoder": (
+        _meta("encoder", "0123456789abcdef"),
+        "encoder '0123456789abcdef' does not match",
+    ),
+    "another covariance type": (
+        _meta("covariance_type", "diag"),
+        "covariance type 'diag' does not match",
+    ),
     "another image size": (_meta("image_size", 64), "image size 64 does not match"),
     "negative count": (_set("class_counts", 0, -2), "must be non-negative"),
 }
@@ -192,10 +232,14 @@ def test_the_dp_upload_states_its_guarantee_and_the_server_checks_it(tiny_model_
     assert sorted(release.covers) == ["class_counts", "gmm_covariances", "gmm_means", "gmm_weights"]
     plain_blob = upload_of(config(tiny_model_dir))[1]
     plain = accept(config(tiny_model_dir), plain_blob)
-    assert not torch.allclose(upload.tensors["gmm_means"], plain.tensors["gmm_means"], atol=1e-2), "noised"
+    assert not torch.allclose(upload.tensors["gmm_means"], plain.tensors["gmm_means"], atol=1e-2), (
+        "noised"
+    )
     with pytest.raises(PayloadError, match="states no guarantee"):
         accept(cfg, plain_blob)
-    assert accept(config(tiny_model_dir), blob).meta.dp is not None  # a run without DP takes a DP upload
+    assert (
+        accept(config(tiny_model_dir), blob).meta.dp is not None
+    )  # a run without DP takes a DP upload
 
     def understated(_tensors, meta):
         dp = json.loads(meta["fedbip.dp"])

@@ -48,7 +48,13 @@ def e2e_run(tmp_path_factory, tiny_model_dir):
         status = run_status(home, run_id)
     finally:
         stopped = stop_local_superlink(home)
-    return {"status": status, "log": log, "folder": out / "e2e", "stopped": stopped, "values": values}
+    return {
+        "status": status,
+        "log": log,
+        "folder": out / "e2e",
+        "stopped": stopped,
+        "values": values,
+    }
 
 
 def test_the_three_clients_take_turns_in_one_actor(e2e_run):
@@ -70,7 +76,13 @@ def test_run_completes_and_writes_outputs(e2e_run):
     assert record.accuracy.mean == pytest.approx(sum(record.accuracy.per_domain.values()) / 3)
     # clients x classes x shots x 2: the default federation's 2 z(T) per image, one pass each
     assert record.accuracy.num_synthetic_images == 3 * 6 * 3 * 2
-    assert list(record.seconds.phases()) == ["load_model", "round", "synthesis", "classifier", "evaluation"]
+    assert list(record.seconds.phases()) == [
+        "load_model",
+        "round",
+        "synthesis",
+        "classifier",
+        "evaluation",
+    ]
     # the phases' clock zero, for samplers (scripts/sd_proof.py): before the run folder's end
     assert 0 < record.started_unix <= (folder / results.FILE_NAME).stat().st_mtime
     accepted = [c for c in record.clients if c.status == "accepted"]
@@ -79,7 +91,9 @@ def test_run_completes_and_writes_outputs(e2e_run):
     assert results.read_clients(folder / "clients.json") == record.clients
     assert (folder / "classifier.safetensors").stat().st_size > 1_000_000
     assert sorted(p.name for p in folder.glob("grid-*.png")) == [
-        "grid-painting-0.png", "grid-quickdraw-0.png", "grid-sketch-0.png"
+        "grid-painting-0.png",
+        "grid-quickdraw-0.png",
+        "grid-sketch-0.png",
     ]
 
 
@@ -128,7 +142,13 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
         assert json.loads(meta["fedbip.domain"]) == domain
         data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
         local, _ = personalize(
-            ldm, data.images, data.labels, list(data.classes), domain, f"{domain}-0", cfg,
+            ldm,
+            data.images,
+            data.labels,
+            list(data.classes),
+            domain,
+            f"{domain}-0",
+            cfg,
             generator=client_generator(cfg, NodeConfig(), f"{domain}-0"),
         )
         assert torch.equal(stored["labels"], local.labels)
@@ -144,7 +164,11 @@ def test_a_homes_flwr_commands_reach_its_own_superlink(tmp_path):
     """A SuperLink a user's own `flwr run .` left on Flower's default port (39091) must not
     answer another home's `flwr ls`: it knows none of that home's runs ("Run ID not found")."""
     foreign, home = tmp_path / "users-flwr-home", tmp_path / "home"
-    env = {**os.environ, "FLWR_HOME": str(foreign), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(foreign),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    }
     try:
         if port_is_free(FLOWER_DEFAULT_PORT):  # else someone's SuperLink already holds it
             subprocess.run([FLWR, "ls"], env=env, capture_output=True, timeout=60, check=False)

@@ -29,10 +29,24 @@ def compose_test_without_engine(required: bool) -> subprocess.CompletedProcess[s
     if required:
         env[REQUIRE] = "1"
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-         "tests/test_compose.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:xdist",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_compose.py",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("required", [False, True], ids=["fresh-machine", "ci"])
@@ -41,7 +55,9 @@ def test_a_missing_engine_is_a_skip_with_its_reason_unless_ci_requires_it(requir
     output = proc.stdout + proc.stderr
     summary = output.strip().splitlines()[-1]
     # podman-compose may sit beside this Python (pip's), so the list can start at podman, debootstrap
-    reason = re.compile(r"The compose test needs podman, [\w, -]*debootstrap[\w, -]*, which this machine lacks")
+    reason = re.compile(
+        r"The compose test needs podman, [\w, -]*debootstrap[\w, -]*, which this machine lacks"
+    )
     if required:
         assert proc.returncode == 1 and "1 error" in summary, output[-3000:]
         assert reason.search(output) and f"{REQUIRE}=1" in output, output[-3000:]

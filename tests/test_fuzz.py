@@ -85,20 +85,32 @@ def upload(blob: bytes) -> RecordDict:
 
 
 def valid_blob(client_id: str, domain: str, seed: int) -> bytes:
-    return encode_payload(replace(make_payload(seed=seed), meta=make_meta(client_id=client_id, domain=domain)))
+    return encode_payload(
+        replace(make_payload(seed=seed), meta=make_meta(client_id=client_id, domain=domain))
+    )
 
 
-VALID = {"sketch-0": valid_blob("sketch-0", "sketch", 1), "painting-0": valid_blob("painting-0", "painting", 2)}
+VALID = {
+    "sketch-0": valid_blob("sketch-0", "sketch", 1),
+    "painting-0": valid_blob("painting-0", "painting", 2),
+}
 
 
 def for_another_server(tensors: dict[str, torch.Tensor] | None = None, **meta: Any) -> RecordDict:
     """A payload that is valid on its own but was made under another base model or config."""
     payload = make_payload()
-    return upload(encode_payload(Payload(**{**payload.tensors(), **(tensors or {})}, meta=make_meta(**meta))))
+    return upload(
+        encode_payload(Payload(**{**payload.tensors(), **(tensors or {})}, meta=make_meta(**meta)))
+    )
 
 
-def raw_array(data: bytes, *, dtype: str = "uint8", shape: tuple[int, ...] | None = None,
-              stype: str = BLOB_STYPE) -> RecordDict:
+def raw_array(
+    data: bytes,
+    *,
+    dtype: str = "uint8",
+    shape: tuple[int, ...] | None = None,
+    stype: str = BLOB_STYPE,
+) -> RecordDict:
     """A payload record whose Array fields a client chose freely: Flower does not check them."""
     array = Array(dtype=dtype, shape=shape or (len(data),), stype=stype, data=data)
     return RecordDict({PAYLOAD_RECORD: ArrayRecord({BLOB_ARRAY: array})})
@@ -118,28 +130,42 @@ def _header_length(blob: bytes, delta: int) -> bytes:
 
 CAP = SERVER.max_bytes
 STRUCTURED: dict[str, tuple[Callable[[], RecordDict], str]] = {
-    **{f"blob: {name}": (lambda build=build: upload(build()), reason)
-       for name, (build, reason) in MALFORMED.items()},
+    **{
+        f"blob: {name}": (lambda build=build: upload(build()), reason)
+        for name, (build, reason) in MALFORMED.items()
+    },
     # valid payloads that do not fit this server
     "wrong T": (lambda: for_another_server(timestep=961), "timestep 961 does not match"),
-    "wrong base model": (lambda: for_another_server(base_model="ffff"), "base model fingerprint 'ffff'"),
+    "wrong base model": (
+        lambda: for_another_server(base_model="ffff"),
+        "base model fingerprint 'ffff'",
+    ),
     "wrong scheduler": (lambda: for_another_server(scheduler="DDIMScheduler"), "scheduler"),
-    "wrong step count": (lambda: for_another_server(num_inference_steps=25), "num_inference_steps 25"),
+    "wrong step count": (
+        lambda: for_another_server(num_inference_steps=25),
+        "num_inference_steps 25",
+    ),
     "classes reordered": (
-        lambda: for_another_server(class_names=["dog", "cat", "fish"]), "class names ('dog'"
+        lambda: for_another_server(class_names=["dog", "cat", "fish"]),
+        "class names ('dog'",
     ),
     "other prompt": (
-        lambda: for_another_server(prompt_template="a photo of a {V} in {S}"), "prompt template"
+        lambda: for_another_server(prompt_template="a photo of a {V} in {S}"),
+        "prompt template",
     ),
     "other concept space": (lambda: for_another_server(concept_space="hidden"), "concept space"),
     "domain not served": (
-        lambda: for_another_server(domain="quickdraw"), "domain 'quickdraw' is not one of"
+        lambda: for_another_server(domain="quickdraw"),
+        "domain 'quickdraw' is not one of",
     ),
     "other n_v": (
-        lambda: for_another_server({"class_concepts": torch.zeros(3, 1, D)}, n_v=1), "n_v 1"
+        lambda: for_another_server({"class_concepts": torch.zeros(3, 1, D)}, n_v=1),
+        "n_v 1",
     ),
     "other latent shape": (
-        lambda: for_another_server({"latents": torch.zeros(N, 4, 16, 16)}, latent_shape=[4, 16, 16]),
+        lambda: for_another_server(
+            {"latents": torch.zeros(N, 4, 16, 16)}, latent_shape=[4, 16, 16]
+        ),
         "latent shape (4, 16, 16)",
     ),
     "other concept dim": (
@@ -150,27 +176,31 @@ STRUCTURED: dict[str, tuple[Callable[[], RecordDict], str]] = {
     ),
     # hostile bytes beyond the decoder's own table
     "float64 latents": (
-        lambda: upload(raw_blob(latents=torch.zeros(N, *LATENT_SHAPE, dtype=torch.float64))), "'F64'"
+        lambda: upload(raw_blob(latents=torch.zeros(N, *LATENT_SHAPE, dtype=torch.float64))),
+        "'F64'",
     ),
     "bool labels": (lambda: upload(raw_blob(labels=torch.zeros(N, dtype=torch.bool))), "'BOOL'"),
-    "duplicate tensor entry": (lambda: upload(_duplicate_tensor_entry()), "duplicate key 'latents'"),
+    "duplicate tensor entry": (
+        lambda: upload(_duplicate_tensor_entry()),
+        "duplicate key 'latents'",
+    ),
     "over-long header": (
         lambda: upload(raw_blob({**meta_strings(), "pad": "x" * MAX_HEADER_BYTES})),
         f"exceeds the {MAX_HEADER_BYTES}-byte limit",
     ),
     "header length understated": (
-        lambda: upload(_header_length(VALID["sketch-0"], -9)), "not valid JSON"
+        lambda: upload(_header_length(VALID["sketch-0"], -9)),
+        "not valid JSON",
     ),
-    "header length overstated": (
-        lambda: upload(_header_length(VALID["sketch-0"], 8)), "not valid"
-    ),
+    "header length overstated": (lambda: upload(_header_length(VALID["sketch-0"], 8)), "not valid"),
     "header is null": (lambda: upload(with_header(b"null")), "JSON null"),
     "metadata is null": (lambda: upload(with_header({"__metadata__": None})), "__metadata__"),
     "cut by one byte": (lambda: upload(VALID["sketch-0"][:-1]), "truncated"),
     # the Flower record around the bytes
     "empty reply": (lambda: RecordDict({}), "carries no FedBiP payload"),
     "metrics only": (
-        lambda: RecordDict({METRICS_RECORD: MetricRecord(METRICS)}), "carries no FedBiP payload"
+        lambda: RecordDict({METRICS_RECORD: MetricRecord(METRICS)}),
+        "carries no FedBiP payload",
     ),
     "payload under another name": (
         lambda: RecordDict({PAYLOAD_RECORD: ArrayRecord({"other": Array(torch.zeros(3))})}),
@@ -183,11 +213,15 @@ STRUCTURED: dict[str, tuple[Callable[[], RecordDict], str]] = {
     "float32 array": (lambda: raw_array(bytes(8), dtype="float32", shape=(2,)), "1-D uint8"),
     "2-d array": (lambda: raw_array(bytes(8), shape=(2, 4)), "1-D uint8"),
     "shape understates the bytes": (
-        lambda: raw_array(VALID["sketch-0"], shape=(100,)), "declares 100 bytes but carries"
+        lambda: raw_array(VALID["sketch-0"], shape=(100,)),
+        "declares 100 bytes but carries",
     ),
     # oversize: garbage refused on size alone shows the cap is applied before any parsing
     "oversize garbage": (lambda: raw_array(b"\xff" * (CAP + 1)), "above the cap"),
-    "oversize behind a small shape": (lambda: raw_array(b"\xff" * (CAP + 1), shape=(8,)), "above the cap"),
+    "oversize behind a small shape": (
+        lambda: raw_array(b"\xff" * (CAP + 1), shape=(8,)),
+        "above the cap",
+    ),
     "oversize declared": (lambda: raw_array(b"\xff" * 8, shape=(CAP + 1,)), "above the cap"),
     "second upload of a client": (lambda: upload(VALID["sketch-0"]), "already accepted"),
 }
@@ -200,8 +234,14 @@ def over_the_wire(node: int, content: RecordDict | Error) -> Message:
     inflated again, so whatever a client put in its Array arrives as Flower delivers it.
     """
     metadata = Metadata(
-        run_id=1, message_id="", src_node_id=node, dst_node_id=SUPERLINK_NODE_ID,
-        reply_to_message_id=f"train-{node}", group_id="1", created_at=time.time(), ttl=3600,
+        run_id=1,
+        message_id="",
+        src_node_id=node,
+        dst_node_id=SUPERLINK_NODE_ID,
+        reply_to_message_id=f"train-{node}",
+        group_id="1",
+        created_at=time.time(),
+        ttl=3600,
         message_type=MessageType.TRAIN,
     )
     message = Message(content, metadata=metadata)
@@ -211,7 +251,13 @@ def over_the_wire(node: int, content: RecordDict | Error) -> Message:
 
 def one_round(folder: Path, contents: list[RecordDict | Error]) -> dict[int, ClientOutcome]:
     """Replies 1..n for ``contents`` plus node n+1, which never replies; outcomes by node."""
-    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(folder), min_clients=1, wait_for_clients_s=1)
+    strategy = OneShotStrategy(
+        lambda blob: as_upload(decode_payload(blob, SERVER)),
+        CAP,
+        RunFolder(folder),
+        min_clients=1,
+        wait_for_clients_s=1,
+    )
     strategy.sent_to = list(range(1, len(contents) + 2))  # what configure_train records
     strategy.aggregate_train(1, [over_the_wire(n, c) for n, c in enumerate(contents, start=1)])
     strategy.finish_round()
@@ -238,8 +284,11 @@ def test_every_structured_bad_upload_is_refused_with_its_reason(tmp_path):
     wrong = {}
     for node, (name, (_, reason)) in enumerate(cases, start=len(VALID) + 1):
         got = outcomes[node]
-        if got.status != "rejected" or not got.reason.startswith("payload rejected: ") \
-                or reason not in got.reason:
+        if (
+            got.status != "rejected"
+            or not got.reason.startswith("payload rejected: ")
+            or reason not in got.reason
+        ):
             wrong[name] = (got.status, got.reason, reason)
     assert not wrong, json.dumps(wrong, indent=1)
     failed, missing = outcomes[len(contents)], outcomes[len(contents) + 1]
@@ -257,7 +306,7 @@ def _random_json(rng: random.Random, depth: int = 0) -> Any:
     if kind == 1:
         return rng.uniform(-1e9, 1e9)
     if kind == 2:
-        return "".join(rng.choice("aF3{}[]\"\\ é") for _ in range(rng.randrange(8)))
+        return "".join(rng.choice('aF3{}[]"\\ é') for _ in range(rng.randrange(8)))
     if kind == 3:
         return rng.choice([True, False, None])
     if kind == 4:
@@ -334,18 +383,32 @@ def test_a_node_cannot_claim_another_institutions_upload(tmp_path, monkeypatch):
     classifier and cannot score it in the institution's name."""
     for field in ("_task_id", "_run_id", "_node_id"):
         monkeypatch.setattr(TaskIdentity, field, 1)
-    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(tmp_path),
-                               min_clients=1, wait_for_clients_s=1)  # fmt: skip
+    strategy = OneShotStrategy(
+        lambda blob: as_upload(decode_payload(blob, SERVER)),
+        CAP,
+        RunFolder(tmp_path),
+        min_clients=1,
+        wait_for_clients_s=1,
+    )
     strategy.sent_to = [1, 2]
-    strategy.aggregate_train(1, [over_the_wire(1, upload(VALID["sketch-0"])),
-                                 over_the_wire(2, skipped_content("sketch-0"))])  # fmt: skip
+    strategy.aggregate_train(
+        1,
+        [
+            over_the_wire(1, upload(VALID["sketch-0"])),
+            over_the_wire(2, skipped_content("sketch-0")),
+        ],
+    )
     outcomes = {o.node_id: o for o in strategy.outcomes}
     assert (outcomes[1].status, outcomes[1].client_id) == ("accepted", "sketch-0")
     assert outcomes[2].status == "rejected"
     assert "'sketch-0' uploaded from node 1; node 2 cannot claim its upload" in outcomes[2].reason
     assert strategy.uploaded_by_node == {1: "sketch-0"}
-    asked = strategy.configure_evaluate(1, ArrayRecord(), ConfigRecord(), ScoringGrid({1: {}, 2: {}}))
-    assert [m.metadata.dst_node_id for m in asked] == [1], "the classifier goes to the uploader only"
+    asked = strategy.configure_evaluate(
+        1, ArrayRecord(), ConfigRecord(), ScoringGrid({1: {}, 2: {}})
+    )
+    assert [m.metadata.dst_node_id for m in asked] == [1], (
+        "the classifier goes to the uploader only"
+    )
 
 
 def test_with_client_nodes_a_squatter_that_uploads_first_does_not_lock_the_owner_out(tmp_path):
@@ -353,16 +416,33 @@ def test_with_client_nodes_a_squatter_that_uploads_first_does_not_lock_the_owner
     "sketch-0" before its owner (node 2) is refused, the owner's upload is then accepted, and
     an id no node is registered for is refused."""
     owners = FedBiPConfig.from_flat({"client-nodes": "sketch-0=2"}).client_node_map
-    strategy = OneShotStrategy(lambda blob: as_upload(decode_payload(blob, SERVER)), CAP, RunFolder(tmp_path),
-                               min_clients=1, wait_for_clients_s=1, owners=owners)  # fmt: skip
+    strategy = OneShotStrategy(
+        lambda blob: as_upload(decode_payload(blob, SERVER)),
+        CAP,
+        RunFolder(tmp_path),
+        min_clients=1,
+        wait_for_clients_s=1,
+        owners=owners,
+    )
     strategy.sent_to = [1, 2, 3]
-    strategy.aggregate_train(1, [over_the_wire(1, upload(VALID["sketch-0"])),
-                                 over_the_wire(2, upload(VALID["sketch-0"])),
-                                 over_the_wire(3, upload(VALID["painting-0"]))])  # fmt: skip
+    strategy.aggregate_train(
+        1,
+        [
+            over_the_wire(1, upload(VALID["sketch-0"])),
+            over_the_wire(2, upload(VALID["sketch-0"])),
+            over_the_wire(3, upload(VALID["painting-0"])),
+        ],
+    )
     outcomes = {o.node_id: (o.status, o.reason) for o in strategy.outcomes}
-    assert outcomes[1][0] == "rejected" and "belongs to node 2 (run config client-nodes)" in outcomes[1][1]
+    assert (
+        outcomes[1][0] == "rejected"
+        and "belongs to node 2 (run config client-nodes)" in outcomes[1][1]
+    )
     assert outcomes[2] == ("accepted", "")
-    assert outcomes[3][0] == "rejected" and "'painting-0' is not in run config client-nodes" in outcomes[3][1]
+    assert (
+        outcomes[3][0] == "rejected"
+        and "'painting-0' is not in run config client-nodes" in outcomes[3][1]
+    )
     assert strategy.uploaded_by_node == {2: "sketch-0"}
 
 
@@ -385,17 +465,39 @@ class ScoringGrid:
 def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, monkeypatch):
     for field in ("_task_id", "_run_id", "_node_id"):  # what the ServerApp's runtime sets
         monkeypatch.setattr(TaskIdentity, field, 1)
-    good = {"accuracy": 0.5, "num-examples": 4, "per-class-correct": [1, 1], "per-class-total": [2, 2]}
+    good = {
+        "accuracy": 0.5,
+        "num-examples": 4,
+        "per-class-correct": [1, 1],
+        "per-class-total": [2, 2],
+    }
     inconsistent = {  # client id: (its reply, what the refusal says)
-        "d": ({"accuracy": 7.5, "num-examples": 10**9, "per-class-correct": [10**9, 0],
-               "per-class-total": [10**9, 0]}, "accuracy: Input should be less than or equal to 1"),
+        "d": (
+            {
+                "accuracy": 7.5,
+                "num-examples": 10**9,
+                "per-class-correct": [10**9, 0],
+                "per-class-total": [10**9, 0],
+            },
+            "accuracy: Input should be less than or equal to 1",
+        ),
         "e": ({**good, "per-class-correct": [3, 0]}, "more correct answers than images"),
         "f": ({**good, "num-examples": 40}, "sum to 4, not num-examples 40"),
         "g": ({**good, "accuracy": 1.0}, "accuracy 1 is not its counts' 2/4"),
-        "h": ({**good, "per-class-correct": [1, 1, 0], "per-class-total": [2, 2, 0]}, "count 3 classes, not the server's 2"),
-        "i": ({"accuracy": 0.5, "num-examples": 200, "per-class-correct": [50, 50],
-               "per-class-total": [100, 100]}, "200 held-out images, more than max-images-per-client 100"),
-    }  # fmt: skip
+        "h": (
+            {**good, "per-class-correct": [1, 1, 0], "per-class-total": [2, 2, 0]},
+            "count 3 classes, not the server's 2",
+        ),
+        "i": (
+            {
+                "accuracy": 0.5,
+                "num-examples": 200,
+                "per-class-correct": [50, 50],
+                "per-class-total": [100, 100],
+            },
+            "200 held-out images, more than max-images-per-client 100",
+        ),
+    }
     replies = {
         1: good,
         2: {**good, "accuracy": [0.5, 0.5]},
@@ -403,16 +505,30 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
         **{node: reply for node, (reply, _) in enumerate(inconsistent.values(), start=4)},
     }
     clients = dict(enumerate("abc" + "".join(inconsistent), start=1))
-    strategy = OneShotStrategy(None, CAP, RunFolder(tmp_path), min_clients=1, wait_for_clients_s=1,
-                               uploaded_by_node=clients)  # fmt: skip
-    scores = strategy.evaluate_at_institutions(ScoringGrid(replies), b"weights", {}, timeout=1,
-                                               bounds=ScoreBounds(classes=2, max_examples=100))  # fmt: skip
-    assert scores["a"] == Scored(accuracy=0.5, num_examples=4, per_class_correct=[1, 1],
-                                 per_class_total=[2, 2])  # fmt: skip
+    strategy = OneShotStrategy(
+        None,
+        CAP,
+        RunFolder(tmp_path),
+        min_clients=1,
+        wait_for_clients_s=1,
+        uploaded_by_node=clients,
+    )
+    scores = strategy.evaluate_at_institutions(
+        ScoringGrid(replies),
+        b"weights",
+        {},
+        timeout=1,
+        bounds=ScoreBounds(classes=2, max_examples=100),
+    )
+    assert scores["a"] == Scored(
+        accuracy=0.5, num_examples=4, per_class_correct=[1, 1], per_class_total=[2, 2]
+    )
     assert isinstance(scores["b"], Unscored) and "accuracy: " in scores["b"].reason
     assert isinstance(scores["c"], Unscored) and "together or not at all" in scores["c"].reason
     for client, (_, reason) in inconsistent.items():
-        assert isinstance(scores[client], Unscored) and reason in scores[client].reason, scores[client]
+        assert isinstance(scores[client], Unscored) and reason in scores[client].reason, scores[
+            client
+        ]
     assert Evaluation.of("clients", scores).weighted_mean == 0.5, "only the consistent score counts"
 
 
@@ -475,7 +591,9 @@ def test_a_squatter_and_an_inflated_score_are_refused_and_the_honest_scores_reco
         by_status.setdefault(client.status, []).append(client)
     assert sorted(by_status) == ["accepted", "rejected"] and len(by_status["accepted"]) == 2
     reason = by_status["rejected"][0].reason
-    assert "the message carries no FedBiP payload" in reason or "cannot claim its upload" in reason, reason
+    assert (
+        "the message carries no FedBiP payload" in reason or "cannot claim its upload" in reason
+    ), reason
     assert "2 valid payloads: painting-0, sketch-0" in log
     assert set(record.accuracy.per_domain) == {"sketch", "painting"}
     # the inflated scores are refused, not averaged: the mean is the honest institution's
@@ -485,14 +603,17 @@ def test_a_squatter_and_an_inflated_score_are_refused_and_the_honest_scores_reco
     assert isinstance(scores["sketch-0"], Scored)
     assert record.evaluation.weighted_mean == pytest.approx(scores["sketch-0"].accuracy, abs=1e-12)
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
-        "painting-0.safetensors", "sketch-0.safetensors"
+        "painting-0.safetensors",
+        "sketch-0.safetensors",
     ]
 
 
 def test_bad_run_config_fails_the_run_with_one_sentence(tmp_path, foreign_app):
     out, home = tmp_path / "out", tmp_path / "home"
     out.mkdir()
-    status, log = run_to_end(home, as_run_config({"concept-lr": -1, "output-dir": f'"{out}"'}), foreign_app)
+    status, log = run_to_end(
+        home, as_run_config({"concept-lr": -1, "output-dir": f'"{out}"'}), foreign_app
+    )
     assert status == "finished:failed"
     sentence = "Invalid FedBiP run config: 'concept-lr': Input should be greater than 0."
     errors = [line for line in log.splitlines() if line.startswith("fedbip_flwr.flat.ConfigError")]

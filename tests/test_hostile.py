@@ -41,7 +41,9 @@ def refusal(cfg, blob: bytes, ldm) -> str:
 
 
 @pytest.mark.parametrize("method", ["fedbip", "fedbip-mixture"])
-def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_acceptance(method, tiny_ldm):
+def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_acceptance(
+    method, tiny_ldm
+):
     """An institution names its own domain (no server domain list): a phrase of 240 tokens
     gives S 240 vectors, consistent with n-s, but no prompt of 16 tokens holds it."""
     cfg, blob = upload_of(method, tiny_ldm)
@@ -51,9 +53,15 @@ def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_accep
         meta["fedbip.n_s"] = json.dumps(240)
         tensors["domain_concept"] = tensors["domain_concept"][:1].repeat(240, 1)
 
-    own_folders = method_config(method, dataset="imagefolder", classes=",".join(cfg.class_list or shapes.CLASSES),
-                                **{"prompt-template": cfg.prompt_template, "n-s": cfg.n_s, "n-v": cfg.n_v})  # fmt: skip
-    create_for(own_folders).accept(blob, server_job(own_folders, tiny_ldm))  # the honest one is taken
+    own_folders = method_config(
+        method,
+        dataset="imagefolder",
+        classes=",".join(cfg.class_list or shapes.CLASSES),
+        **{"prompt-template": cfg.prompt_template, "n-s": cfg.n_s, "n-v": cfg.n_v},
+    )
+    create_for(own_folders).accept(
+        blob, server_job(own_folders, tiny_ldm)
+    )  # the honest one is taken
     reason = refusal(own_folders, tampered(blob, method, cfg, long_domain), tiny_ldm)
     assert "the text encoder takes 16" in reason and "could not prompt" in reason
 
@@ -117,7 +125,9 @@ def accepted_uploads(cfg, ldm, partitions=(0, 1)) -> dict:
     return {upload.client_id: upload for upload in uploads}
 
 
-def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_others_train(tiny_ldm, tmp_path):
+def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_others_train(
+    tiny_ldm, tmp_path
+):
     """A check acceptance lacks (here: an upload whose decoded mixture is gone) makes synthesis
     raise for that client only: it is recorded as failed with the error, the training set is
     made from the others, and clients.json says so."""
@@ -127,7 +137,10 @@ def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_oth
     uploads[broken] = dataclasses.replace(uploads[broken], content=None)
     folder = RunFolder(tmp_path / "run")
     folder.root.mkdir()
-    clients = [ClientOutcome(node_id=n, status="accepted", client_id=c) for n, c in enumerate(sorted(uploads))]
+    clients = [
+        ClientOutcome(node_id=n, status="accepted", client_id=c)
+        for n, c in enumerate(sorted(uploads))
+    ]
     stopped = RunResults(status="failed", config=cfg.to_flat(), clients=clients)
     training_set, kept, outcomes = server_app._training_set(
         create_for(cfg), server_job(cfg, tiny_ldm), uploads, folder, Seconds(), stopped
@@ -135,7 +148,10 @@ def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_oth
     assert set(training_set) == set(kept) == {honest}
     status = {o.client_id: (o.status, o.reason) for o in outcomes}
     assert status[honest] == ("accepted", "")
-    assert status[broken][0] == "failed" and "synthesis from its accepted upload failed" in status[broken][1]
+    assert (
+        status[broken][0] == "failed"
+        and "synthesis from its accepted upload failed" in status[broken][1]
+    )
     assert results.read_clients(folder.clients) == outcomes
 
 
@@ -148,14 +164,24 @@ def test_a_restart_records_a_stored_upload_that_no_longer_passes_and_goes_on(tin
     folder = RunFolder(tmp_path / "run")
     folder.payloads.mkdir(parents=True)
     for client_id, upload in uploads.items():
-        blob = encode_tensors(upload.tensors, {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()})
+        blob = encode_tensors(
+            upload.tensors,
+            {f"fedbip.{k}": json.dumps(v) for k, v in upload.meta.model_dump().items()},
+        )
         if client_id == stale:
             blob = tampered(blob, "fedld", cfg, _rows(2))
         folder.payload_path(client_id).write_bytes(blob)
     write_json(folder.uploaders, {"7": stale, "8": honest})
-    results.write_clients([ClientOutcome(node_id=n, status="accepted", client_id=c)
-                           for n, c in ((7, stale), (8, honest))], folder.clients)  # fmt: skip
-    _, kept, outcomes = server_app._round(create_for(cfg), None, server_job(cfg, tiny_ldm), folder, Seconds())
+    results.write_clients(
+        [
+            ClientOutcome(node_id=n, status="accepted", client_id=c)
+            for n, c in ((7, stale), (8, honest))
+        ],
+        folder.clients,
+    )
+    _, kept, outcomes = server_app._round(
+        create_for(cfg), None, server_job(cfg, tiny_ldm), folder, Seconds()
+    )
     assert set(kept) == {honest}
     status = {o.client_id: (o.node_id, o.status, o.reason) for o in outcomes}
     assert status[honest][:2] == (8, "accepted")
@@ -165,7 +191,9 @@ def test_a_restart_records_a_stored_upload_that_no_longer_passes_and_goes_on(tin
 
 # --- text from uploads reaches people escaped ------------------------------------------------
 
-HOSTILE_DOMAIN = "sketch\x1b[2J\x1b[31m | forged | row |\n| x ![p](http://example.invalid/p.png) <img src=x>"
+HOSTILE_DOMAIN = (
+    "sketch\x1b[2J\x1b[31m | forged | row |\n| x ![p](http://example.invalid/p.png) <img src=x>"
+)
 
 
 def test_an_uploads_strings_reach_report_md_escaped(tmp_path):
@@ -213,14 +241,26 @@ def _fitted(tensors, _meta):
 
 
 FEDLD_DP_LIES = {
-    "no header": (_header(lambda dp: False), r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee"),
-    "epsilon 1e-9": (_header(lambda dp: dp.update(epsilon=1e-9)), "claims epsilon 1e-09, but its noise multiplier"),
+    "no header": (
+        _header(lambda dp: False),
+        r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee",
+    ),
+    "epsilon 1e-9": (
+        _header(lambda dp: dp.update(epsilon=1e-9)),
+        "claims epsilon 1e-09, but its noise multiplier",
+    ),
     "epsilon infinite": (_header(lambda dp: dp.update(epsilon=INFINITE)), "finite number"),
-    "noise multiplier infinite": (_header(lambda dp: dp.update(noise_multiplier=INFINITE)), "finite number"),
-    "noise multiplier tiny": (_header(lambda dp: dp.update(noise_multiplier=1e-9)), "greater than or equal to 0.05"),
+    "noise multiplier infinite": (
+        _header(lambda dp: dp.update(noise_multiplier=INFINITE)),
+        "finite number",
+    ),
+    "noise multiplier tiny": (
+        _header(lambda dp: dp.update(noise_multiplier=1e-9)),
+        "greater than or equal to 0.05",
+    ),
     "another clip": (_header(lambda dp: dp.update(clip=dp["clip"] * 10)), "DP clip"),
     "fitted tensors": (_fitted, "not a DP release's"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -243,9 +283,13 @@ def test_fedld_checks_the_dp_header_it_is_sent(lie, fedld_dp):
 def test_fedbip_mixture_refuses_a_consistent_header_on_tensors_without_the_dp_structure(tiny_ldm):
     cfg, blob = upload_of("fedbip-mixture", tiny_ldm, **{"fedbip-mixture.dp-epsilon": 4.0})
     create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
-    assert "not a DP release's" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, _fitted), tiny_ldm)
+    assert "not a DP release's" in refusal(
+        cfg, tampered(blob, "fedbip-mixture", cfg, _fitted), tiny_ldm
+    )
     infinite = _header(lambda dp: dp["concepts"].update(noise_multiplier=INFINITE))
-    assert "finite number" in refusal(cfg, tampered(blob, "fedbip-mixture", cfg, infinite), tiny_ldm)
+    assert "finite number" in refusal(
+        cfg, tampered(blob, "fedbip-mixture", cfg, infinite), tiny_ldm
+    )
 
 
 # --- fedbip inspect gives the server's verdict -----------------------------------------------
@@ -261,11 +305,16 @@ def _negative_variance(tensors, _meta):
     tensors[MIXTURE_VARIANCES] = variances
 
 
-@pytest.mark.parametrize(("method", "lie", "reason"), [
-    ("fedbip", _times_50, "latents"),
-    ("fedld", _negative_variance, "variance <= 0"),
-])  # fmt: skip
-def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(method, lie, reason, tiny_model_dir, tiny_ldm, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("method", "lie", "reason"),
+    [
+        ("fedbip", _times_50, "latents"),
+        ("fedld", _negative_variance, "variance <= 0"),
+    ],
+)
+def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(
+    method, lie, reason, tiny_model_dir, tiny_ldm, tmp_path, capsys
+):
     import tomli_w
 
     from fedbip_tools.cli import main
@@ -282,7 +331,9 @@ def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(meth
     assert "not checked against a run's base model" in capsys.readouterr().out
     assert main(["inspect", str(hostile), "--run-config", str(run_config)]) == 1
     out = capsys.readouterr()
-    assert "verdict: the run's server refuses it" in out.out + out.err and reason in out.out + out.err
+    assert (
+        "verdict: the run's server refuses it" in out.out + out.err and reason in out.out + out.err
+    )
 
 
 # --- analytic plausibility: nothing a predictable draw can miss ------------------------------
@@ -293,7 +344,9 @@ def _component(change):
     variances)`` (in place, on copies)."""
 
     def edit(tensors, _meta):
-        parts = [tensors[name].clone() for name in (MIXTURE_WEIGHTS, MIXTURE_MEANS, MIXTURE_VARIANCES)]
+        parts = [
+            tensors[name].clone() for name in (MIXTURE_WEIGHTS, MIXTURE_MEANS, MIXTURE_VARIANCES)
+        ]
         change(*parts)
         tensors[MIXTURE_WEIGHTS], tensors[MIXTURE_MEANS], tensors[MIXTURE_VARIANCES] = parts
 
@@ -309,7 +362,10 @@ def _rare_x50(w, m, v):
 MIXTURE_LIES = {
     "a x50 component at weight 0.012": (_rare_x50, "mean^2 + variance above"),
     "variance 1e-30": (lambda w, m, v: v[0, 0].fill_(1e-30), "variance below the fit's floor"),
-    "15-sigma spikes on a few coordinates": (lambda w, m, v: m[0, 0, :3].fill_(15.0), "on one coordinate"),
+    "15-sigma spikes on a few coordinates": (
+        lambda w, m, v: m[0, 0, :3].fill_(15.0),
+        "on one coordinate",
+    ),
 }
 
 
@@ -348,7 +404,9 @@ def _claim_in_class_0(count: int):
 
 def _synthesized_labels(method, job, upload, folder) -> list[int]:
     folder.mkdir()
-    shards = method.train_set({upload.client_id: upload}, job, lambda c, i: folder / f"{c}-{i}.safetensors")
+    shards = method.train_set(
+        {upload.client_id: upload}, job, lambda c, i: folder / f"{c}-{i}.safetensors"
+    )
     labels = torch.cat([load_file(path)["labels"] for path in shards[upload.client_id]])
     return torch.bincount(labels.long(), minlength=len(job.class_names)).tolist()
 
@@ -394,4 +452,6 @@ def test_espressos_reach_does_not_grow_with_a_claimed_count(tiny_ldm):
         _claim_in_class_0(99_000)(tensors, meta)
         tensors["conditions"] = tensors["conditions"] + 500.0
 
-    assert "beyond the" in refusal(cfg, tampered(blob, "espresso", cfg, moved_with_a_large_claim), tiny_ldm)
+    assert "beyond the" in refusal(
+        cfg, tampered(blob, "espresso", cfg, moved_with_a_large_claim), tiny_ldm
+    )

@@ -89,7 +89,9 @@ def test_exif_orientation_is_applied(tmp_path: Path, original) -> None:
     exif[0x0112] = 6
     sideways = Image.fromarray(original).transpose(Image.Transpose.ROTATE_90)
     got = decoded(tmp_path, sideways, "phone.jpg", exif=exif, quality=95)
-    assert decoded(tmp_path, Image.fromarray(original).convert("CMYK"), "cmyk.jpg").shape == got.shape
+    assert (
+        decoded(tmp_path, Image.fromarray(original).convert("CMYK"), "cmyk.jpg").shape == got.shape
+    )
     assert got.shape == original.shape
     assert mean_error(got, original) < 3  # JPEG's own error; unrotated it would not even fit
 
@@ -107,15 +109,21 @@ def test_alpha_is_composited_on_the_stated_background(tmp_path: Path, original) 
     assert np.array_equal(decoded(tmp_path, la, "la.png"), want_la)
 
 
-def test_palette_with_transparency_and_cmyk_and_gray_and_upper_case(tmp_path: Path, original) -> None:
+def test_palette_with_transparency_and_cmyk_and_gray_and_upper_case(
+    tmp_path: Path, original
+) -> None:
     palette = Image.fromarray(original).quantize(64)
     opaque = np.asarray(palette.convert("RGB"))
     assert np.array_equal(decoded(tmp_path, palette, "palette.png"), opaque)
     index = int(np.asarray(palette)[0, 0])  # this colour becomes transparent
     want = np.where((np.asarray(palette) == index)[..., None], np.array(BACKGROUND), opaque)
     assert np.array_equal(decoded(tmp_path, palette, "clear.png", transparency=index), want)
-    assert mean_error(decoded(tmp_path, Image.fromarray(original).convert("CMYK"), "cmyk.tif"),
-                      original) < 1  # fmt: skip
+    assert (
+        mean_error(
+            decoded(tmp_path, Image.fromarray(original).convert("CMYK"), "cmyk.tif"), original
+        )
+        < 1
+    )
     gray = np.asarray(Image.fromarray(original).convert("L"))
     assert np.array_equal(decoded(tmp_path, Image.fromarray(gray), "gray.png")[..., 0], gray)
     assert np.array_equal(decoded(tmp_path, Image.fromarray(original), "UPPER.PNG"), original)
@@ -172,12 +180,19 @@ def test_skip_leaves_them_out_lists_them_once_and_counts_them(own_folder: Path, 
     split.train.take(np.arange(len(split.train)), SIZE)  # every kept file decodes
 
 
-def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(own_folder: Path) -> None:
+def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(
+    own_folder: Path,
+) -> None:
     """Through the ClientApp's own entry: fail never reaches the model; skip reports the count
     in the metrics the reply carries (prompts-only: the upload needs no model at all)."""
     plant_bad_files(own_folder)
-    cfg = FedBiPConfig(method="prompts-only", dataset="imagefolder", classes=",".join(CLASSES),
-                       data_root=str(own_folder), image_size=SIZE)  # fmt: skip
+    cfg = FedBiPConfig(
+        method="prompts-only",
+        dataset="imagefolder",
+        classes=",".join(CLASSES),
+        data_root=str(own_folder),
+        image_size=SIZE,
+    )
 
     def no_model():
         raise AssertionError("the model was loaded before the folder was checked")
@@ -193,23 +208,38 @@ def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(own_f
 def test_an_institution_above_the_image_cap_fails_before_any_model_loads(own_folder: Path) -> None:
     """The cap the server holds every upload to (max-images-per-client) is known to the
     client too: it stops before its work instead of uploading what the server would refuse."""
-    cfg = FedBiPConfig(method="fedbip", dataset="imagefolder", classes=",".join(CLASSES),
-                       data_root=str(own_folder), image_size=SIZE, max_images_per_client=3 * 6 - 1)  # fmt: skip
+    cfg = FedBiPConfig(
+        method="fedbip",
+        dataset="imagefolder",
+        classes=",".join(CLASSES),
+        data_root=str(own_folder),
+        image_size=SIZE,
+        max_images_per_client=3 * 6 - 1,
+    )
 
     def no_model():
         raise AssertionError("the model was loaded before the image count was checked")
 
     node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
-    with pytest.raises(DataError, match="inst holds more private images than the run's max-images-per-client 17") as info:
+    with pytest.raises(
+        DataError, match="inst holds more private images than the run's max-images-per-client 17"
+    ) as info:
         institution_upload(cfg, node, no_model)
     assert "18" not in str(info.value)  # the refusal reaches the server: its count stays in the log
 
 
-def test_a_dp_upload_sends_its_epsilon_and_nothing_its_guarantee_hides(own_folder: Path, tiny_ldm) -> None:
+def test_a_dp_upload_sends_its_epsilon_and_nothing_its_guarantee_hides(
+    own_folder: Path, tiny_ldm
+) -> None:
     """Beside a DP upload the reply carries no exact image count, skipped-file count or timing:
     each would tell the server what the noisy counts inside the upload hide."""
-    values = {"method": "fedld", "dataset": "imagefolder", "classes": ",".join(CLASSES),
-              "data-root": str(own_folder), "image-size": SIZE}  # fmt: skip
+    values = {
+        "method": "fedld",
+        "dataset": "imagefolder",
+        "classes": ",".join(CLASSES),
+        "data-root": str(own_folder),
+        "image-size": SIZE,
+    }
     node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
     plain = institution_upload(FedBiPConfig.from_flat(values), node, lambda: tiny_ldm)[1]
     assert plain["num-examples"] == 3 * 6 and "seconds-total" in plain
@@ -220,15 +250,35 @@ def test_a_dp_upload_sends_its_epsilon_and_nothing_its_guarantee_hides(own_folde
 
 def test_report_counts_the_files_each_institution_left_out(tmp_path: Path) -> None:
     clients = [
-        {"node_id": 1, "client_id": "a", "domain": "sketch", "status": "accepted", "payload_bytes": 10,
-         "metrics": {"num-examples": 18, "unreadable-files-skipped": 2}},
-        {"node_id": 2, "client_id": "b", "domain": "painting", "status": "accepted", "payload_bytes": 10,
-         "metrics": {"num-examples": 20, "unreadable-files-skipped": 0}},
-    ]  # fmt: skip
-    metrics = {"status": "failed", "reason": "stopped after the round", "config": {}, "clients": clients}
+        {
+            "node_id": 1,
+            "client_id": "a",
+            "domain": "sketch",
+            "status": "accepted",
+            "payload_bytes": 10,
+            "metrics": {"num-examples": 18, "unreadable-files-skipped": 2},
+        },
+        {
+            "node_id": 2,
+            "client_id": "b",
+            "domain": "painting",
+            "status": "accepted",
+            "payload_bytes": 10,
+            "metrics": {"num-examples": 20, "unreadable-files-skipped": 0},
+        },
+    ]
+    metrics = {
+        "status": "failed",
+        "reason": "stopped after the round",
+        "config": {},
+        "clients": clients,
+    }
     (tmp_path / "metrics.json").write_text(json.dumps(metrics))
-    rows = [[cell.strip() for cell in line.strip("|").split("|")]
-            for line in write_report(tmp_path).read_text().splitlines() if line.startswith("|")]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in write_report(tmp_path).read_text().splitlines()
+        if line.startswith("|")
+    ]
     assert rows[0][:5] == ["client", "domain", "status", "images", "unreadable files left out"]
     assert rows[2][:5] == ["a", "sketch", "accepted", "18", "2"]
 
@@ -236,8 +286,11 @@ def test_report_counts_the_files_each_institution_left_out(tmp_path: Path) -> No
 @pytest.mark.parametrize("kind", ["float", "int32"])
 def test_images_without_an_eight_bit_meaning_are_unreadable(tmp_path: Path, kind: str) -> None:
     values = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
-    image = Image.fromarray(values) if kind == "float" else Image.fromarray(
-        (values * 2**20).astype(np.int32))  # fmt: skip
+    image = (
+        Image.fromarray(values)
+        if kind == "float"
+        else Image.fromarray((values * 2**20).astype(np.int32))
+    )
     image.save(tmp_path / "x.tif")
     assert "8-bit" in (why_unreadable(tmp_path / "x.tif") or "")
 
@@ -260,12 +313,20 @@ def test_an_error_reply_to_the_server_neither_counts_nor_names_the_bad_files(
     for field in ("_task_id", "_run_id", "_node_id"):  # what a SuperNode's runtime sets
         monkeypatch.setattr(TaskIdentity, field, 1)
     bad = plant_bad_files(own_folder)
-    run = {**project_run_config(), "method": "prompts-only", "dataset": "imagefolder",
-           "classes": ",".join(CLASSES), "image-size": SIZE}  # fmt: skip
+    run = {
+        **project_run_config(),
+        "method": "prompts-only",
+        "dataset": "imagefolder",
+        "classes": ",".join(CLASSES),
+        "image-size": SIZE,
+    }
     node = {"data-root": str(own_folder), "domain": "sketch", "client-id": "inst"}
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
-    message = Message(content=RecordDict({"config": ConfigRecord({})}), dst_node_id=1,
-                      message_type=MessageType.TRAIN)  # fmt: skip
+    message = Message(
+        content=RecordDict({"config": ConfigRecord({})}),
+        dst_node_id=1,
+        message_type=MessageType.TRAIN,
+    )
     with pytest.raises(DataError) as info:
         client_app.train(message, context)
     reason = str(info.value)

@@ -59,7 +59,12 @@ def test_personalize_instances_equation_and_statistics(tiny_ldm):
     labels = torch.arange(16) % 4
     z0 = encode_images(tiny_ldm.vae, images)
     out = personalize_instances(
-        tiny_ldm.vae, tiny_ldm.scheduler, images, labels, 981, generator=torch.Generator().manual_seed(3)
+        tiny_ldm.vae,
+        tiny_ldm.scheduler,
+        images,
+        labels,
+        981,
+        generator=torch.Generator().manual_seed(3),
     )
     assert torch.allclose(out.z0, z0)
     g = out.gammas.view(-1, 1, 1, 1)
@@ -88,8 +93,15 @@ def test_several_draws_give_independent_z_T_per_image_each_by_the_equation(tiny_
     """latents-per-image = k: k rows of z(T) per image, each its own partner, gamma and noise."""
     images = torch.rand(12, 3, 32, 32) * 2 - 1
     labels = torch.arange(12) % 3
-    out = personalize_instances(tiny_ldm.vae, tiny_ldm.scheduler, images, labels, 981, draws=3,
-                                generator=torch.Generator().manual_seed(5))  # fmt: skip
+    out = personalize_instances(
+        tiny_ldm.vae,
+        tiny_ldm.scheduler,
+        images,
+        labels,
+        981,
+        draws=3,
+        generator=torch.Generator().manual_seed(5),
+    )
     assert out.zT.shape == (36, *tiny_ldm.latent_shape()) and out.z0.shape[0] == 12
     assert torch.equal(out.zT_labels, labels.repeat(3))
     assert torch.equal(labels[out.partners], out.zT_labels), "partners share the class"

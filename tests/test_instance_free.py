@@ -27,22 +27,32 @@ def upload_of(method: str, ldm, **values):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(method, tiny_ldm, tmp_path):
+def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(
+    method, tiny_ldm, tmp_path
+):
     cfg, blob, metrics = upload_of(method, tiny_ldm, **{"latents-per-image": 2})
     audited = audit_upload(blob, 2**30)
     n = audited.meta.num_examples
     assert set(MIXTURE_TENSOR_NAMES) <= set(audited.tensors)
-    assert all(n not in t.shape for name, t in audited.tensors.items() if name != "class_counts"), \
+    assert all(n not in t.shape for name, t in audited.tensors.items() if name != "class_counts"), (
         "a tensor with a row per private image"
+    )
     upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     assert metrics["mixture-rows"] == 2 * n
     folder = RunFolder(tmp_path)
-    shards = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path)
+    shards = create_for(cfg).train_set(
+        {upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path
+    )
     labels = torch.cat([read_tensors(p)["labels"] for p in shards[upload.client_id]])
     counts = upload.tensors["class_counts"]
     # as many images per class as FedBiP makes from this client: count x z(T) per image x passes
-    assert torch.bincount(labels, minlength=len(counts)).tolist() == (counts * 2 * cfg.multiplier).tolist()
-    again = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path)
+    assert (
+        torch.bincount(labels, minlength=len(counts)).tolist()
+        == (counts * 2 * cfg.multiplier).tolist()
+    )
+    again = create_for(cfg).train_set(
+        {upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path
+    )
     assert again == shards, "a restarted server reuses the keyed shards"
 
 
@@ -58,8 +68,11 @@ def test_draws_come_from_the_mixture_not_from_fresh_noise(tiny_ldm, tmp_path):
     images = {}
     for name, data in (("honest", blob), ("shifted", tampered(blob, "fedld", cfg, shifted))):
         upload = create_for(cfg).accept(data, server_job(cfg, tiny_ldm))
-        (path,) = create_for(cfg).train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
-                                            RunFolder(tmp_path / name).shard_path)[upload.client_id]  # fmt: skip
+        (path,) = create_for(cfg).train_set(
+            {upload.client_id: upload},
+            server_job(cfg, tiny_ldm),
+            RunFolder(tmp_path / name).shard_path,
+        )[upload.client_id]
         images[name] = read_tensors(path)
     labels = images["honest"]["labels"]
     same = (images["honest"]["images"] == images["shifted"]["images"]).flatten(1).all(1)
@@ -90,7 +103,9 @@ def test_the_server_refuses_another_component_count_and_outsized_concepts(tiny_l
         tensors["class_concepts"] = tensors["class_concepts"] * 1000
 
     with pytest.raises(PayloadError, match="class_concepts|V_"):
-        create_for(cfg).accept(tampered(blob, "fedbip-mixture", cfg, scaled), server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(
+            tampered(blob, "fedbip-mixture", cfg, scaled), server_job(cfg, tiny_ldm)
+        )
 
 
 def test_a_dp_upload_says_what_it_guarantees_and_releases_noisy_class_means(tiny_ldm):
@@ -101,11 +116,12 @@ def test_a_dp_upload_says_what_it_guarantees_and_releases_noisy_class_means(tiny
     release = audit_upload(blob, 2**30).meta.dp
     assert (release.epsilon, release.delta, release.releases) == (4.0, 1e-5, 2)
     assert release.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 2))
-    assert set(release.covers) == {"class_counts", *MIXTURE_TENSOR_NAMES} and release.replayable_noise
+    assert (
+        set(release.covers) == {"class_counts", *MIXTURE_TENSOR_NAMES} and release.replayable_noise
+    )
     mixture = upload.content
     assert torch.equal(mixture.variances, torch.ones_like(mixture.variances))
     assert mixture.weights[:, 0].eq(1).all() and mixture.weights[:, 1:].eq(0).all()
-
 
 
 def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibrated_scale():
@@ -117,13 +133,16 @@ def test_the_private_class_means_are_the_clipped_means_plus_noise_of_the_calibra
 
     generator = torch.Generator().manual_seed(0)
     n, dim = 4000, 16
-    z_t = torch.randn(2 * n, 1, 4, 4, generator=generator) * 0.5 + torch.arange(2 * n).ge(n).view(-1, 1, 1, 1)
+    z_t = torch.randn(2 * n, 1, 4, 4, generator=generator) * 0.5 + torch.arange(2 * n).ge(n).view(
+        -1, 1, 1, 1
+    )
     labels = torch.arange(2 * n).ge(n).long()
     own = FedLDSettings(dp_epsilon=4.0, dp_clip=1.25)
     sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
     guarantee = stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, dim)
-    mixture, counts, release = private_mixture(z_t, labels, 3, guarantee, own.components, 0.5, generator,
-                                               replayable=False)  # fmt: skip
+    mixture, counts, release = private_mixture(
+        z_t, labels, 3, guarantee, own.components, 0.5, generator, replayable=False
+    )
     clip = 1.25 * dim**0.5
     assert release.clip == clip and not release.replayable_noise
     scale = release.noise_multiplier * clip / n  # the std of the noise on one coordinate of a mean
@@ -176,31 +195,54 @@ def test_a_private_fedbip_mixture_upload_states_one_guarantee_for_all_it_holds(p
     release = audit_upload(blob, 2**30).meta.dp
     assert release.covers == list(FedBiPMixture.tensor_names)
     sgd = release.concepts
-    assert (sgd.sample_rate, sgd.steps, sgd.clip, sgd.covers) == (0.08, 13, 1e-3, ["domain_concept", "class_concepts"])
+    assert (sgd.sample_rate, sgd.steps, sgd.clip, sgd.covers) == (
+        0.08,
+        13,
+        1e-3,
+        ["domain_concept", "class_concepts"],
+    )
     assert release.releases == 2 and release.delta == 1e-5
     # the accountant's epsilon for every release made, composed: all of the budget, never more
     assert 4.0 * (1 - 1e-3) < release.epsilon <= 4.0
-    assert release.epsilon == composed_epsilon(1e-5, dp_sgd_event(0.08, sgd.noise_multiplier, 13),
-                                               gaussian_releases(release.noise_multiplier, 2))  # fmt: skip
-    assert metrics == {"dp-epsilon": release.epsilon}, "no loss curve or timing of the private images"
+    assert release.epsilon == composed_epsilon(
+        1e-5,
+        dp_sgd_event(0.08, sgd.noise_multiplier, 13),
+        gaussian_releases(release.noise_multiplier, 2),
+    )
+    assert metrics == {"dp-epsilon": release.epsilon}, (
+        "no loss curve or timing of the private images"
+    )
     upload = create_for(cfg).accept(blob, server_job(cfg, ldm))
     mixture, concepts = upload.content.mixture, upload.content.concepts
     assert torch.equal(mixture.variances, torch.ones_like(mixture.variances))
     assert mixture.weights[:, 0].eq(1).all() and mixture.weights[:, 1:].eq(0).all()
     meta = concepts.meta
-    layout = prompt_layout(ldm.tokenizer, meta.prompt_template, meta.n_s, meta.n_v, upload.domain,
-                           meta.class_names, warn=False)  # fmt: skip
+    layout = prompt_layout(
+        ldm.tokenizer,
+        meta.prompt_template,
+        meta.n_s,
+        meta.n_v,
+        upload.domain,
+        meta.class_names,
+        warn=False,
+    )
     s0, v0 = initial_concepts(ldm, layout, cfg.concept_space)
-    assert not torch.equal(concepts.domain_concept, s0) and not torch.equal(concepts.class_concepts, v0)
+    assert not torch.equal(concepts.domain_concept, s0) and not torch.equal(
+        concepts.class_concepts, v0
+    )
 
 
-def test_a_non_private_fedbip_mixture_header_is_as_before_and_a_dp_run_refuses_it(tiny_ldm, private_mixture):
+def test_a_non_private_fedbip_mixture_header_is_as_before_and_a_dp_run_refuses_it(
+    tiny_ldm, private_mixture
+):
     from fedbip_flwr.upload import read_header
 
     cfg, blob, _ = upload_of("fedbip-mixture", tiny_ldm)
     assert "fedbip.dp" not in read_header(blob)[1], "a non-DP header gains no key"
     private_cfg = private_mixture[0]
-    with pytest.raises(PayloadError, match=r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee"):
+    with pytest.raises(
+        PayloadError, match=r"the run asks for \(4, 1e-05\)-DP uploads .* states no guarantee"
+    ):
         create_for(private_cfg).accept(blob, server_job(private_cfg, tiny_ldm))
 
 
@@ -217,20 +259,43 @@ def _dp(change):
 
 GUARANTEE_LIES = {
     "epsilon understated": (_dp(lambda d: d.update(epsilon=d["epsilon"] / 2)), "claims epsilon 2"),
-    "epsilon above the run's": (_dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5)), "weaker than the run's"),
+    "epsilon above the run's": (
+        _dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5)),
+        "weaker than the run's",
+    ),
     "statistics' noise overstated": (
-        _dp(lambda d: d.update(noise_multiplier=d["noise_multiplier"] * 2)), "claims epsilon .* give"),
+        _dp(lambda d: d.update(noise_multiplier=d["noise_multiplier"] * 2)),
+        "claims epsilon .* give",
+    ),
     "DP-SGD's noise overstated": (
-        _dp(lambda d: d["concepts"].update(noise_multiplier=d["concepts"]["noise_multiplier"] * 2)), "claims epsilon"),
-    "fewer steps": (_dp(lambda d: d["concepts"].update(steps=1)), "DP-SGD steps 1 does not match the server's 13"),
-    "another sample rate": (_dp(lambda d: d["concepts"].update(sample_rate=0.04)), "DP-SGD sample rate 0.04"),
+        _dp(lambda d: d["concepts"].update(noise_multiplier=d["concepts"]["noise_multiplier"] * 2)),
+        "claims epsilon",
+    ),
+    "fewer steps": (
+        _dp(lambda d: d["concepts"].update(steps=1)),
+        "DP-SGD steps 1 does not match the server's 13",
+    ),
+    "another sample rate": (
+        _dp(lambda d: d["concepts"].update(sample_rate=0.04)),
+        "DP-SGD sample rate 0.04",
+    ),
     "a tensor left uncovered": (
-        _dp(lambda d: d["covers"].remove("class_concepts")), r"does not cover \['class_concepts'\]"),
-    "DP-SGD's parameters missing": (_dp(lambda d: d.pop("concepts")), "fedbip.dp.concepts' is invalid: Field required"),
-    "epsilon missing": (_dp(lambda d: d.pop("epsilon")), "fedbip.dp.epsilon' is invalid: Field required"),
+        _dp(lambda d: d["covers"].remove("class_concepts")),
+        r"does not cover \['class_concepts'\]",
+    ),
+    "DP-SGD's parameters missing": (
+        _dp(lambda d: d.pop("concepts")),
+        "fedbip.dp.concepts' is invalid: Field required",
+    ),
+    "epsilon missing": (
+        _dp(lambda d: d.pop("epsilon")),
+        "fedbip.dp.epsilon' is invalid: Field required",
+    ),
     "a noise multiplier too small to account": (
-        _dp(lambda d: d["concepts"].update(noise_multiplier=0.01)), "greater than or equal to 0.05"),
-}  # fmt: skip
+        _dp(lambda d: d["concepts"].update(noise_multiplier=0.01)),
+        "greater than or equal to 0.05",
+    ),
+}
 
 
 @pytest.mark.parametrize("lie", sorted(GUARANTEE_LIES))
@@ -246,7 +311,9 @@ def test_a_server_without_a_dp_budget_still_refuses_an_overstated_epsilon(privat
     _, blob, _, ldm = private_mixture
     plain = method_config("fedbip-mixture")
     create_for(plain).accept(blob, server_job(plain, ldm))  # the honest one is taken
-    lie = tampered(blob, "fedbip-mixture", plain, _dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5)))
+    lie = tampered(
+        blob, "fedbip-mixture", plain, _dp(lambda d: d.update(epsilon=d["epsilon"] * 1.5))
+    )
     with pytest.raises(PayloadError, match="claims epsilon 6, .* give 4 at"):
         create_for(plain).accept(lie, server_job(plain, ldm))
 
@@ -263,7 +330,10 @@ def test_fedbip_inspect_and_report_show_the_mixture_guarantee(private_mixture, t
     out = capsys.readouterr().out
     assert '"sample_rate": 0.08' in out and '"steps": 13' in out
     (row,) = [line for line in _what_left(tmp_path) if line.startswith("| sketch-0")]
-    assert "-DP per one private image" in row and "domain_concept, class_concepts by DP-SGD (q 0.08, 13 steps" in row
+    assert (
+        "-DP per one private image" in row
+        and "domain_concept, class_concepts by DP-SGD (q 0.08, 13 steps" in row
+    )
 
 
 def test_private_concepts_need_one_concept_per_class(tiny_ldm):
@@ -275,13 +345,19 @@ def test_private_concepts_need_one_concept_per_class(tiny_ldm):
 # --- Espresso: per-sub-cluster conditions and Z-Sampling -------------------------------------------
 
 
-def test_espresso_learns_one_condition_per_sub_cluster_and_leaves_the_rest_at_the_plain_prompt(tiny_ldm):
+def test_espresso_learns_one_condition_per_sub_cluster_and_leaves_the_rest_at_the_plain_prompt(
+    tiny_ldm,
+):
     from fedbip_flwr.conditions import initial_conditions
 
-    cfg, blob, metrics = upload_of("espresso", tiny_ldm, **{"espresso.clusters": 3, "shots-per-class": 2})
+    cfg, blob, metrics = upload_of(
+        "espresso", tiny_ldm, **{"espresso.clusters": 3, "shots-per-class": 2}
+    )
     upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     conditions, counts = upload.content.conditions, upload.content.counts
-    start = initial_conditions(tiny_ldm, cfg.prompt_template, upload.domain, server_job(cfg, tiny_ldm).class_names, 3)
+    start = initial_conditions(
+        tiny_ldm, cfg.prompt_template, upload.domain, server_job(cfg, tiny_ldm).class_names, 3
+    )
     moved = (conditions - start).abs().flatten(2).amax(-1) > 0
     # a class of n images has min(n, J) sub-clusters, each trained; the others keep c0
     assert moved.sum(1).tolist() == counts.clamp(max=3).tolist()
@@ -300,7 +376,9 @@ def test_a_server_draws_a_condition_of_the_images_class_among_its_learned_ones()
     assert torch.equal(rows, condition_rows(counts, 4, labels, seed=0))
 
 
-def test_espresso_refuses_conditions_beyond_their_learnings_reach_and_another_cluster_count(tiny_ldm):
+def test_espresso_refuses_conditions_beyond_their_learnings_reach_and_another_cluster_count(
+    tiny_ldm,
+):
     cfg, blob, _ = upload_of("espresso", tiny_ldm)
 
     def pushed(tensors, _meta):
@@ -358,15 +436,28 @@ def test_claimed_image_counts_are_held_to_max_images_per_client(method, tiny_ldm
     at_cap = method_config(method, **{"max-images-per-client": n})
     assert create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm)).meta.num_examples == n
     below = method_config(method, **{"max-images-per-client": n - 1})
-    with pytest.raises(PayloadError, match=f"class_counts in all claims {n} images, above run config "
-                                           f"max-images-per-client {n - 1}"):  # fmt: skip
+    with pytest.raises(
+        PayloadError,
+        match=f"class_counts in all claims {n} images, above run config "
+        f"max-images-per-client {n - 1}",
+    ):
         create_for(below).accept(blob, server_job(below, tiny_ldm))
-    one_class = f"class_counts of class 'circle' claims {int(counts[0]) + 10**9} images, above run config"
+    one_class = (
+        f"class_counts of class 'circle' claims {int(counts[0]) + 10**9} images, above run config"
+    )
     with pytest.raises(PayloadError, match=f"{one_class} max-images-per-client 100000"):
-        create_for(cfg).accept(tampered(blob, method, cfg, claim_total(10**9)), server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(
+            tampered(blob, method, cfg, claim_total(10**9)), server_job(cfg, tiny_ldm)
+        )
     # four counts of 2**62 more sum, in int64, to the honest num_examples
-    with pytest.raises(PayloadError, match="class_counts of class 'circle' claims .* max-images-per-client"):
-        create_for(cfg).accept(tampered(blob, method, cfg, claim_more([2**62] * 4)), server_job(cfg, tiny_ldm))
+    with pytest.raises(
+        PayloadError, match="class_counts of class 'circle' claims .* max-images-per-client"
+    ):
+        create_for(cfg).accept(
+            tampered(blob, method, cfg, claim_more([2**62] * 4)), server_job(cfg, tiny_ldm)
+        )
     negative = [-int(counts[0]) - 1, int(counts[0]) + 1]
     with pytest.raises(PayloadError, match="class_counts .* must be non-negative"):
-        create_for(cfg).accept(tampered(blob, method, cfg, claim_more(negative)), server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(
+            tampered(blob, method, cfg, claim_more(negative)), server_job(cfg, tiny_ldm)
+        )

@@ -27,9 +27,15 @@ RUN_CLASSES = ("star", "circle", "square", "triangle", "cross", "heart")  # not 
 
 def run_config(**values) -> FedBiPConfig:
     return FedBiPConfig.from_flat(
-        {"dataset": "imagefolder", "classes": ",".join(RUN_CLASSES), "image-size": 32,
-         "concept-epochs": 1, "num-inference-steps": 4, **values}
-    )  # fmt: skip
+        {
+            "dataset": "imagefolder",
+            "classes": ",".join(RUN_CLASSES),
+            "image-size": 32,
+            "concept-epochs": 1,
+            "num-inference-steps": 4,
+            **values,
+        }
+    )
 
 
 def institution(folder: Path, **values) -> tuple[FedBiPConfig, NodeConfig]:
@@ -76,7 +82,9 @@ def test_a_class_folder_the_run_does_not_know_is_one_sentence(tmp_path, own_fold
     shutil.copytree(own_folder, tmp_path / "data")
     (tmp_path / "data" / "train" / "hexagon").mkdir()
     cfg, node = institution(tmp_path / "data")
-    with pytest.raises(DataError, match=r"class folder 'hexagon' in .* is not one of the run's classes") as err:
+    with pytest.raises(
+        DataError, match=r"class folder 'hexagon' in .* is not one of the run's classes"
+    ) as err:
         dataset.institution_data(cfg.data, node)
     assert "\n" not in str(err.value)
 
@@ -89,7 +97,9 @@ def test_a_missing_class_is_legal_label_skew_and_logged(tmp_path, own_folder, ca
         data = dataset.institution_data(cfg.data, node)
     assert RUN_CLASSES.index("heart") not in data.labels.tolist()
     assert len(data.labels) == 15
-    assert any("no images of heart" in r.message and "label skew" in r.message for r in caplog.records)
+    assert any(
+        "no images of heart" in r.message and "label skew" in r.message for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize(
@@ -111,9 +121,20 @@ def test_bad_node_config_is_one_sentence(own_folder, values, needle):
 def test_node_config_rejects_unknown_keys_and_sets_only_its_own_run_keys():
     with pytest.raises(ConfigError, match="'data-rot'"):
         NodeConfig.from_flat({"data-rot": "/data"})
-    node = NodeConfig.from_flat({"model": "/models/sd", "device": "cuda", "half-precision": False,
-                                 "seed": 5, "client-id": "lab"})
-    assert node.run_overrides() == {"model": "/models/sd", "device": "cuda", "half-precision": False}
+    node = NodeConfig.from_flat(
+        {
+            "model": "/models/sd",
+            "device": "cuda",
+            "half-precision": False,
+            "seed": 5,
+            "client-id": "lab",
+        }
+    )
+    assert node.run_overrides() == {
+        "model": "/models/sd",
+        "device": "cuda",
+        "half-precision": False,
+    }
 
 
 def test_simulated_node_without_partition_id_is_told_about_imagefolder():
@@ -134,8 +155,16 @@ def test_imagefolder_run_config_is_checked_at_the_edge():
 def test_an_institutions_upload_is_accepted_under_any_domain_phrase(tmp_path, own_folder, tiny_ldm):
     cfg, node = institution(own_folder, domain="painting")
     data = dataset.institution_data(cfg.data, node)
-    payload, _ = personalize(tiny_ldm, data.images, data.labels, list(data.classes), data.domain,
-                             data.client_id, cfg, client_generator(cfg, node, data.client_id))
+    payload, _ = personalize(
+        tiny_ldm,
+        data.images,
+        data.labels,
+        list(data.classes),
+        data.domain,
+        data.client_id,
+        cfg,
+        client_generator(cfg, node, data.client_id),
+    )
     job = ServerJob(run_config(), dataset.class_names(run_config().data), lambda: tiny_ldm)
     accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.domain, accepted.meta.client_id) == ("painting", "hospital-a")

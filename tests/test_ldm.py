@@ -37,7 +37,9 @@ def test_run_loader_resolves_local_folder(tiny_model_dir):
 
 def test_sd_sized_run_on_cpu_is_refused_before_loading(tmp_path):
     """No weights are read: the folder does not even exist, the device check comes first."""
-    with pytest.raises(ModelLoadError, match="image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU"):
+    with pytest.raises(
+        ModelLoadError, match="image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU"
+    ):
         load_for_run(str(tmp_path / "absent"), "cpu", half_precision=True, image_size=512)
 
 

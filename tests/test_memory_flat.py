@@ -39,8 +39,15 @@ from fedbip_flwr.synthesis import SynthesisSettings, draw_etas, synthesize_pass
 from fedbip_flwr.viz import quantize
 
 CLASSES = ["circle", "square", "star"]
-CFG = FedBiPConfig(concept_epochs=0, num_inference_steps=4, image_size=32, multiplier=2,
-                   synthesis_batch_size=4, vae_batch_size=3, classifier_image_size=16)  # fmt: skip
+CFG = FedBiPConfig(
+    concept_epochs=0,
+    num_inference_steps=4,
+    image_size=32,
+    multiplier=2,
+    synthesis_batch_size=4,
+    vae_batch_size=3,
+    classifier_image_size=16,
+)
 
 
 def make_payload(ldm, client_id: str, n_per_class: int = 3):
@@ -48,8 +55,9 @@ def make_payload(ldm, client_id: str, n_per_class: int = 3):
     images = torch.rand(3 * n_per_class, 3, 32, 32, generator=generator) * 2 - 1
     labels = torch.arange(3).repeat_interleave(n_per_class)
     domain = client_id.split("-")[0]
-    payload, _ = personalize(ldm, images, labels, CLASSES, domain, client_id, CFG,
-                             torch.Generator().manual_seed(0))  # fmt: skip
+    payload, _ = personalize(
+        ldm, images, labels, CLASSES, domain, client_id, CFG, torch.Generator().manual_seed(0)
+    )
     return payload
 
 
@@ -94,8 +102,9 @@ def test_dataset_returns_exactly_the_images_synthesis_wrote(synthesized, size):
         assert got.dtype == torch.uint8 and got.shape == (len(batch), 3, size, size)
         assert torch.equal(got, images[batch]) and torch.equal(got_labels, labels[batch])
     assert torch.equal(data.read(rows[:5]), torch.cat([w["images"] for w in written])[rows[:5]])
-    assert torch.equal(first_images(shards["painting-0"], 12),
-                       torch.cat([w["images"] for w in written[:2]])[:12])  # fmt: skip
+    assert torch.equal(
+        first_images(shards["painting-0"], 12), torch.cat([w["images"] for w in written[:2]])[:12]
+    )
     assert len(pickle.dumps(data)) < 4096, "the dataset holds paths and labels, no images"
     with pytest.raises(IndexError):
         data[torch.tensor([len(data)])]
@@ -138,8 +147,9 @@ def test_vectorised_augmentation_is_a_crop_and_flip_of_its_input():
 
 
 def settings(**kw) -> TrainSettings:
-    return TrainSettings(**{"epochs": 1, "lr": 0.01, "momentum": 0.9, "batch_size": 5,
-                            "image_size": 16, **kw})  # fmt: skip
+    return TrainSettings(
+        **{"epochs": 1, "lr": 0.01, "momentum": 0.9, "batch_size": 5, "image_size": 16, **kw}
+    )
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -208,8 +218,14 @@ def test_mixed_precision_step_shapes_and_dtypes_on_cpu(dtype):
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, enabled=dtype == torch.float16)
     before = model.fc.weight.detach().clone()
     x = _augment(torch.rand(4, 3, 16, 16) * 2 - 1, torch.Generator().manual_seed(0))
-    loss = _train_step(model, optimizer, scaler, x.contiguous(memory_format=torch.channels_last),
-                       torch.tensor([0, 1, 2, 0]), precision)  # fmt: skip
+    loss = _train_step(
+        model,
+        optimizer,
+        scaler,
+        x.contiguous(memory_format=torch.channels_last),
+        torch.tensor([0, 1, 2, 0]),
+        precision,
+    )
     assert seen["logits"].shape == (4, 3) and seen["logits"].dtype == dtype
     assert loss.dtype == torch.float32 and loss.shape == () and torch.isfinite(loss)
     assert model.fc.weight.dtype == torch.float32 and model.fc.weight.grad.dtype == torch.float32
@@ -222,15 +238,23 @@ def test_train_classifier_runs_the_mixed_precision_path(synthesized):
     torch.manual_seed(0)
     model = build_classifier(3, "random")
     images, labels = synthetic_dataset(shards, 16)[torch.arange(10)]
-    train_classifier(model, images, labels, settings(), seed=0,
-                     precision=Precision(torch.bfloat16, channels_last=True))  # fmt: skip
+    train_classifier(
+        model,
+        images,
+        labels,
+        settings(),
+        seed=0,
+        precision=Precision(torch.bfloat16, channels_last=True),
+    )
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_shard_dataset_rejects_float_shards(tmp_path):
-    path = write_tensors(tmp_path / "x.safetensors",
-                         {"images": torch.zeros(2, 3, 4, 4), "labels": torch.zeros(2).long()})  # fmt: skip
+    path = write_tensors(
+        tmp_path / "x.safetensors",
+        {"images": torch.zeros(2, 3, 4, 4), "labels": torch.zeros(2).long()},
+    )
     with pytest.raises(ValueError, match="uint8"):
         ShardImages([path], 4)
 

@@ -50,7 +50,9 @@ def test_the_run_config_accepts_exactly_the_registered_methods():
     for name in methods.names():
         assert FedBiPConfig.from_flat({"method": name}).method == name
     assert isinstance(create("fedavg"), methods.MultiRound)
-    with pytest.raises(ConfigError, match="unknown method 'nope'; the registry knows central, espresso, fedavg"):
+    with pytest.raises(
+        ConfigError, match="unknown method 'nope'; the registry knows central, espresso, fedavg"
+    ):
         FedBiPConfig.from_flat({"method": "nope"})
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         create("nope")
@@ -94,15 +96,23 @@ def test_a_new_method_is_its_settings_entry_one_module_and_its_registration(monk
     upload = create("toy").accept(blob, server_job(cfg, tiny_ldm))
     assert upload.meta.method == "toy" and int(upload.tensors["class_counts"].sum()) == 3 * 12
     assert create("toy", {"scale": 2}).settings.scale == 2
-    with pytest.raises(ConfigError, match="'toy.scale': Input should be greater than or equal to 1"):
+    with pytest.raises(
+        ConfigError, match="'toy.scale': Input should be greater than or equal to 1"
+    ):
         method_config("toy", **{"toy.scale": 0})
     with pytest.raises(ValueError, match="registered already"):
         base.register(type("Other", (Toy,), {}))
 
 
 def test_a_multi_round_method_makes_no_upload_to_audit_or_compute():
-    meta = UploadMeta(schema_version=1, method="fedavg", client_id="a", domain="sketch",
-                      class_names=["circle"], num_examples=1)  # fmt: skip
+    meta = UploadMeta(
+        schema_version=1,
+        method="fedavg",
+        client_id="a",
+        domain="sketch",
+        class_names=["circle"],
+        num_examples=1,
+    )
     blob = encode_upload(meta, {"labels": torch.zeros(1, dtype=torch.int64)})
     with pytest.raises(PayloadError, match="'fedavg' trains over several rounds"):
         methods.audit_upload(blob, 2**20)
@@ -118,18 +128,24 @@ def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_
     counts = upload.tensors["class_counts"]
     assert counts.tolist() == torch.bincount(job.data.labels, minlength=6).tolist()
     assert len(blob) < 2000, "prompts-only uploads counts and names only"
-    shards = create("prompts-only").train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
-                                              RunFolder(tmp_path).shard_path)[upload.client_id]
+    shards = create("prompts-only").train_set(
+        {upload.client_id: upload}, server_job(cfg, tiny_ldm), RunFolder(tmp_path).shard_path
+    )[upload.client_id]
     stored = read_tensors(shards[0])
     assert stored["images"].dtype == torch.uint8 and stored["images"].shape[1:] == (3, 32, 32)
-    assert stored["labels"].tolist() == torch.repeat_interleave(torch.arange(6), counts * 2).tolist()
+    assert (
+        stored["labels"].tolist() == torch.repeat_interleave(torch.arange(6), counts * 2).tolist()
+    )
 
 
 def test_images_per_class_overrides_the_fedbip_equal_count():
     counts = torch.tensor([2, 0, 1])
     assert fresh_noise_labels(counts, method_config("prompts-only")).tolist() == [0] * 4 + [2] * 2
     claimed_more = torch.tensor([3, 0, 1])  # than max-images-per-class (here the run's 2 shots)
-    assert fresh_noise_labels(claimed_more, method_config("prompts-only")).tolist() == [0] * 4 + [2] * 2
+    assert (
+        fresh_noise_labels(claimed_more, method_config("prompts-only")).tolist()
+        == [0] * 4 + [2] * 2
+    )
     fixed = fresh_noise_labels(counts, method_config("prompts-only", **{"images-per-class": 2}))
     assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
     # the default federation's FedBiP: 2 z(T) per image, 1 pass each; as many images again
@@ -143,8 +159,9 @@ def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_
     blob, _ = create("central").upload(job)
     upload = create("central").accept(blob, server_job(cfg, tiny_ldm))
     assert len(blob) >= job.data.images.numel(), "one byte per pixel value: the raw images"
-    shard = create("central").train_set({upload.client_id: upload}, server_job(cfg, tiny_ldm),
-                                        RunFolder(tmp_path).shard_path)[upload.client_id][0]
+    shard = create("central").train_set(
+        {upload.client_id: upload}, server_job(cfg, tiny_ldm), RunFolder(tmp_path).shard_path
+    )[upload.client_id][0]
     stored = read_tensors(shard)
     restored = stored["images"].float() / 127.5 - 1.0
     assert (restored - job.data.images).abs().max() <= 1 / 127.5 + 1e-6
@@ -165,7 +182,10 @@ def test_local_uploads_a_trained_classifier_and_is_scored_per_client(tiny_ldm):
     assert not torch.equal(sent["bn1.running_mean"], fresh["bn1.running_mean"]), "trained locally"
     models = create("local").final_models(uploads, server)
     assert sorted(models) == ["quickdraw-0", "sketch-0"]
-    tests = {d: (s.images, s.labels) for d, s in dataset.load_test_sets(cfg.data, ["sketch", "painting"]).items()}
+    tests = {
+        d: (s.images, s.labels)
+        for d, s in dataset.load_test_sets(cfg.data, ["sketch", "painting"]).items()
+    }
     scores = evaluate_models(models, tests, 32, "cpu")
     for domain in tests:
         per_model = [scores["per_model"][m]["per_domain"][domain] for m in models]
@@ -183,7 +203,9 @@ def valid_upload(method: str, ldm) -> tuple[bytes, FedBiPConfig]:
 
 
 def first_float(tensors: dict) -> str:
-    return next(n for n, t in sorted(tensors.items()) if t.is_floating_point() or t.dtype == torch.uint8)
+    return next(
+        n for n, t in sorted(tensors.items()) if t.is_floating_point() or t.dtype == torch.uint8
+    )
 
 
 LIES = {
@@ -192,7 +214,9 @@ LIES = {
     "an extra tensor": lambda t, m: t.update({"extra": torch.zeros(1)}),
     "a wrong dtype": lambda t, m: t.update({sorted(t)[0]: t[sorted(t)[0]].to(torch.float16)}),
     "a wrong shape": lambda t, m: t.update({sorted(t)[0]: torch.cat([t[sorted(t)[0]]] * 2)}),
-    "an unknown class list": lambda t, m: m.update({"fedbip.class_names": json.dumps(list("abcdef"))}),
+    "an unknown class list": lambda t, m: m.update(
+        {"fedbip.class_names": json.dumps(list("abcdef"))}
+    ),
     "a newer schema": lambda t, m: m.update({"fedbip.schema_version": "2"}),
 }
 
@@ -209,7 +233,9 @@ def test_malformed_uploads_are_refused_with_a_reason(method, lie, tiny_ldm):
 @pytest.mark.parametrize("method", ONE_SHOT)
 def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm):
     blob, cfg = valid_upload(method, tiny_ldm)
-    server = server_job(method_config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm)
+    server = server_job(
+        method_config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm
+    )
     with pytest.raises(PayloadError, match="above the cap"):
         create(method).accept(blob, server)
     with pytest.raises(PayloadError):
@@ -238,25 +264,43 @@ def test_every_claimed_image_count_is_held_to_max_images_per_client(method, tiny
     at_cap = method_config(method, **{"max-images-per-client": n})
     create(method).accept(blob, server_job(at_cap, tiny_ldm))
     below = method_config(method, **{"max-images-per-client": n - 1})
-    with pytest.raises(PayloadError, match=f"claims {n} images, above run config max-images-per-client {n - 1}"):
+    with pytest.raises(
+        PayloadError, match=f"claims {n} images, above run config max-images-per-client {n - 1}"
+    ):
         create(method).accept(blob, server_job(below, tiny_ldm))
 
 
 def test_a_fedbip_payload_names_its_method(tiny_ldm):
     upload_meta = methods.fedbip.FedBiP.meta_model.model_fields["method"].default
     assert upload_meta == "fedbip"
-    blob = encode_upload(methods.prompts_only.PromptsOnlyMeta(
-        schema_version=1, client_id="a", domain="sketch", class_names=list(shapes.CLASSES),
-        num_examples=1), {"class_counts": torch.tensor([1, 0, 0, 0, 0, 0])})  # fmt: skip
+    blob = encode_upload(
+        methods.prompts_only.PromptsOnlyMeta(
+            schema_version=1,
+            client_id="a",
+            domain="sketch",
+            class_names=list(shapes.CLASSES),
+            num_examples=1,
+        ),
+        {"class_counts": torch.tensor([1, 0, 0, 0, 0, 0])},
+    )
     with pytest.raises(PayloadError, match="upload for method 'prompts-only', not 'fedbip'"):
         create("fedbip").accept(blob, server_job(FedBiPConfig.from_flat(METHOD_CFG), tiny_ldm))
 
 
 # --- every method through the real `flwr run` ------------------------------------------------
 
-E2E = {**SMALL, "shots-per-class": 2, "classifier-epochs": 1, "local.epochs": 1,
-       "fedlmg.local-epochs": 1, "fedavg.rounds": 2, "fedavg.local-epochs": 1,
-       "domains": '"sketch,quickdraw"', "fedlmg.noise-edits": 1, "fedlmg.batch-size": 12}  # fmt: skip
+E2E = {
+    **SMALL,
+    "shots-per-class": 2,
+    "classifier-epochs": 1,
+    "local.epochs": 1,
+    "fedlmg.local-epochs": 1,
+    "fedavg.rounds": 2,
+    "fedavg.local-epochs": 1,
+    "domains": '"sketch,quickdraw"',
+    "fedlmg.noise-edits": 1,
+    "fedlmg.batch-size": 12,
+}
 
 
 @pytest.fixture(scope="module")
@@ -267,10 +311,19 @@ def runs(tmp_path_factory, tiny_model_dir):
     results = {}
     try:
         for method in (*ONE_SHOT, "fedavg"):
-            values = {**E2E, "method": f'"{method}"', "run-name": f'"{method}"',
-                      "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}  # fmt: skip
+            values = {
+                **E2E,
+                "method": f'"{method}"',
+                "run-name": f'"{method}"',
+                "model": f'"{tiny_model_dir}"',
+                "output-dir": f'"{out}"',
+            }
             run_id, log = run_simulation(home, as_run_config(values), supernodes=2, timeout=900)
-            results[method] = {"status": run_status(home, run_id), "log": log, "folder": out / method}
+            results[method] = {
+                "status": run_status(home, run_id),
+                "log": log,
+                "folder": out / method,
+            }
     finally:
         stop_local_superlink(home)
     return results
@@ -311,23 +364,30 @@ def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
 
 
-def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(tiny_ldm, tmp_path):
+def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(
+    tiny_ldm, tmp_path
+):
     cfg = method_config("fedbip", **{"synthesis-start": "fresh-noise"})
     server = server_job(cfg, tiny_ldm)
     upload = create("fedbip").accept(create("fedbip").upload(client_job(cfg, tiny_ldm))[0], server)
-    shards = create("fedbip").train_set({upload.client_id: upload}, server,
-                                        RunFolder(tmp_path / "a").shard_path)[upload.client_id]  # fmt: skip
+    shards = create("fedbip").train_set(
+        {upload.client_id: upload}, server, RunFolder(tmp_path / "a").shard_path
+    )[upload.client_id]
     first, second = (read_tensors(p) for p in shards)
     assert len(shards) == cfg.multiplier and torch.equal(first["labels"], upload.tensors["labels"])
     assert not torch.equal(first["images"], second["images"]), "every pass has noise of its own"
     # The uploaded z(T) play no part: other latents, the same images.
     payload = upload.content
     other = methods.fedbip.as_upload(replace(payload, latents=torch.randn_like(payload.latents)))
-    again = create("fedbip").train_set({upload.client_id: other}, server,
-                                       RunFolder(tmp_path / "b").shard_path)[upload.client_id]  # fmt: skip
+    again = create("fedbip").train_set(
+        {upload.client_id: other}, server, RunFolder(tmp_path / "b").shard_path
+    )[upload.client_id]
     assert torch.equal(read_tensors(again[0])["images"], first["images"])
-    from_latents = create("fedbip").train_set({upload.client_id: upload}, server_job(method_config("fedbip"), tiny_ldm),
-                                              RunFolder(tmp_path / "c").shard_path)[upload.client_id]  # fmt: skip
+    from_latents = create("fedbip").train_set(
+        {upload.client_id: upload},
+        server_job(method_config("fedbip"), tiny_ldm),
+        RunFolder(tmp_path / "c").shard_path,
+    )[upload.client_id]
     assert not torch.equal(read_tensors(from_latents[0])["images"], first["images"])
 
 

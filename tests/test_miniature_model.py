@@ -29,7 +29,12 @@ def test_default_run_uses_the_shipped_folder():
 def test_weights_are_safetensors_only_and_small():
     files = [p for p in FOLDER.rglob("*") if p.is_file()]
     weights = [p for p in files if p.suffix in {".safetensors", ".bin", ".pt", ".pth", ".ckpt"}]
-    assert sorted(p.parent.name for p in weights) == ["classifier-backbone", "text_encoder", "unet", "vae"]
+    assert sorted(p.parent.name for p in weights) == [
+        "classifier-backbone",
+        "text_encoder",
+        "unet",
+        "vae",
+    ]
     assert all(p.suffix == ".safetensors" for p in weights)
     # the LDM's 19 MB and the classifier backbone's 22.4 MB (float16 ResNet-18)
     assert sum(p.stat().st_size for p in files) < 44 * 2**20

@@ -48,7 +48,9 @@ def known_mixture_rows(n: int, weights: tuple[float, float], seed: int) -> tuple
     return rows.reshape(n, *LATENT), means, variances
 
 
-def class_rows(per_class: list[int], spacing: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def class_rows(
+    per_class: list[int], spacing: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unit-variance rows around class c's centre c * spacing (every dimension)."""
     labels = torch.cat([torch.full((n,), c) for c, n in enumerate(per_class)])
     noise = torch.randn(len(labels), *LATENT, generator=generator(seed))
@@ -62,11 +64,19 @@ def test_fit_recovers_a_known_two_component_mixture():
     order = fitted.means[0, :, 0].argsort()  # the component near -3 first, as in `means`
     for k, w in enumerate(weights):
         rows_k = n * w
-        got_w, got_m, got_v = fitted.weights[0, order[k]], fitted.means[0, order[k]], fitted.variances[0, order[k]]
+        got_w, got_m, got_v = (
+            fitted.weights[0, order[k]],
+            fitted.means[0, order[k]],
+            fitted.variances[0, order[k]],
+        )
         assert abs(got_w - w) < SIGMAS * math.sqrt(w * (1 - w) / n)
-        torch.testing.assert_close(got_m, means[k], rtol=0, atol=SIGMAS * (variances[k] / rows_k).sqrt().max().item())
+        torch.testing.assert_close(
+            got_m, means[k], rtol=0, atol=SIGMAS * (variances[k] / rows_k).sqrt().max().item()
+        )
         # a sample variance's standard error is variance * sqrt(2 / (rows - 1))
-        assert ((got_v - variances[k]).abs() < SIGMAS * variances[k] * math.sqrt(2 / (rows_k - 1))).all()
+        assert (
+            (got_v - variances[k]).abs() < SIGMAS * variances[k] * math.sqrt(2 / (rows_k - 1))
+        ).all()
 
 
 def test_one_mixture_per_class_of_fixed_shape():
@@ -109,7 +119,9 @@ def test_an_absent_class_gets_the_placeholder_and_few_rows_get_few_components():
     rows, labels = class_rows([12, 5], spacing=10.0, seed=0)
     mixture = fit_mixture(rows, labels, 3, 4, generator(0), rows_per_component=4)
     assert mixture.weights[2].tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert torch.equal(mixture.means[2, 0], torch.zeros(D)) and torch.equal(mixture.variances[2, 0], torch.ones(D))
+    assert torch.equal(mixture.means[2, 0], torch.zeros(D)) and torch.equal(
+        mixture.variances[2, 0], torch.ones(D)
+    )
     assert int((mixture.weights[0] > 0).sum()) <= 3, "12 rows, 4 per component: at most 3"
     assert int((mixture.weights[1] > 0).sum()) == 1, "5 rows, 4 per component: one"
     check_mixture(mixture)
@@ -152,7 +164,9 @@ def test_the_generators_alone_decide_fit_and_draws():
         return fit_mixture(rows, labels, 1, 4, generator(seed))
 
     first, again, other = fit(0, global_seed=1), fit(0, global_seed=2), fit(1, global_seed=1)
-    assert all(torch.equal(a, b) for a, b in zip(first.to_tensors().values(), again.to_tensors().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.to_tensors().values(), again.to_tensors().values())
+    )
     assert not torch.equal(first.means, other.means)
 
     def draws(seed: int, global_seed: int) -> torch.Tensor:
@@ -170,7 +184,9 @@ def test_the_tensors_round_trip_through_safetensors():
     assert set(tensors) == set(MIXTURE_TENSOR_NAMES)
     back = from_tensors(tensors, LATENT)
     assert back.latent_shape == LATENT
-    assert all(torch.equal(a, b) for a, b in zip(mixture.to_tensors().values(), back.to_tensors().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(mixture.to_tensors().values(), back.to_tensors().values())
+    )
 
 
 def valid_mixture() -> LatentMixture:
@@ -200,12 +216,23 @@ BAD_MIXTURES: dict[str, tuple[Callable[[LatentMixture], LatentMixture], str]] = 
     "infinite variance": (first_set("variances", math.inf), "NaN or infinite"),
     "negative variance": (first_set("variances", -1.0), "variance <= 0"),
     "zero variance": (first_set("variances", 0.0), "variance <= 0"),
-    "weights summing to 0.9": (lambda m: dataclasses.replace(m, weights=m.weights * 0.9), "sum to 1"),
+    "weights summing to 0.9": (
+        lambda m: dataclasses.replace(m, weights=m.weights * 0.9),
+        "sum to 1",
+    ),
     "a negative weight, sum still 1": (
-        lambda m: dataclasses.replace(m, weights=torch.tensor([[1.25, -0.25], [1.0, 0.0]])), "negative"),
+        lambda m: dataclasses.replace(m, weights=torch.tensor([[1.25, -0.25], [1.0, 0.0]])),
+        "negative",
+    ),
     "float64 weights": (lambda m: dataclasses.replace(m, weights=m.weights.double()), "float64"),
-    "means for another latent shape": (lambda m: dataclasses.replace(m, latent_shape=(2, 2, 3)), "shape"),
-    "weights for another component count": (lambda m: dataclasses.replace(m, weights=m.weights[:, :1]), "shape"),
+    "means for another latent shape": (
+        lambda m: dataclasses.replace(m, latent_shape=(2, 2, 3)),
+        "shape",
+    ),
+    "weights for another component count": (
+        lambda m: dataclasses.replace(m, weights=m.weights[:, :1]),
+        "shape",
+    ),
     "one-dimensional weights": (lambda m: dataclasses.replace(m, weights=m.weights[0]), "shape"),
 }
 

@@ -59,27 +59,57 @@ from tests.helpers import (
 pytestmark = pytest.mark.long(minutes=2.4)
 
 SHOTS = {"sketch": 2, "quickdraw": 3, "painting": 4}  # unequal clients: 12, 18, 24 images
-SMALL = {"image_size": 32, "concept_epochs": 0, "num_inference_steps": 3, "multiplier": 2,
-         "synthesis_batch_size": 4, "eta_std": 0.5, "device": "cpu"}  # fmt: skip
+SMALL = {
+    "image_size": 32,
+    "concept_epochs": 0,
+    "num_inference_steps": 3,
+    "multiplier": 2,
+    "synthesis_batch_size": 4,
+    "eta_std": 0.5,
+    "device": "cpu",
+}
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def digests(folder: RunFolder) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.shards.glob("*.safetensors"))}  # fmt: skip
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.shards.glob("*.safetensors"))
+    }
 
 
 def fedbip_synthesize(folder: RunFolder, processes: int = 1) -> subprocess.CompletedProcess:
     """The command as a user runs it, on this tree's code: plain, or under accelerate."""
     command = ["-m", "fedbip_tools.cli", "synthesize", str(folder.root)]
     if processes > 1:  # accelerate's torchrun launcher; the command picks gloo on the CPU
-        command = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                   str(processes), "--num_machines", "1", "--mixed_precision", "no",
-                   "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1",
-                   "--main_process_port", str(free_port()), *command]  # fmt: skip
+        command = [
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--num_cpu_threads_per_process",
+            "1",
+            "--main_process_port",
+            str(free_port()),
+            *command,
+        ]
     env = {**os.environ, **ONE_THREAD, "PYTHONPATH": str(ROOT), "FEDBIP_PROJECT_DIR": str(ROOT)}
-    return subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +120,16 @@ def run(tmp_path_factory, tiny_model_dir) -> RunFolder:
     ldm = load_ldm(tiny_model_dir)
     for domain, shots in SHOTS.items():
         data = shapes.client_train_set(domain, shots, 0, seed=0, size=cfg.image_size)
-        payload, _ = personalize(ldm, data.images, data.labels, list(data.classes), domain,
-                                 f"{domain}-0", cfg, torch.Generator().manual_seed(shots))  # fmt: skip
+        payload, _ = personalize(
+            ldm,
+            data.images,
+            data.labels,
+            list(data.classes),
+            domain,
+            f"{domain}-0",
+            cfg,
+            torch.Generator().manual_seed(shots),
+        )
         atomic_write(folder.payload_path(f"{domain}-0"), encode_payload(payload))
     write_json(folder.config, cfg.to_flat())
     write_json(folder.clients, [])
@@ -187,10 +225,14 @@ def test_another_method_splits_per_client_through_its_own_train_set(run, tmp_pat
         counts = torch.full((len(cfg.class_list),), shots, dtype=torch.int64)
         blob = methods.base.encode_upload(
             methods.prompts_only.PromptsOnlyMeta(
-                schema_version=methods.base.SCHEMA_VERSION, client_id=f"{domain}-0",
-                domain=domain, class_names=cfg.class_list, num_examples=int(counts.sum())),
+                schema_version=methods.base.SCHEMA_VERSION,
+                client_id=f"{domain}-0",
+                domain=domain,
+                class_names=cfg.class_list,
+                num_examples=int(counts.sum()),
+            ),
             {"class_counts": counts},
-        )  # fmt: skip
+        )
         uploads[f"{domain}-0"] = method.accept(blob, job)
     whole, split = RunFolder(tmp_path / "whole"), RunFolder(tmp_path / "split")
     made = method.train_set(uploads, job, whole.shard_path)
@@ -225,8 +267,14 @@ def test_the_server_waits_for_the_shards_and_times_out_with_the_command(run, sin
 
 # --- the real `flwr run`: the ServerApp waits for `fedbip synthesize` ---------------------------
 
-EXTERNAL = {**E2E_SMALL, "domains": '"sketch,quickdraw"', "concept-epochs": 1,
-            "run-name": '"external"', "synthesis": '"external"', "evaluation": '"server"'}
+EXTERNAL = {
+    **E2E_SMALL,
+    "domains": '"sketch,quickdraw"',
+    "concept-epochs": 1,
+    "run-name": '"external"',
+    "synthesis": '"external"',
+    "evaluation": '"server"',
+}
 SUPERNODES = 2
 
 
@@ -234,7 +282,9 @@ def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float) 
     deadline = time.monotonic() + timeout
     while text not in log.read_text():
         assert proc.poll() is None, f"flwr run ended before '{text}':\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no '{text}' in {timeout} s:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, (
+            f"no '{text}' in {timeout} s:\n{log.read_text()[-4000:]}"
+        )
         time.sleep(0.2)
 
 
@@ -248,19 +298,36 @@ def external_runs(tmp_path_factory, tiny_model_dir):
     folder = RunFolder(out / "external")
     result = {"folder": folder}
     try:
-        run_id, log = run_simulation(home, as_run_config({**values, "synthesis-timeout-s": 3}),
-                                     supernodes=SUPERNODES, timeout=600)  # fmt: skip
-        result["first"] = {"status": run_status(home, run_id), "log": log,
-                           "metrics": json.loads(folder.metrics.read_text())}  # fmt: skip
+        run_id, log = run_simulation(
+            home,
+            as_run_config({**values, "synthesis-timeout-s": 3}),
+            supernodes=SUPERNODES,
+            timeout=600,
+        )
+        result["first"] = {
+            "status": run_status(home, run_id),
+            "log": log,
+            "metrics": json.loads(folder.metrics.read_text()),
+        }
     finally:
         stop_local_superlink(home)
     home = tmp_path_factory.mktemp("flwr-home-restart")
     log_path = home / "flwr-run.log"
-    command = [FLWR, "run", str(ROOT), "--stream", "--run-config", as_run_config(values),
-               "--federation-config", federation(SUPERNODES)]
+    command = [
+        FLWR,
+        "run",
+        str(ROOT),
+        "--stream",
+        "--run-config",
+        as_run_config(values),
+        "--federation-config",
+        federation(SUPERNODES),
+    ]
     try:
         with open(log_path, "w") as log:
-            flwr_run = subprocess.Popen(command, cwd=home, env=flwr_env(home), stdout=log, stderr=log)
+            flwr_run = subprocess.Popen(
+                command, cwd=home, env=flwr_env(home), stdout=log, stderr=log
+            )
         try:
             wait_for_line(log_path, "waiting for external synthesis", flwr_run, timeout=300)
             synthesized = fedbip_synthesize(folder)
@@ -272,8 +339,11 @@ def external_runs(tmp_path_factory, tiny_model_dir):
                 flwr_run.wait()
         output = log_path.read_text()
         run_id = int(output.split("Successfully started run ")[1].split()[0])
-        result["second"] = {"status": run_status(home, run_id), "log": output,
-                            "command": synthesized}  # fmt: skip
+        result["second"] = {
+            "status": run_status(home, run_id),
+            "log": output,
+            "command": synthesized,
+        }
     finally:
         stop_local_superlink(home)
     return result
@@ -295,7 +365,9 @@ def test_restarted_server_waits_for_the_command_and_trains_on_its_shards(externa
     assert "resuming: 2 payloads on disk, no client is asked to upload again" in second["log"]
     metrics = json.loads(folder.metrics.read_text())
     assert metrics["status"] == "completed"
-    assert metrics["accuracy"]["num_synthetic_images"] == 2 * 6 * 3 * 2  # clients x classes x shots x z(T)
+    assert (
+        metrics["accuracy"]["num_synthetic_images"] == 2 * 6 * 3 * 2
+    )  # clients x classes x shots x z(T)
     assert folder.classifier.stat().st_size > 1_000_000
     names = [f"{d}-0-pass0.safetensors" for d in ("quickdraw", "sketch")]
     assert sorted(external_runs["made"]) == names

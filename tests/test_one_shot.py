@@ -26,7 +26,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.long(minutes=1.1)
 
-WRAPPER = '''
+WRAPPER = """
 import uuid
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def train(msg, context):
     if partition == 1:
         raise RuntimeError("disk on fire at partition 1")
     return real_train(msg, context)
-'''
+"""
 
 
 def make_test_app(folder: Path) -> Path:

@@ -32,8 +32,27 @@ from tests.helpers import client_job, method_config, server_job, tampered
 
 ROOT = Path(__file__).resolve().parents[1]
 MINIATURE = ROOT / "models" / "miniature-captioner"
-BLIP_WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[DEC]", "a", "photo", "of", "drawing",
-              "sketch", "circle", "square", "star", "on", "white", "the", "black", "line"]  # fmt: skip
+BLIP_WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "[DEC]",
+    "a",
+    "photo",
+    "of",
+    "drawing",
+    "sketch",
+    "circle",
+    "square",
+    "star",
+    "on",
+    "white",
+    "the",
+    "black",
+    "line",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +64,29 @@ def tiny_blip_dir(tmp_path_factory) -> Path:
     tokenizer = BertTokenizer(str(folder / "vocab.txt"), bos_token="[DEC]")
     ids = {t: BLIP_WORDS.index(t) for t in ("[PAD]", "[SEP]", "[DEC]")}
     blip = BlipConfig(
-        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                       "num_attention_heads": 2, "image_size": 32, "patch_size": 16},
-        text_config={"vocab_size": len(BLIP_WORDS), "hidden_size": 32, "intermediate_size": 64,
-                     "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 40,
-                     "encoder_hidden_size": 32, "bos_token_id": ids["[DEC]"],
-                     "pad_token_id": ids["[PAD]"], "sep_token_id": ids["[SEP]"],
-                     "eos_token_id": ids["[SEP]"]},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 16,
+        },
+        text_config={
+            "vocab_size": len(BLIP_WORDS),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 40,
+            "encoder_hidden_size": 32,
+            "bos_token_id": ids["[DEC]"],
+            "pad_token_id": ids["[PAD]"],
+            "sep_token_id": ids["[SEP]"],
+            "eos_token_id": ids["[SEP]"],
+        },
         projection_dim=32,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     BlipForConditionalGeneration(blip).save_pretrained(folder)
     processor = BlipImageProcessor(size={"height": 32, "width": 32})
@@ -69,7 +102,9 @@ def shapes_images(domain: str = "photo", per_class: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("which", ["blip", "miniature"])
-def test_captions_are_strings_reproducible_under_one_seed_and_differ_across_seeds(which, tiny_blip_dir):
+def test_captions_are_strings_reproducible_under_one_seed_and_differ_across_seeds(
+    which, tiny_blip_dir
+):
     captioner = load_captioner(str(tiny_blip_dir if which == "blip" else MINIATURE))
     assert isinstance(captioner, BlipCaptioner if which == "blip" else MiniatureCaptioner)
     images = torch.cat([shapes_images(d) for d in ("photo", "clipart", "painting")])
@@ -127,7 +162,11 @@ def test_the_upload_is_per_class_conditioning_of_the_text_encoders_shape(tiny_ld
     assert tensor_bytes < len(blob) < tensor_bytes + 2048, "the tensors and a small header"
     assert upload.meta.captioner == "models/miniature-captioner"
     assert upload.meta.base_model == tiny_ldm.fingerprint
-    assert metrics["num-captions"] == 12 and set(metrics) == {"num-captions", "seconds-caption", "seconds-encode"}
+    assert metrics["num-captions"] == 12 and set(metrics) == {
+        "num-captions",
+        "seconds-caption",
+        "seconds-encode",
+    }
 
 
 def test_each_class_row_is_the_mean_of_its_encoded_captions(tiny_ldm):
@@ -138,7 +177,10 @@ def test_each_class_row_is_the_mean_of_its_encoded_captions(tiny_ldm):
     job = client_job(cfg, wide)
     blob, _ = create_for(cfg).upload(job)
     conditioning = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm)).tensors["conditioning"]
-    captioner, generator = load_captioner(cfg.settings_of("oscar").captioner), torch.Generator().manual_seed(0)
+    captioner, generator = (
+        load_captioner(cfg.settings_of("oscar").captioner),
+        torch.Generator().manual_seed(0),
+    )
     captions = [captioner.caption(job.data.images, generator) for _ in range(2)]
     tok = tiny_ldm.tokenizer
     for label in range(6):
@@ -146,8 +188,13 @@ def test_each_class_row_is_the_mean_of_its_encoded_captions(tiny_ldm):
         for per_pass in captions:
             for caption, y in zip(per_pass, job.data.labels.tolist()):
                 if y == label:
-                    ids = tok(caption, padding="max_length", max_length=tok.model_max_length,
-                              truncation=True, return_tensors="pt").input_ids  # fmt: skip
+                    ids = tok(
+                        caption,
+                        padding="max_length",
+                        max_length=tok.model_max_length,
+                        truncation=True,
+                        return_tensors="pt",
+                    ).input_ids
                     states.append(wide.text_encoder(ids).last_hidden_state[0])
         assert len(states) == 4
         # the float64 mean is exact to ~1e-15; the upload rounds each state to float32 and sums
@@ -176,8 +223,13 @@ def test_class_conditioning_averages_per_label_and_leaves_absent_classes_zero(ti
 def without_class(job: ClientJob, label: int) -> ClientJob:
     data = job.data
     keep = data.labels != label
-    held = ClientSet(images=data.images[keep], labels=data.labels[keep], classes=data.classes,
-                     domain=data.domain, client_id=data.client_id)  # fmt: skip
+    held = ClientSet(
+        images=data.images[keep],
+        labels=data.labels[keep],
+        classes=data.classes,
+        domain=data.domain,
+        client_id=data.client_id,
+    )
     return ClientJob(job.cfg, held, job.generator, job.ldm)
 
 
@@ -191,8 +243,9 @@ def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny
     counts = upload.tensors["class_counts"]
     assert counts.tolist() == [2, 2, 0, 2, 2, 2]
     assert not upload.tensors["conditioning"][2].any() and upload.tensors["conditioning"][3].any()
-    shard = create_for(cfg).train_set({upload.client_id: upload}, server,
-                                      RunFolder(tmp_path).shard_path)[upload.client_id][0]  # fmt: skip
+    shard = create_for(cfg).train_set(
+        {upload.client_id: upload}, server, RunFolder(tmp_path).shard_path
+    )[upload.client_id][0]
     stored = read_tensors(shard)
     per_class = torch.full((6,), images_per_class) if images_per_class else counts * cfg.multiplier
     per_class[2] = 0

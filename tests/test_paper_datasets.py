@@ -75,10 +75,14 @@ def test_specs_follow_table_5() -> None:
     assert set(literal) == set(SPECS)
     sizes = {name: (len(s.classes), len(s.domains), s.n_s, s.n_v) for name, s in SPECS.items()}
     assert sizes == {
-        "shapes": (6, 5, 1, 1), "domainnet": (10, 6, 1, 1), "pacs": (7, 4, 1, 1),
-        "officehome": (20, 4, 1, 1), "dermamnist": (7, 1, 2, 4), "ucm": (21, 1, 3, 3),
+        "shapes": (6, 5, 1, 1),
+        "domainnet": (10, 6, 1, 1),
+        "pacs": (7, 4, 1, 1),
+        "officehome": (20, 4, 1, 1),
+        "dermamnist": (7, 1, 2, 4),
+        "ucm": (21, 1, 3, 3),
         "imagefolder": (0, 0, 1, 1),  # classes from the run config, domains from the nodes
-    }  # fmt: skip
+    }
     for name in ("domainnet", "pacs", "officehome"):
         assert SPECS[name].prompt_template == "A {S} of {V}."
     assert SPECS["dermamnist"].prompt_template == (
@@ -88,23 +92,49 @@ def test_specs_follow_table_5() -> None:
     assert SPECS["ucm"].prompt_template == "A {S} of {V}."
     assert SPECS["ucm"].domains == ("centered satellite photo",)
     assert SPECS["domainnet"].classes == (
-        "airplane", "clock", "axe", "basketball", "bicycle",
-        "bird", "strawberry", "flower", "pizza", "bracelet",
-    )  # fmt: skip
+        "airplane",
+        "clock",
+        "axe",
+        "basketball",
+        "bicycle",
+        "bird",
+        "strawberry",
+        "flower",
+        "pizza",
+        "bracelet",
+    )
     for spec in SPECS.values():
         assert len(set(spec.folder_of_class())) == len(spec.classes)
 
 
 def test_config_takes_prompt_and_concept_sizes_from_the_dataset() -> None:
-    derma = config(**{"dataset": "dermamnist", "data-root": "x", "partitioning": "iid",
-                      "prompt-template": "", "n-s": 0, "n-v": 0, "domains": ""})  # fmt: skip
+    derma = config(
+        **{
+            "dataset": "dermamnist",
+            "data-root": "x",
+            "partitioning": "iid",
+            "prompt-template": "",
+            "n-s": 0,
+            "n-v": 0,
+            "domains": "",
+        }
+    )
     assert derma.prompt_template == SPECS["dermamnist"].prompt_template
     assert (derma.n_s, derma.n_v, derma.domain_list) == (2, 4, ["dermatoscopic image"])
-    own = config(**{"dataset": "ucm", "data-root": "x", "partitioning": "dirichlet", "n-s": 1,
-                    "prompt-template": "a {S} of a {V}"})  # fmt: skip
+    own = config(
+        **{
+            "dataset": "ucm",
+            "data-root": "x",
+            "partitioning": "dirichlet",
+            "n-s": 1,
+            "prompt-template": "a {S} of a {V}",
+        }
+    )
     assert (own.prompt_template, own.n_s, own.n_v) == ("a {S} of a {V}", 1, 3)
     assert FedBiPConfig.from_flat(own.to_flat()) == own
-    assert FedBiPConfig().prompt_template == shapes.CAPTION_TEMPLATE  # the miniature model's captions
+    assert (
+        FedBiPConfig().prompt_template == shapes.CAPTION_TEMPLATE
+    )  # the miniature model's captions
 
 
 @pytest.mark.parametrize(
@@ -167,8 +197,14 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
     spec = SPECS[name]
     per_class, shots = 10, 3  # 2 held out for testing, 8 to draw 3-shot clients from
     make_tree(tmp_path, folders, list(spec.folder_of_class()), per_class)
-    cfg = config(**{"dataset": name, "data-root": str(tmp_path), "domains": ",".join(domains),
-                    "shots-per-class": shots})  # fmt: skip
+    cfg = config(
+        **{
+            "dataset": name,
+            "data-root": str(tmp_path),
+            "domains": ",".join(domains),
+            "shots-per-class": shots,
+        }
+    )
     dataset.verify(cfg.data)
     got = clients(cfg, 2 * len(domains))  # two clients per domain
     assert [c.client_id for c in got] == [f"{d}-{i}" for i in range(2) for d in domains]
@@ -209,7 +245,9 @@ def test_partitions_are_reproducible_and_move_with_the_seed(tmp_path: Path) -> N
     assert torch.equal(first.images, again.images)
     assert not torch.equal(first.images, other.images)
     # the test split does not move with the run seed
-    tests = [dataset.load_test_sets(config(**values, seed=s).data, ["sketch"])["sketch"] for s in (0, 1)]
+    tests = [
+        dataset.load_test_sets(config(**values, seed=s).data, ["sketch"])["sketch"] for s in (0, 1)
+    ]
     assert torch.equal(tests[0].images, tests[1].images)
 
 
@@ -217,8 +255,14 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
     """'birdhouse' is not 'bird'; OfficeHome's 'Pencil' is not 'Pen'."""
     classes = list(SPECS["domainnet"].classes)
     make_tree(tmp_path, ["sketch"], [c if c != "bird" else "birdhouse" for c in classes], 10)
-    cfg = config(**{"dataset": "domainnet", "data-root": str(tmp_path), "domains": "sketch",
-                    "shots-per-class": 2})  # fmt: skip
+    cfg = config(
+        **{
+            "dataset": "domainnet",
+            "data-root": str(tmp_path),
+            "domains": "sketch",
+            "shots-per-class": 2,
+        }
+    )
     with pytest.raises(DataError, match="class folder 'bird' is missing"):
         dataset.verify(cfg.data)
     make_tree(tmp_path, ["sketch"], ["bird"], 10)  # now both exist; only 'bird' may be read
@@ -231,8 +275,14 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
 
     folders = list(SPECS["officehome"].folder_of_class())
     make_tree(tmp_path / "oh", ["Art"], folders, 10)
-    office = config(**{"dataset": "officehome", "data-root": str(tmp_path / "oh"), "domains": "art",
-                       "shots-per-class": 2})  # fmt: skip
+    office = config(
+        **{
+            "dataset": "officehome",
+            "data-root": str(tmp_path / "oh"),
+            "domains": "art",
+            "shots-per-class": 2,
+        }
+    )
     client = dataset.load_client_data(office.data, 0)
     assert torch.equal(codes(client.images)[:, 0], client.labels)
     assert {"pen", "pencil"} <= set(client.classes)
@@ -248,8 +298,14 @@ def test_domainnet_official_split_lists(tmp_path: Path) -> None:
             for i in images
         ]
         (tmp_path / f"clipart_{split}.txt").write_text("\n".join(lines) + "\n")
-    cfg = config(**{"dataset": "domainnet", "data-root": str(tmp_path), "domains": "clipart",
-                    "shots-per-class": 2})  # fmt: skip
+    cfg = config(
+        **{
+            "dataset": "domainnet",
+            "data-root": str(tmp_path),
+            "domains": "clipart",
+            "shots-per-class": 2,
+        }
+    )
     test = dataset.load_test_sets(cfg.data, ["clipart"])["clipart"]
     assert len(test) == 2 * len(classes)  # birdhouse's listed images are not read
     assert set(codes(test.images)[:, 1].tolist()) == {4, 5}  # exactly the listed test files
@@ -346,9 +402,11 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
     cases = [
         (config(**pacs, **{"data-root": str(tmp_path / "nowhere")}), "does not exist"),
         (config(**pacs, **{"data-root": str(tmp_path)}), "needs folder 'art_painting'"),
-        (config(**{"dataset": "dermamnist", "data-root": str(tmp_path), "partitioning": "iid"}),
-         "no dermamnist.npz"),
-    ]  # fmt: skip
+        (
+            config(**{"dataset": "dermamnist", "data-root": str(tmp_path), "partitioning": "iid"}),
+            "no dermamnist.npz",
+        ),
+    ]
     make_tree(tmp_path / "few", ["art_painting"], list(SPECS["pacs"].classes), 4)
     cases.append((config(**pacs, **{"data-root": str(tmp_path / "few")}), "has 3 training images"))
     (tmp_path / "empty" / "art_painting" / "dog").mkdir(parents=True)
@@ -379,12 +437,24 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
     tiny_ldm = build_ldm(TINY, [*WORDS, *sorted(words)], seed=0)
     make_tree(tmp_path / "ucm", ["Images"], list(SPECS["ucm"].folder_of_class()), 3, suffix=".tif")
     cfg = FedBiPConfig.from_flat(
-        {"dataset": "ucm", "data-root": str(tmp_path / "ucm"), "partitioning": "iid",
-         "image-size": 32, "concept-epochs": 1, "num-inference-steps": 4}
-    )  # fmt: skip
+        {
+            "dataset": "ucm",
+            "data-root": str(tmp_path / "ucm"),
+            "partitioning": "iid",
+            "image-size": 32,
+            "concept-epochs": 1,
+            "num-inference-steps": 4,
+        }
+    )
     data = dataset.load_client_data(cfg.data, 1, 2)
     payload, _ = personalize(
-        tiny_ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id, cfg,
+        tiny_ldm,
+        data.images,
+        data.labels,
+        list(data.classes),
+        data.domain,
+        data.client_id,
+        cfg,
         torch.Generator().manual_seed(0),
     )
     job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: tiny_ldm)

@@ -182,10 +182,16 @@ def test_implausible_payload_is_refused_only_against_the_servers_model() -> None
     loud = encode_payload(make_payload(latents=50 * torch.randn(N, *LATENT_SHAPE)))
     decode_payload(loud)
     decode_payload(loud, make_expectations(plausibility=None))
-    with pytest.raises(PayloadError, match=r"^payload rejected: latents\[0\] has std [45]\d\.\d+ \(as do 5 more of the 6"):
+    with pytest.raises(
+        PayloadError,
+        match=r"^payload rejected: latents\[0\] has std [45]\d\.\d+ \(as do 5 more of the 6",
+    ):
         decode_payload(loud, make_expectations())
     small = encode_payload(make_payload(domain_concept=1e-4 * torch.randn(1, D)))
-    with pytest.raises(PayloadError, match=r"^payload rejected: domain_concept\[0\] \(S\) has RMS [\d.e-]+, outside \[0\.0999, 2\.46\]"):
+    with pytest.raises(
+        PayloadError,
+        match=r"^payload rejected: domain_concept\[0\] \(S\) has RMS [\d.e-]+, outside \[0\.0999, 2\.46\]",
+    ):
         decode_payload(small, make_expectations())
 
 
@@ -276,7 +282,12 @@ def test_payload_error_survives_pickling() -> None:
     assert str(err) == "payload rejected: labels out of range"
     too_large = PayloadTooLarge("9 bytes", 8)
     copy = pickle.loads(pickle.dumps(too_large))
-    assert (type(copy), copy.amount, copy.limit, str(copy)) == (PayloadTooLarge, "9 bytes", 8, str(too_large))
+    assert (type(copy), copy.amount, copy.limit, str(copy)) == (
+        PayloadTooLarge,
+        "9 bytes",
+        8,
+        str(too_large),
+    )
 
 
 # --- the class-clusters key -----------------------------------------------------------------------
@@ -288,7 +299,9 @@ def _with_metadata(blob: bytes, change) -> bytes:
     return encode_tensors(tensors, metadata)
 
 
-def test_a_payload_written_before_class_clusters_existed_means_one_concept_per_class(blob: bytes) -> None:
+def test_a_payload_written_before_class_clusters_existed_means_one_concept_per_class(
+    blob: bytes,
+) -> None:
     old = _with_metadata(blob, lambda m: m.pop("fedbip.class_clusters"))
     assert decode_payload(old).meta.class_clusters == 1
 

@@ -33,9 +33,19 @@ CFG = FedBiPConfig(concept_epochs=1, num_inference_steps=4, image_size=SIZE, sho
 def honest(ldm: LDM, latent_dtype: str = "float32", domain: str = "sketch") -> Payload:
     """A payload computed by the real client code on real (generated) images."""
     cfg = CFG.model_copy(update={"latent_dtype": latent_dtype})
-    data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=0, size=SIZE, classes=CLASSES)
-    payload, _ = personalize(ldm, data.images, data.labels, CLASSES, domain, f"{domain}-0", cfg,
-                             torch.Generator().manual_seed(0))  # fmt: skip
+    data = shapes.client_train_set(
+        domain, cfg.shots_per_class, 0, seed=0, size=SIZE, classes=CLASSES
+    )
+    payload, _ = personalize(
+        ldm,
+        data.images,
+        data.labels,
+        CLASSES,
+        domain,
+        f"{domain}-0",
+        cfg,
+        torch.Generator().manual_seed(0),
+    )
     return payload
 
 
@@ -97,9 +107,12 @@ def test_the_server_path_refuses_what_decode_refuses(ldm: LDM, payload: Payload)
 def test_latents_scaled_by_50_are_refused_naming_them(ldm: LDM, payload: Payload) -> None:
     reason = refusal(ldm, scaled(payload, latents=50.0))
     n = len(payload.latents)
-    match = re.match(rf"latents\[0\] has std ([\d.]+) \(as do {n - 1} more of the {n} latents\), "
-                     r"outside \[([\d.]+), ([\d.]+)\] that z\(T\) at timestep 751 can have "
-                     r"\(an honest z\(T\) is", reason)
+    match = re.match(
+        rf"latents\[0\] has std ([\d.]+) \(as do {n - 1} more of the {n} latents\), "
+        r"outside \[([\d.]+), ([\d.]+)\] that z\(T\) at timestep 751 can have "
+        r"\(an honest z\(T\) is",
+        reason,
+    )
     assert match, reason
     std, low, high = map(float, match.groups())
     assert std > 40 and low < 1 < high < 2
@@ -125,8 +138,11 @@ def test_a_shifted_image_is_refused_on_its_mean(ldm: LDM, payload: Payload) -> N
 
 def test_too_quiet_latents_are_refused(ldm: LDM, payload: Payload) -> None:
     reason = refusal(ldm, scaled(payload, latents=0.01))
-    assert re.match(r"latents\[0\] has std 0\.0\d+ \(as do \d+ more of the \d+ latents\), "
-                    r"outside \[0\.[5-9]\d*, ", reason), reason
+    assert re.match(
+        r"latents\[0\] has std 0\.0\d+ \(as do \d+ more of the \d+ latents\), "
+        r"outside \[0\.[5-9]\d*, ",
+        reason,
+    ), reason
 
 
 def test_clean_latents_without_noise_are_refused(ldm: LDM, payload: Payload) -> None:
@@ -144,9 +160,12 @@ def test_domain_concept_off_scale_is_refused_naming_it(
 ) -> None:
     reason = refusal(ldm, scaled(payload, domain_concept=factor))
     # s = 0.0198 (the tiny table's RMS); its largest row is 1.3 s, and one step moves <= 0.727 s
-    assert re.match(r"domain_concept\[0\] \(S\) has RMS [\d.e-]+, outside \[0\.00197, 0\.0401\] that "
-                    r"a concept can have after the run's concept learning \(its initial words, moved "
-                    r"by at most 0\.727 x the token concept space's scale 0\.0198 per step", reason), reason
+    assert re.match(
+        r"domain_concept\[0\] \(S\) has RMS [\d.e-]+, outside \[0\.00197, 0\.0401\] that "
+        r"a concept can have after the run's concept learning \(its initial words, moved "
+        r"by at most 0\.727 x the token concept space's scale 0\.0198 per step",
+        reason,
+    ), reason
 
 
 @pytest.mark.parametrize("factor", [1000.0, 1e-4])
@@ -164,14 +183,33 @@ def test_hidden_space_concepts_are_held_to_the_hidden_scale(ldm: LDM) -> None:
     one learning step allows 5x the scale to be refused."""
     cfg = CFG.model_copy(update={"concept_space": "hidden"})
     data = shapes.client_train_set("sketch", 2, 0, seed=0, size=SIZE, classes=CLASSES)
-    payload, _ = personalize(ldm, data.images, data.labels, CLASSES, "sketch", "sketch-0", cfg,
-                             torch.Generator().manual_seed(0))  # fmt: skip
+    payload, _ = personalize(
+        ldm,
+        data.images,
+        data.labels,
+        CLASSES,
+        "sketch",
+        "sketch-0",
+        cfg,
+        torch.Generator().manual_seed(0),
+    )
     accept(ldm, payload, cfg)
     # s = 1 (the tiny encoder's final LayerNorm is the identity): [0.1 s, (1 + 0.727) s]
-    with pytest.raises(PayloadError, match=r"domain_concept\[0\] \(S\) has RMS 0\.0\d+, outside \[0\.0999, 1\.73\]"):
+    with pytest.raises(
+        PayloadError, match=r"domain_concept\[0\] \(S\) has RMS 0\.0\d+, outside \[0\.0999, 1\.73\]"
+    ):
         accept(ldm, scaled(payload, domain_concept=0.02), cfg)
-    with pytest.raises(PayloadError, match=r"class_concepts\[2\]\[0\] \(V of 'star'\) has RMS [2-9]\.\d+, "):
-        accept(ldm, replace(payload, class_concepts=payload.class_concepts * torch.tensor([1, 1, 5.0]).view(3, 1, 1)), cfg)
+    with pytest.raises(
+        PayloadError, match=r"class_concepts\[2\]\[0\] \(V of 'star'\) has RMS [2-9]\.\d+, "
+    ):
+        accept(
+            ldm,
+            replace(
+                payload,
+                class_concepts=payload.class_concepts * torch.tensor([1, 1, 5.0]).view(3, 1, 1),
+            ),
+            cfg,
+        )
 
 
 # --- the bounds themselves ----------------------------------------------------------------------
@@ -209,10 +247,19 @@ def test_no_check_runs_on_odd_input_but_payload_error(ldm: LDM, payload: Payload
     g = torch.Generator().manual_seed(0)
     huge = torch.randn(payload.latents.shape, generator=g).clamp(-3, 3) * 1e38
     for latents in (huge, (huge / 1e34).to(torch.float16), torch.zeros_like(payload.latents)):
-        bad = replace(payload, latents=latents, meta=payload.meta.model_copy(
-            update={"latent_dtype": str(latents.dtype).removeprefix("torch.")}))
+        bad = replace(
+            payload,
+            latents=latents,
+            meta=payload.meta.model_copy(
+                update={"latent_dtype": str(latents.dtype).removeprefix("torch.")}
+            ),
+        )
         with pytest.raises(PayloadError, match="latents"):
             decode_payload(encode_payload(bad), expect)
-    one = replace(payload, latents=payload.latents[:1], labels=payload.labels[:1],
-                  meta=payload.meta.model_copy(update={"num_examples": 1}))
+    one = replace(
+        payload,
+        latents=payload.latents[:1],
+        labels=payload.labels[:1],
+        meta=payload.meta.model_copy(update={"num_examples": 1}),
+    )
     decode_payload(encode_payload(one), expect)

@@ -60,7 +60,9 @@ def poisoned_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path)
     """This tree's packages under a ClientApp that poisons one upload (the FAB carries them, so
     the run tests this tree's ServerApp, not whatever fedbip-flwr is installed)."""
     base = tmp_path_factory.mktemp("poisoned")
-    app = make_wrapper_app(base / "app", {"poisoning_client": POISONING_CLIENT}, "poisoning_client:app")
+    app = make_wrapper_app(
+        base / "app", {"poisoning_client": POISONING_CLIENT}, "poisoning_client:app"
+    )
     out = base / "out"
     out.mkdir()
     values = {**POISONED, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
@@ -77,12 +79,16 @@ def test_the_poisoned_upload_is_refused_for_its_latents(poisoned_run: dict) -> N
     reason = rejected[0].reason
     honest_T = read_metadata(folder.payload_path("sketch-0"))["fedbip.timestep"]  # the run's T
     # 36 latents: 6 classes x 3 shots x 2 z(T) per image
-    assert re.match(r"payload rejected: latents\[0\] has std \d+\.\d+ \(as do 35 more of the 36 "
-                    rf"latents\), outside \[0\.\d+, 1\.\d+\] that z\(T\) at timestep {honest_T} can have "
-                    r"\(an honest z\(T\) is ", reason), reason
+    assert re.match(
+        r"payload rejected: latents\[0\] has std \d+\.\d+ \(as do 35 more of the 36 "
+        rf"latents\), outside \[0\.\d+, 1\.\d+\] that z\(T\) at timestep {honest_T} can have "
+        r"\(an honest z\(T\) is ",
+        reason,
+    ), reason
     assert results.read_clients(folder.clients) == record.clients
     assert sorted(p.name for p in folder.payloads.iterdir()) == [
-        "painting-0.safetensors", "sketch-0.safetensors"
+        "painting-0.safetensors",
+        "sketch-0.safetensors",
     ]
 
 

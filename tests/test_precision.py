@@ -44,13 +44,23 @@ def test_half_precision_gradients_match_fp32(ldm):
 def test_learning_in_half_precision_gives_float32_concepts(ldm, dtype):
     ldm.to("cpu", dtype)
     try:
-        layout = prompt_layout(ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", PRECISION_CLASSES)
+        layout = prompt_layout(
+            ldm.tokenizer, "a {S} style of a {V}", 1, 1, "sketch", PRECISION_CLASSES
+        )
         s0, v0 = initial_concepts(ldm, layout, "token")
         z0 = torch.randn(6, *ldm.latent_shape(), generator=torch.Generator().manual_seed(0))
         result = learn_concepts(
-            ldm, layout, "token", z0, torch.tensor([0, 0, 1, 1, 2, 2]), 981,
-            epochs=2, batch_size=3, lr=0.1, generator=torch.Generator().manual_seed(1),
-        )  # fmt: skip
+            ldm,
+            layout,
+            "token",
+            z0,
+            torch.tensor([0, 0, 1, 1, 2, 2]),
+            981,
+            epochs=2,
+            batch_size=3,
+            lr=0.1,
+            generator=torch.Generator().manual_seed(1),
+        )
     finally:
         ldm.to("cpu", torch.float32)
     assert loss_scaler(ldm).is_enabled() is False

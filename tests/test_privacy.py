@@ -23,7 +23,9 @@ from fedbip_tools.benchmark import row_sources
 CLIENT = "sketch-0"
 
 
-def replay_attack(payload: Payload, cfg: FedBiPConfig, alphas_cumprod: torch.Tensor) -> torch.Tensor:
+def replay_attack(
+    payload: Payload, cfg: FedBiPConfig, alphas_cumprod: torch.Tensor
+) -> torch.Tensor:
     """The server's estimate of every z_i(0), from the payload and the run config alone."""
     generator = torch.Generator().manual_seed(client_seed(cfg.seed, payload.meta.client_id))
     order = upload_order(len(payload.labels), generator)
@@ -61,14 +63,17 @@ def upload(ldm, client_images, cfg: FedBiPConfig, node: NodeConfig) -> Payload:
 
 
 def config(**values) -> FedBiPConfig:
-    return FedBiPConfig(**{"concept_epochs": 0, "image_size": 32, "num_inference_steps": 4, **values})
+    return FedBiPConfig(
+        **{"concept_epochs": 0, "image_size": 32, "num_inference_steps": 4, **values}
+    )
 
 
 def test_the_server_cannot_replay_a_clients_default_noise(tiny_ldm, client_images):
     cfg = config()
     truth = encode_images(tiny_ldm.vae, client_images[0])
-    estimate = replay_attack(upload(tiny_ldm, client_images, cfg, NodeConfig()), cfg,
-                             tiny_ldm.scheduler.alphas_cumprod)
+    estimate = replay_attack(
+        upload(tiny_ldm, client_images, cfg, NodeConfig()), cfg, tiny_ldm.scheduler.alphas_cumprod
+    )
     assert relative_error(estimate, truth) > 0.5, "the private latents were recovered"
 
 
@@ -76,8 +81,9 @@ def test_the_attack_succeeds_under_the_simulation_opt_in(tiny_ldm, client_images
     """The same attack recovers every latent when the client seeds from the run config."""
     cfg = config(replayable_client_noise=True)
     truth = encode_images(tiny_ldm.vae, client_images[0])
-    estimate = replay_attack(upload(tiny_ldm, client_images, cfg, NodeConfig()), cfg,
-                             tiny_ldm.scheduler.alphas_cumprod)
+    estimate = replay_attack(
+        upload(tiny_ldm, client_images, cfg, NodeConfig()), cfg, tiny_ldm.scheduler.alphas_cumprod
+    )
     assert relative_error(estimate, truth) < 1e-3
 
 
@@ -104,7 +110,9 @@ def identified(estimates: torch.Tensor, truth: torch.Tensor) -> float:
     """The share of images whose estimate correlates best with their own latent (both centred
     on their set's mean: the scale sqrt(abar_T) and what all images share drop out)."""
     a, b = (x.flatten(1) - x.flatten(1).mean(0) for x in (estimates, truth))
-    best = (torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T).argmax(1)
+    best = (
+        torch.nn.functional.normalize(a, dim=1) @ torch.nn.functional.normalize(b, dim=1).T
+    ).argmax(1)
     return float((best == torch.arange(len(truth))).float().mean())
 
 
@@ -118,7 +126,9 @@ def test_the_upload_gives_away_no_order(tiny_ldm, client_images):
     payload = upload(tiny_ldm, client_images, cfg, NodeConfig(seed=seed))
     truth = encode_images(tiny_ldm.vae, client_images[0])
     n, rows = len(truth), payload.latents.float()
-    source = upload_order(len(rows), torch.Generator().manual_seed(seed)) % n  # replayed with the seed
+    source = (
+        upload_order(len(rows), torch.Generator().manual_seed(seed)) % n
+    )  # replayed with the seed
     grouped = torch.stack([rows[source == i].mean(0) for i in range(n)])
     by_position = rows.view(draws, n, *rows.shape[1:]).mean(0)
 
@@ -129,11 +139,15 @@ def test_the_upload_gives_away_no_order(tiny_ldm, client_images):
 def test_the_benchmarks_oracle_replays_the_upload_order(tiny_ldm, client_images):
     """Under replayable-client-noise the benchmark matches each row to its image (its
     reconstruction scores need it): at a low T the rows it assigns to an image identify it."""
-    cfg = config(latents_per_image=3, start_timestep=5, num_inference_steps=200, replayable_client_noise=True)
+    cfg = config(
+        latents_per_image=3, start_timestep=5, num_inference_steps=200, replayable_client_noise=True
+    )
     payload = upload(tiny_ldm, client_images, cfg, NodeConfig())
     truth = encode_images(tiny_ldm.vae, client_images[0])
     rows = payload.latents.float()
-    sources = row_sources(CLIENT, len(truth), cfg, 2 * len(rows))[: len(rows)]  # two passes: the first
+    sources = row_sources(CLIENT, len(truth), cfg, 2 * len(rows))[
+        : len(rows)
+    ]  # two passes: the first
     assert torch.equal(torch.bincount(sources), torch.full((len(truth),), 3))
     grouped = torch.stack([rows[sources == i].mean(0) for i in range(len(truth))])
     assert identified(grouped, truth) >= 0.5, "a wrong order identifies about 1 in 24"

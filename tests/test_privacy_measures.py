@@ -41,7 +41,10 @@ def null_stderr(n1: int, n2: int) -> float:
 
 def test_nearest_distances_match_brute_force_across_chunks() -> None:
     generator = torch.Generator().manual_seed(0)
-    queries, references = torch.randn(13, 3, 4, 4, generator=generator), torch.randn(29, 3, 4, 4, generator=generator)
+    queries, references = (
+        torch.randn(13, 3, 4, 4, generator=generator),
+        torch.randn(29, 3, 4, 4, generator=generator),
+    )
     brute = (queries.flatten(1)[:, None] - references.flatten(1)[None]).norm(dim=-1).amin(dim=1)
     # the same 48 squares summed in another order (cdist): <= 48 x 2^-24 = 2.9e-6 relative
     chunked = nearest_distances(queries, references, chunk=5)
@@ -69,7 +72,9 @@ def test_dcr_flags_copied_members_and_measures_rms_per_pixel() -> None:
     # (3 * 32 * 32 values per image: the RMS of one image's noise is within ~3 % of 0.01).
     # float32: members + noise rounds by <= 2^-24 x 1 against noise ~0.01 (6e-6 relative) and
     # the 3072 squares are summed in another order (<= 3072 x 2^-24 = 1.8e-4): rtol 1e-3
-    torch.testing.assert_close(result.member_distances, noise.flatten(1).square().mean(1).sqrt(), rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(
+        result.member_distances, noise.flatten(1).square().mean(1).sqrt(), rtol=1e-3, atol=1e-5
+    )
     assert result.member_distances.mean() == pytest.approx(0.01, rel=0.05)
     assert result.non_member_distances.min() > 10 * result.member_distances.max()
 
@@ -143,13 +148,17 @@ def test_ssim_matches_a_window_by_window_evaluation_of_the_definition() -> None:
                 mx, my = (weights * x).sum(), (weights * y).sum()
                 vx, vy = (weights * (x - mx) ** 2).sum(), (weights * (y - my) ** 2).sum()
                 cxy = (weights * (x - mx) * (y - my)).sum()
-                values.append((2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2)))
+                values.append(
+                    (2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+                )
     assert ssim(a, b).item() == pytest.approx(float(torch.stack(values).mean()), rel=1e-9)
 
 
 def test_reconstruction_score_compares_with_the_unrelated_baseline() -> None:
     originals, unrelated = images(0, 1), images(1, 1)  # same classes, row for row
-    reconstructions = originals + 0.05 * torch.randn(originals.shape, generator=torch.Generator().manual_seed(0))
+    reconstructions = originals + 0.05 * torch.randn(
+        originals.shape, generator=torch.Generator().manual_seed(0)
+    )
     score = reconstruction_score(reconstructions, originals, unrelated)
     assert score.psnr == pytest.approx(float(psnr(reconstructions, originals).mean()))
     assert score.baseline_ssim == pytest.approx(float(ssim(reconstructions, unrelated).mean()))
@@ -164,14 +173,19 @@ def test_averaging_an_images_reconstructions_keeps_the_image_and_loses_the_noise
     originals, unrelated = images(0, 2), images(1, 2)
     n, k = len(originals), 16
     generator = torch.Generator().manual_seed(0)
-    rows = originals.repeat(k, 1, 1, 1) + 0.3 * torch.randn((k * n, *originals.shape[1:]), generator=generator)
+    rows = originals.repeat(k, 1, 1, 1) + 0.3 * torch.randn(
+        (k * n, *originals.shape[1:]), generator=generator
+    )
     order = torch.randperm(k * n, generator=generator)
     averaged = averaged_reconstructions(rows[order], torch.arange(n).repeat(k)[order], n)
     assert averaged.shape == originals.shape
     # 16-row means, perhaps summed in another order: <= 16 x 2^-24 x max|row| (~2.5), 2.4e-6,
     # under the default atol 1e-5
     torch.testing.assert_close(averaged[1], rows[1::n].mean(0))
-    one, mean = reconstruction_score(rows[:n], originals, unrelated), reconstruction_score(averaged, originals, unrelated)
+    one, mean = (
+        reconstruction_score(rows[:n], originals, unrelated),
+        reconstruction_score(averaged, originals, unrelated),
+    )
     # an image's MSE is a mean of 3072 squared normal draws (2.6 % standard error, 0.11 dB): the
     # mean PSNR of 12 images has 0.03 dB, the difference 0.05 dB; 0.5 dB is 10 standard errors
     assert mean.psnr - one.psnr == pytest.approx(10 * math.log10(k), abs=0.5)
@@ -184,7 +198,10 @@ def test_loss_attack_separated_and_identical_losses() -> None:
     separated = loss_membership_inference([0.1, 0.2, 0.3], [1.0, 2.0, 3.0, 4.0])
     assert separated.auc == 1.0 and separated.tpr_at_max_fpr == 1.0
     generator = torch.Generator().manual_seed(0)
-    members, non_members = torch.rand(500, generator=generator), torch.rand(500, generator=generator)
+    members, non_members = (
+        torch.rand(500, generator=generator),
+        torch.rand(500, generator=generator),
+    )
     alike = loss_membership_inference(members, non_members)
     assert alike.auc_stderr == pytest.approx(null_stderr(500, 500), rel=0.05)
     assert abs(alike.auc - 0.5) < 3 * alike.auc_stderr
@@ -207,5 +224,7 @@ def test_tpr_at_low_fpr_keeps_thresholds_on_a_straight_stretch_of_the_curve() ->
     # non-members: the ROC points after the first lie on one line, and the one at FPR 1 %
     # (2 of 21 members) is exactly what roc_curve's default drop_intermediate would drop.
     non_members = torch.arange(1, 101, dtype=torch.float64)
-    members = torch.cat([torch.tensor([0.5], dtype=torch.float64), torch.arange(1, 21, dtype=torch.float64)])
+    members = torch.cat(
+        [torch.tensor([0.5], dtype=torch.float64), torch.arange(1, 21, dtype=torch.float64)]
+    )
     assert loss_membership_inference(members, non_members).tpr_at_max_fpr == pytest.approx(2 / 21)

@@ -37,7 +37,9 @@ def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: 
     assert phases == ["load_model", "round", "synthesis", "classifier"]  # run order, not sorted
     assert '(run config `evaluation = "both"`)' in report
     assert re.search(r"\| quickdraw 1 +\| +50\.0% +\| +100 \| ok", report)
-    assert re.search(r"\| painting-0 +\| +n/a +\| +\| failed +\| no reply before the timeout", report)
+    assert re.search(
+        r"\| painting-0 +\| +n/a +\| +\| failed +\| no reply before the timeout", report
+    )
     assert "Mean weighted by test images: **65.0%**." in report
 
     linked = linked_images(report)
@@ -84,7 +86,9 @@ def test_rebuilding_gives_the_same_report(tmp_path: Path) -> None:
     ],
     ids=["missing", "json list", "not json", "unknown key", "wrong type"],
 )
-def test_unreadable_metrics_raise_naming_the_file(tmp_path: Path, content: str | None, error: type) -> None:
+def test_unreadable_metrics_raise_naming_the_file(
+    tmp_path: Path, content: str | None, error: type
+) -> None:
     if content is not None:
         (tmp_path / "metrics.json").write_text(content)
     with pytest.raises(error, match=re.escape(str(tmp_path / "metrics.json"))):

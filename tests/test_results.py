@@ -56,8 +56,13 @@ def test_every_key_of_the_record_is_snake_case(tmp_path: Path) -> None:
 
 def test_a_failed_run_keeps_only_what_it_reached(tmp_path: Path) -> None:
     clients = [ClientOutcome(node_id=3, status="missing", reason="no reply before the timeout")]
-    record = RunResults(status="failed", reason="only 0 valid payload(s); min-clients is 1",
-                        config={"min-clients": 1, "seed": 0}, started_unix=1.5, clients=clients)  # fmt: skip
+    record = RunResults(
+        status="failed",
+        reason="only 0 valid payload(s); min-clients is 1",
+        config={"min-clients": 1, "seed": 0},
+        started_unix=1.5,
+        clients=clients,
+    )
     written = json.loads(results.write(record, tmp_path / "elsewhere.json").read_text())
     assert set(written) == {"status", "reason", "config", "started_unix", "clients"}
     assert results.read(tmp_path / "elsewhere.json") == record
@@ -65,7 +70,13 @@ def test_a_failed_run_keeps_only_what_it_reached(tmp_path: Path) -> None:
 
 def test_phases_come_in_the_order_they_run() -> None:
     seconds = Seconds(evaluation=4.0, classifier=3.0, synthesis=2.0, round=1.0, load_model=0.5)
-    assert list(seconds.phases()) == ["load_model", "round", "synthesis", "classifier", "evaluation"]
+    assert list(seconds.phases()) == [
+        "load_model",
+        "round",
+        "synthesis",
+        "classifier",
+        "evaluation",
+    ]
 
 
 def test_the_weighted_mean_counts_only_institutions_that_scored(tmp_path: Path) -> None:
@@ -94,13 +105,24 @@ def test_clients_json_holds_what_metrics_json_holds(tmp_path: Path) -> None:
         (lambda m: m.update({"started-unix": 1.0}), "started-unix"),
         (lambda m: m.update(status="running"), "status"),
         (lambda m: m["accuracy"].update(mean="high"), "accuracy.mean"),
-        (lambda m: m["evaluation"]["per_client"]["sketch-0"].pop("num_examples"), "per_client.sketch-0"),
+        (
+            lambda m: m["evaluation"]["per_client"]["sketch-0"].pop("num_examples"),
+            "per_client.sketch-0",
+        ),
         (lambda m: m.pop("config"), "config"),
     ],
-    ids=["old phase spelling", "old key spelling", "unknown status", "wrong type",
-         "missing score", "no config"],
+    ids=[
+        "old phase spelling",
+        "old key spelling",
+        "unknown status",
+        "wrong type",
+        "missing score",
+        "no config",
+    ],
 )
-def test_a_malformed_file_is_refused_naming_it_and_the_key(tmp_path: Path, change, named: str) -> None:
+def test_a_malformed_file_is_refused_naming_it_and_the_key(
+    tmp_path: Path, change, named: str
+) -> None:
     metrics = completed_metrics()
     change(metrics)
     path = tmp_path / results.FILE_NAME

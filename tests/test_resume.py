@@ -71,8 +71,16 @@ def kill_tree(proc: psutil.Process) -> list[int]:
 def run_killed_at_first_shard(home: Path, run_config: str, app: Path, shards: Path) -> list[int]:
     """Start `flwr run`, SIGKILL the ServerApp's process tree once a shard exists."""
     home.mkdir()
-    command = [FLWR, "run", str(app), "--stream", "--run-config", run_config,
-               "--federation-config", federation(3)]
+    command = [
+        FLWR,
+        "run",
+        str(app),
+        "--stream",
+        "--run-config",
+        run_config,
+        "--federation-config",
+        federation(3),
+    ]
     with open(home / "flwr-run.log", "w") as log:
         flwr_run = subprocess.Popen(command, cwd=home, env=flwr_env(home), stdout=log, stderr=log)
     try:
@@ -96,8 +104,9 @@ def run_killed_at_first_shard(home: Path, run_config: str, app: Path, shards: Pa
 def runs(tmp_path_factory, tiny_model_dir):
     """(reference folder, crashed-then-resumed folder, facts about the crash) for the tests."""
     base = tmp_path_factory.mktemp("resume")
-    app = make_wrapper_app(base / "app", {"recording_client": RECORDING_CLIENT},
-                           "recording_client:app")
+    app = make_wrapper_app(
+        base / "app", {"recording_client": RECORDING_CLIENT}, "recording_client:app"
+    )
     result = {}
     for name in ("reference", "crashed"):
         (base / name).mkdir()
@@ -117,8 +126,10 @@ def runs(tmp_path_factory, tiny_model_dir):
         "payloads": digests(folder.payloads),
         "clients_json": folder.clients.exists(),
         "metrics_json": folder.metrics.exists(),
-        "shards": {p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
-                   for p in folder.shards.glob("*.safetensors")},
+        "shards": {
+            p.name: (p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in folder.shards.glob("*.safetensors")
+        },
     }
     crashed["status"], crashed["log"] = run_to_end(home, crashed["config"], app)
     return result
@@ -131,7 +142,9 @@ def test_kill_lands_during_synthesis(runs):
     assert 1 <= len(at_kill["shards"]) < 3 * PASSES, at_kill["shards"]
     assert at_kill["received"] == ["0", "1", "2"]
     assert sorted(at_kill["payloads"]) == [
-        "painting-0.safetensors", "quickdraw-0.safetensors", "sketch-0.safetensors"
+        "painting-0.safetensors",
+        "quickdraw-0.safetensors",
+        "sketch-0.safetensors",
     ], "every accepted payload is on disk before synthesis starts"
 
 
@@ -167,13 +180,19 @@ def test_resumed_run_equals_uninterrupted_run(runs):
 
 def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path):
     """A resumed run skips work that an uninterrupted one did; the classifier must not care."""
-    cfg = FedBiPConfig(classifier_init="random", classifier_epochs=1, classifier_image_size=16,
-                       classifier_batch_size=4, seed=3)
+    cfg = FedBiPConfig(
+        classifier_init="random",
+        classifier_epochs=1,
+        classifier_image_size=16,
+        classifier_batch_size=4,
+        seed=3,
+    )
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(8, 3, 16, 16, generator=generator) * 2 - 1
     labels = torch.arange(8) % 2
-    shard = write_tensors(tmp_path / "a-0-pass0.safetensors",
-                          {"images": quantize(images), "labels": labels})  # fmt: skip
+    shard = write_tensors(
+        tmp_path / "a-0-pass0.safetensors", {"images": quantize(images), "labels": labels}
+    )
     classifiers = []
     for index, earlier_draws in enumerate((0, 1000)):
         torch.rand(earlier_draws)  # work done (or skipped) before training
@@ -184,12 +203,25 @@ def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path)
 
 
 def test_shards_are_reused_under_the_same_settings_and_redone_under_others(tiny_ldm, tmp_path):
-    cfg = FedBiPConfig(concept_epochs=1, num_inference_steps=4, image_size=32, multiplier=2,
-                       synthesis_batch_size=4, eta_std=0.5)
+    cfg = FedBiPConfig(
+        concept_epochs=1,
+        num_inference_steps=4,
+        image_size=32,
+        multiplier=2,
+        synthesis_batch_size=4,
+        eta_std=0.5,
+    )
     images = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    payload, _ = personalize(tiny_ldm, images, torch.tensor([0, 0, 1, 1, 2, 2]),
-                             ["circle", "square", "star"], "sketch", "sketch-0", cfg,
-                             torch.Generator().manual_seed(0))
+    payload, _ = personalize(
+        tiny_ldm,
+        images,
+        torch.tensor([0, 0, 1, 1, 2, 2]),
+        ["circle", "square", "star"],
+        "sketch",
+        "sketch-0",
+        cfg,
+        torch.Generator().manual_seed(0),
+    )
     folder = RunFolder(tmp_path)
 
     def shard_identities() -> list[tuple[int, int]]:
@@ -207,6 +239,8 @@ def test_shards_are_reused_under_the_same_settings_and_redone_under_others(tiny_
     assert shard_identities() == made
     assert again == first and contents(again) == first_bytes
     other_seed = cfg.model_copy(update={"seed": 1})
-    redone = synthesize_all(tiny_ldm, {"sketch-0": payload}, other_seed, folder.shard_path)["sketch-0"]
+    redone = synthesize_all(tiny_ldm, {"sketch-0": payload}, other_seed, folder.shard_path)[
+        "sketch-0"
+    ]
     assert all(new != old for new, old in zip(shard_identities(), made, strict=True))
     assert contents(redone) != first_bytes

@@ -48,12 +48,19 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def wait_until(condition, timeout: float, what: str, proc: subprocess.Popen | None = None,
-               log: Path | None = None) -> None:
+def wait_until(
+    condition,
+    timeout: float,
+    what: str,
+    proc: subprocess.Popen | None = None,
+    log: Path | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"{what}: process exited early\n{log.read_text()[-4000:] if log else ''}")
+            raise AssertionError(
+                f"{what}: process exited early\n{log.read_text()[-4000:] if log else ''}"
+            )
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.02)
 
@@ -67,8 +74,11 @@ class Topology:
         self.port = free_port_block(1 + len(INSTITUTIONS))
         self.env = flwr_env(work / "flwr-home")
         self.started: list[subprocess.Popen] = []
-        subprocess.run([str(DEPLOY / "make-credentials.sh"), str(self.creds), str(len(INSTITUTIONS))],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(DEPLOY / "make-credentials.sh"), str(self.creds), str(len(INSTITUTIONS))],
+            check=True,
+            capture_output=True,
+        )
         home = work / "flwr-home"
         home.mkdir()
         (home / "config.toml").write_text(
@@ -79,16 +89,32 @@ class Topology:
     def start(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
         log = self.work / f"{name}.log"
         with log.open("w") as out:
-            proc = subprocess.Popen(args, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                args, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
         self.started.append(proc)
         return proc, log
 
     def superlink(self) -> subprocess.Popen:
-        proc, log = self.start("superlink", [str(DEPLOY / "superlink.sh"), str(self.creds / "superlink"),
-                                             "--host", "127.0.0.1", "--port", str(self.port)])
+        proc, log = self.start(
+            "superlink",
+            [
+                str(DEPLOY / "superlink.sh"),
+                str(self.creds / "superlink"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+        )
         wait_for_port(self.port, proc, log)
         for index in range(len(INSTITUTIONS)):
-            self.flwr("supernode", "register", str(self.creds / f"supernode-{index}" / "node.key.pub"), "tls")
+            self.flwr(
+                "supernode",
+                "register",
+                str(self.creds / f"supernode-{index}" / "node.key.pub"),
+                "tls",
+            )
         return proc
 
     def institution(self, index: int, client_id: str) -> Path:
@@ -96,11 +122,21 @@ class Topology:
         data = self.work / "data" / client_id
         if shots:
             shapes.write_image_folder(data, domain, shots, 2, size=32)
-        node_config = (f'data-root="{data}" domain="{domain}" client-id="{client_id}" '
-                       f'output-dir="{self.work / "kept" / client_id}"')
-        _, log = self.start(client_id, [
-            str(DEPLOY / "supernode.sh"), str(self.creds / f"supernode-{index}"),
-            f"127.0.0.1:{self.port}", node_config, "--port", str(self.port + 1 + index)])
+        node_config = (
+            f'data-root="{data}" domain="{domain}" client-id="{client_id}" '
+            f'output-dir="{self.work / "kept" / client_id}"'
+        )
+        _, log = self.start(
+            client_id,
+            [
+                str(DEPLOY / "supernode.sh"),
+                str(self.creds / f"supernode-{index}"),
+                f"127.0.0.1:{self.port}",
+                node_config,
+                "--port",
+                str(self.port + 1 + index),
+            ],
+        )
         return log
 
     def online(self) -> int:
@@ -108,8 +144,15 @@ class Topology:
         return sum(node["status"] == "online" for node in json.loads(listing.stdout)["nodes"])
 
     def flwr(self, *args: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run([FLWR, *args], env=self.env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=120, check=False)
+        proc = subprocess.run(
+            [FLWR, *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert proc.returncode == 0, f"flwr {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
         return proc
 
@@ -127,9 +170,16 @@ def serverapps(superlink: subprocess.Popen) -> list[psutil.Process]:
 def restarted(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("restart")
     out = work / "outputs"
-    values = {**SMALL, "dataset": '"imagefolder"', "classes": f'"{",".join(shapes.CLASSES)}"',
-              "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"', "run-name": '"restart"',
-              "concept-epochs": 30, "min-clients": 2}
+    values = {
+        **SMALL,
+        "dataset": '"imagefolder"',
+        "classes": f'"{",".join(shapes.CLASSES)}"',
+        "model": f'"{tiny_model_dir}"',
+        "output-dir": f'"{out}"',
+        "run-name": '"restart"',
+        "concept-epochs": 30,
+        "min-clients": 2,
+    }
     values.pop("replayable-client-noise")  # institutions: the private default
     config = as_run_config(values)
     folder = out / "restart"
@@ -143,7 +193,9 @@ def restarted(tmp_path_factory, tiny_model_dir):
         # 1. The round starts; the ServerApp dies by SIGKILL once the first upload is on disk.
         topology.flwr("run", ".", "tls", "--run-config", config)
         first = folder / "payloads" / "sketch-a.safetensors"
-        wait_until(first.exists, 600, "the first upload persisted", superlink, work / "superlink.log")
+        wait_until(
+            first.exists, 600, "the first upload persisted", superlink, work / "superlink.log"
+        )
         targets = serverapps(superlink)
         assert targets, "no flwr-serverapp process under the SuperLink"
         for proc in targets:
@@ -157,10 +209,16 @@ def restarted(tmp_path_factory, tiny_model_dir):
         }
 
         # 2. The restart; "clipart-c" connects only once the restarted round is under way.
-        rerun, rerun_log = topology.start("rerun", [FLWR, "run", ".", "tls", "--stream",
-                                                    "--run-config", config])
-        wait_until(lambda: "sent the one train message" in rerun_log.read_text(), 300,
-                   "the restarted round began", rerun, rerun_log)
+        rerun, rerun_log = topology.start(
+            "rerun", [FLWR, "run", ".", "tls", "--stream", "--run-config", config]
+        )
+        wait_until(
+            lambda: "sent the one train message" in rerun_log.read_text(),
+            300,
+            "the restarted round began",
+            rerun,
+            rerun_log,
+        )
         logs["clipart-c"] = topology.institution(2, "clipart-c")
         rerun.wait(timeout=900)
         facts["rerun_log"] = rerun_log.read_text()
@@ -203,5 +261,7 @@ def test_both_uploaders_score_and_keep_the_classifier(restarted):
     assert sorted(per_client) == ["quickdraw-b", "sketch-a"]
     assert all(isinstance(s, Scored) and s.num_examples == 12 for s in per_client.values())
     for client in per_client:
-        kept = work / "kept" / client / "restart" / "institutions" / client / "classifier.safetensors"
+        kept = (
+            work / "kept" / client / "restart" / "institutions" / client / "classifier.safetensors"
+        )
         assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()

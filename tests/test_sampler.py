@@ -40,22 +40,33 @@ def test_earlier_T_snaps_to_schedule_and_keeps_pndm_warmup():
     assert torch.equal(sampler.start(981)[1], stock.timesteps)
 
 
-@pytest.mark.parametrize("config", [dict(SD.config), {**SD.config, "timestep_spacing": "leading"}],
-                         ids=["sd-v1-4-config", "saved-config"])
+@pytest.mark.parametrize(
+    "config",
+    [dict(SD.config), {**SD.config, "timestep_spacing": "leading"}],
+    ids=["sd-v1-4-config", "saved-config"],
+)
 def test_every_sampler_keeps_the_models_timesteps(config):
     """SD v1-4's scheduler config has no timestep_spacing (PNDM's default, leading, applies);
     a config saved by today's diffusers names it. Either way each sampler gets the same grid."""
     noise_schedule = PNDMScheduler.from_config(config)
-    grids = {name: Sampler.create(name, noise_schedule, 25).grid()[:2].tolist() for name in SchedulerName}
-    assert grids == {"pndm": [961, 921], "ddim": [961, 921], "dpm-solver++": [951, 913],
-                     "unipc": [951, 913]}  # fmt: skip
+    grids = {
+        name: Sampler.create(name, noise_schedule, 25).grid()[:2].tolist() for name in SchedulerName
+    }
+    assert grids == {
+        "pndm": [961, 921],
+        "ddim": [961, 921],
+        "dpm-solver++": [951, 913],
+        "unipc": [951, 913],
+    }
 
 
 @pytest.mark.parametrize("steps", [5, 10, 25])
 def test_trailing_spacing_keeps_T_at_999_for_every_sampler_and_step_count(steps):
     """Fewer steps must not buy speed with privacy: with trailing spacing the noise level of
     z(T) is the same at every step count, and the four samplers share one grid."""
-    grids = {tuple(Sampler.create(name, SD, steps, "trailing").grid().tolist()) for name in SchedulerName}
+    grids = {
+        tuple(Sampler.create(name, SD, steps, "trailing").grid().tolist()) for name in SchedulerName
+    }
     assert len(grids) == 1
     grid = grids.pop()
     assert grid[0] == 999 and len(grid) == steps
@@ -117,7 +128,9 @@ def test_every_sampler_follows_the_trajectory_from_T_to_x0(tiny_ldm, name, spaci
     assert from_first or T < 500
     oracle = replace(tiny_ldm, unet=OracleUNet(x0, tiny_ldm.scheduler.alphas_cumprod))
     cond = torch.zeros(2, 4, tiny_ldm.concept_dim)
-    out = denoise(oracle, forward_noise(tiny_ldm.scheduler, x0, T, eps), cond, cond, sampler, T, 1.0)
+    out = denoise(
+        oracle, forward_noise(tiny_ldm.scheduler, x0, T, eps), cond, cond, sampler, T, 1.0
+    )
     # samplers that end at t=1 keep sqrt(1 - abar_0) = 0.029 of the noise; a misplaced sigma is O(1)
     error = (out - x0).pow(2).mean().sqrt() / x0.pow(2).mean().sqrt()
     assert error < 0.05, f"{name} from T={T}: relative error {error:.3f}"
@@ -141,28 +154,54 @@ def test_z_samplings_round_trip_returns_z_t_under_an_exact_model(tiny_ldm, spaci
             back = zigzag_step(oracle, z_t, t, cond, cond, 1.0, 0.0, zigzag_schedulers(sampler))
             assert (back - z_t).abs().max() < 1e-3 * z_t.abs().max(), f"{name} at t={int(t)}"
         T = sampler.first_timestep()
-        out = denoise(oracle, forward_noise(tiny_ldm.scheduler, x0, T, eps), cond, cond, sampler, T, 1.0,
-                      zigzag=ZSampling(threshold=500))  # fmt: skip
+        out = denoise(
+            oracle,
+            forward_noise(tiny_ldm.scheduler, x0, T, eps),
+            cond,
+            cond,
+            sampler,
+            T,
+            1.0,
+            zigzag=ZSampling(threshold=500),
+        )
         assert (out - x0).pow(2).mean().sqrt() / x0.pow(2).mean().sqrt() < 0.05, name
-    sampler, cond = Sampler.create("unipc", tiny_ldm.scheduler, 10, spacing), torch.randn(2, 4, tiny_ldm.concept_dim)
+    sampler, cond = (
+        Sampler.create("unipc", tiny_ldm.scheduler, 10, spacing),
+        torch.randn(2, 4, tiny_ldm.concept_dim),
+    )
     z_t = forward_noise(tiny_ldm.scheduler, x0, sampler.first_timestep(), eps)
     plain = denoise(tiny_ldm, z_t, cond, cond * 0, sampler, sampler.first_timestep(), 4.0)
-    zigzag = denoise(tiny_ldm, z_t, cond, cond * 0, sampler, sampler.first_timestep(), 4.0, zigzag=ZSampling(500))
+    zigzag = denoise(
+        tiny_ldm, z_t, cond, cond * 0, sampler, sampler.first_timestep(), 4.0, zigzag=ZSampling(500)
+    )
     assert not torch.allclose(plain, zigzag)
 
 
 def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm):
     """A client on DPM-Solver++ noises to its schedule's first timestep and says which sampler
     it noised for; a server on PNDM names the scheduler as the mismatch, not the timestep."""
-    cfg = FedBiPConfig(concept_epochs=1, num_inference_steps=10, image_size=32, scheduler="dpm-solver++")
+    cfg = FedBiPConfig(
+        concept_epochs=1, num_inference_steps=10, image_size=32, scheduler="dpm-solver++"
+    )
     classes = cfg.class_list
     images = torch.rand(6, 3, 32, 32) * 2 - 1
-    payload, _ = personalize(tiny_ldm, images, torch.tensor([0, 0, 1, 1, 2, 2]), classes, "sketch",
-                             "sketch-0", cfg, torch.Generator().manual_seed(0))  # fmt: skip
+    payload, _ = personalize(
+        tiny_ldm,
+        images,
+        torch.tensor([0, 0, 1, 1, 2, 2]),
+        classes,
+        "sketch",
+        "sketch-0",
+        cfg,
+        torch.Generator().manual_seed(0),
+    )
     assert (payload.meta.scheduler, payload.meta.timestep) == ("DPMSolverMultistepScheduler", 901)
     blob = encode_payload(payload)
     assert decode_payload(blob, expectations(cfg, tiny_ldm, classes)).meta.timestep == 901
     on_pndm = cfg.model_copy(update={"scheduler": SchedulerName.PNDM})
-    with pytest.raises(PayloadError, match="scheduler 'DPMSolverMultistepScheduler' does not match"
-                                           ".*'PNDMScheduler'.*run config scheduler"):
+    with pytest.raises(
+        PayloadError,
+        match="scheduler 'DPMSolverMultistepScheduler' does not match"
+        ".*'PNDMScheduler'.*run config scheduler",
+    ):
         decode_payload(blob, expectations(on_pndm, tiny_ldm, classes))

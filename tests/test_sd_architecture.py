@@ -53,8 +53,11 @@ def test_committed_configs_have_sd_v1_4_shapes(meta_sd):
     scheduler.set_timesteps(50)
     assert int(scheduler.timesteps[0]) == 981  # T of the paper's 50 PNDM steps
     with torch.device("meta"):
-        out = unet(torch.empty(1, 4, 64, 64), torch.tensor([981]),
-                   encoder_hidden_states=torch.empty(1, 77, 768)).sample
+        out = unet(
+            torch.empty(1, 4, 64, 64),
+            torch.tensor([981]),
+            encoder_hidden_states=torch.empty(1, 77, 768),
+        ).sample
     assert tuple(out.shape) == (1, 4, 64, 64)
 
 
@@ -65,19 +68,52 @@ def test_the_proof_places_each_phase_where_it_ran(monkeypatch):
     sd_proof = script("sd_proof")
 
     mb = 2**20
-    samples = [{"t": float(t), "load1": 1.0,
-                "procs": {"serverapp": (t * mb, 4), **({"clientapp-sketch": (t * mb, 4)} if 3 <= t <= 9 or t in (15, 16) else {})}}
-               for t in range(21)]  # fmt: skip
-    record = RunResults.model_validate({
-        "status": "completed", "config": {},
-        "started_unix": 1002.0,  # the sampler started at 1000: the ServerApp's zero is t = 2
-        "seconds": {"classifier": 2.0, "evaluation": 3.0, "load_model": 1.0, "round": 5.0, "synthesis": 4.0},
-        "clients": [{"node_id": 1, "status": "accepted", "client_id": "sketch-0", "domain": "sketch", "metrics": {
-            "seconds-total": 4.0, "seconds-instance": 1.0, "seconds-concept": 2.0}}]})  # fmt: skip
+    samples = [
+        {
+            "t": float(t),
+            "load1": 1.0,
+            "procs": {
+                "serverapp": (t * mb, 4),
+                **({"clientapp-sketch": (t * mb, 4)} if 3 <= t <= 9 or t in (15, 16) else {}),
+            },
+        }
+        for t in range(21)
+    ]
+    record = RunResults.model_validate(
+        {
+            "status": "completed",
+            "config": {},
+            "started_unix": 1002.0,  # the sampler started at 1000: the ServerApp's zero is t = 2
+            "seconds": {
+                "classifier": 2.0,
+                "evaluation": 3.0,
+                "load_model": 1.0,
+                "round": 5.0,
+                "synthesis": 4.0,
+            },
+            "clients": [
+                {
+                    "node_id": 1,
+                    "status": "accepted",
+                    "client_id": "sketch-0",
+                    "domain": "sketch",
+                    "metrics": {
+                        "seconds-total": 4.0,
+                        "seconds-instance": 1.0,
+                        "seconds-concept": 2.0,
+                    },
+                }
+            ],
+        }
+    )
     found = sd_proof.phases(samples, record, sampler_started=1000.0)
     # round (the model loads inside it) 2-8, synthesis 8-12, classifier 12-14, evaluation 14-17
     assert {k: v["peak_rss_mb"] for k, v in found.items() if k.startswith("server")} == {
-        "server: round": 8, "server: synthesis": 12, "server: classifier": 14, "server: evaluation": 17}
+        "server: round": 8,
+        "server: synthesis": 12,
+        "server: classifier": 14,
+        "server: evaluation": 17,
+    }
     assert found["sketch-0: concept learning"]["peak_rss_mb"] == 9  # 7-9, the train process's end
     assert found["sketch-0: start, data, model load"]["seconds"] == 3.0  # 3-6
 

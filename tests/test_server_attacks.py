@@ -50,7 +50,9 @@ def null_stderr(n1: int, n2: int) -> float:
     return math.sqrt((n1 + n2 + 1) / (12 * n1 * n2))
 
 
-def draw(means: torch.Tensor, per_class: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    means: torch.Tensor, per_class: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.arange(len(means)).repeat_interleave(per_class)
     return means[labels] + torch.randn(len(labels), *SHAPE, generator=generator), labels
 
@@ -63,22 +65,43 @@ def world(seed: int, shape: tuple[int, ...] = SHAPE) -> dict:
     non_members, non_labels = draw(means, PER_CLASS, generator)
     others, _ = draw(means, PER_CLASS, generator)  # a client that holds none of the members
     reference, reference_labels = draw(means, 30, generator)
-    return {"members": members, "labels": labels, "non_members": non_members, "non_labels": non_labels,
-            "others": others, "reference": LatentReference.of(reference, reference_labels)}  # fmt: skip
+    return {
+        "members": members,
+        "labels": labels,
+        "non_members": non_members,
+        "non_labels": non_labels,
+        "others": others,
+        "reference": LatentReference.of(reference, reference_labels),
+    }
 
 
-def upload(members: torch.Tensor, labels: torch.Tensor, timestep: int, draws: int, seed: int = 0) -> InstanceLatents:
+def upload(
+    members: torch.Tensor, labels: torch.Tensor, timestep: int, draws: int, seed: int = 0
+) -> InstanceLatents:
     return personalize_instances(
-        IdentityVAE(), SCHEDULE, members, labels, timestep, draws=draws,
+        IdentityVAE(),
+        SCHEDULE,
+        members,
+        labels,
+        timestep,
+        draws=draws,
         generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    )
 
 
 def sqrt_abar(timestep: int) -> float:
     return float(SCHEDULE.alphas_cumprod[timestep].sqrt())
 
 
-def run(seeds, timestep: int, draws: int, *, oracle: bool | str = False, rows_of_members: bool = True, **options):
+def run(
+    seeds,
+    timestep: int,
+    draws: int,
+    *,
+    oracle: bool | str = False,
+    rows_of_members: bool = True,
+    **options,
+):
     """Members' and non-members' scores pooled over one client per seed (each scored against its
     own client's upload). ``rows_of_members=False``: the upload is of other images of the same
     classes, so the "members" are no more in it than the non-members."""
@@ -87,11 +110,26 @@ def run(seeds, timestep: int, draws: int, *, oracle: bool | str = False, rows_of
         w = world(seed)
         uploaded = w["members"] if rows_of_members else w["others"]
         inst = upload(uploaded, w["labels"], timestep, draws, seed)
-        groups = _image_of_row(len(inst.zT), len(w["labels"]), wrong=oracle == "wrong") if oracle else None
-        kwargs = {"signal_scale": sqrt_abar(timestep), "reference": w["reference"], "groups": groups,
-                  "latents_per_image": draws, **options}  # fmt: skip
-        members.append(zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs))
-        non_members.append(zT_membership_scores(w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs))
+        groups = (
+            _image_of_row(len(inst.zT), len(w["labels"]), wrong=oracle == "wrong")
+            if oracle
+            else None
+        )
+        kwargs = {
+            "signal_scale": sqrt_abar(timestep),
+            "reference": w["reference"],
+            "groups": groups,
+            "latents_per_image": draws,
+            **options,
+        }
+        members.append(
+            zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs)
+        )
+        non_members.append(
+            zT_membership_scores(
+                w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs
+            )
+        )
     return torch.cat(members), torch.cat(non_members)
 
 
@@ -132,7 +170,9 @@ def test_group_rows_averages_each_images_rows() -> None:
     rows = torch.arange(12, dtype=torch.float64).view(6, 2)
     labels = torch.tensor([0, 1, 0, 0, 1, 0])
     means, group_labels, counts = group_rows(rows, labels, torch.tensor([0, 1, 2, 0, 1, 2]))
-    torch.testing.assert_close(means, torch.tensor([[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        means, torch.tensor([[3.0, 4.0], [5.0, 6.0], [7.0, 8.0]], dtype=torch.float64)
+    )
     assert group_labels.tolist() == [0, 1, 0] and counts.tolist() == [2, 2, 2]
     with pytest.raises(ValueError, match="mixes"):
         group_rows(rows, labels, torch.tensor([0, 0, 1, 1, 2, 2]))
@@ -140,18 +180,26 @@ def test_group_rows_averages_each_images_rows() -> None:
 
 def test_reference_spread_is_the_within_class_covariance_and_whitening_solves_it() -> None:
     generator = torch.Generator().manual_seed(0)
-    latents = torch.randn(20, 3, 2, 2, generator=generator) + torch.arange(2).repeat(10).view(-1, 1, 1, 1)
+    latents = torch.randn(20, 3, 2, 2, generator=generator) + torch.arange(2).repeat(10).view(
+        -1, 1, 1, 1
+    )
     labels = torch.arange(2).repeat(10)
     reference = LatentReference.of(latents, labels)
     flat = latents.double().flatten(1)
     centred = torch.cat([flat[labels == y] - flat[labels == y].mean(0) for y in (0, 1)])
-    torch.testing.assert_close(reference.spread.T @ reference.spread, centred.T @ centred / (20 - 2))
+    torch.testing.assert_close(
+        reference.spread.T @ reference.spread, centred.T @ centred / (20 - 2)
+    )
     # S^-1 u by Woodbury against a direct solve of S = s^2 I + a^2 k C
     a, mean, std = 0.3, 0.5, 0.1
     k = mean**2 + (1 - mean) ** 2 + 2 * std**2
-    covariance = (1 - a * a) * torch.eye(12, dtype=torch.float64) + a * a * k * centred.T @ centred / 18
+    covariance = (1 - a * a) * torch.eye(
+        12, dtype=torch.float64
+    ) + a * a * k * centred.T @ centred / 18
     u = torch.randn(5, 12, generator=generator, dtype=torch.float64)
-    torch.testing.assert_close(_row_noise(a, mean, std, reference)(u), torch.linalg.solve(covariance, u.T).T)
+    torch.testing.assert_close(
+        _row_noise(a, mean, std, reference)(u), torch.linalg.solve(covariance, u.T).T
+    )
 
 
 def test_rows_statistic_ignores_the_order_of_the_rows() -> None:
@@ -159,10 +207,18 @@ def test_rows_statistic_ignores_the_order_of_the_rows() -> None:
     inst = upload(w["members"], w["labels"], 999, draws=2)
     order = torch.randperm(len(inst.zT), generator=torch.Generator().manual_seed(1))
     for statistic in ("likelihood-ratio", "max-correlation"):
-        kwargs = {"signal_scale": sqrt_abar(999), "reference": w["reference"], "latents_per_image": 2,
-                  "statistic": statistic}  # fmt: skip
-        as_given = zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs)
-        shuffled = zT_membership_scores(w["members"], w["labels"], inst.zT[order], inst.zT_labels[order], **kwargs)
+        kwargs = {
+            "signal_scale": sqrt_abar(999),
+            "reference": w["reference"],
+            "latents_per_image": 2,
+            "statistic": statistic,
+        }
+        as_given = zT_membership_scores(
+            w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs
+        )
+        shuffled = zT_membership_scores(
+            w["members"], w["labels"], inst.zT[order], inst.zT_labels[order], **kwargs
+        )
         torch.testing.assert_close(shuffled, as_given, rtol=1e-9, atol=1e-9)
 
 
@@ -180,7 +236,9 @@ def test_positive_control_large_sqrt_abar_finds_the_members(statistic: str) -> N
     pooled = torch.cat([members, non_members])
     order = torch.randperm(len(pooled), generator=torch.Generator().manual_seed(0))
     shuffled = zT_membership(pooled[order[: len(members)]], pooled[order[len(members) :]])
-    assert shuffled.auc_stderr == pytest.approx(null_stderr(len(members), len(non_members)), rel=0.1)
+    assert shuffled.auc_stderr == pytest.approx(
+        null_stderr(len(members), len(non_members)), rel=0.1
+    )
     assert abs(shuffled.auc - 0.5) < 3 * shuffled.auc_stderr
 
 
@@ -198,13 +256,21 @@ def test_without_noise_the_attack_is_perfect(statistic: str) -> None:
     # client's rows are its mixes g z_i + (1 - g) z_i' exactly
     noiseless = PNDMScheduler(num_train_timesteps=1000, trained_betas=[0.0] * 1000)
     w = world(0)
-    inst = personalize_instances(IdentityVAE(), noiseless, w["members"], w["labels"], 999,
-                                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    inst = personalize_instances(
+        IdentityVAE(),
+        noiseless,
+        w["members"],
+        w["labels"],
+        999,
+        generator=torch.Generator().manual_seed(0),
+    )
     g = inst.gammas.view(-1, 1, 1, 1)
     torch.testing.assert_close(inst.zT, g * inst.z0 + (1 - g) * inst.z0[inst.partners])
     kwargs = {"signal_scale": 1.0, "reference": w["reference"], "statistic": statistic}
     members = zT_membership_scores(w["members"], w["labels"], inst.zT, inst.zT_labels, **kwargs)
-    non_members = zT_membership_scores(w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs)
+    non_members = zT_membership_scores(
+        w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs
+    )
     result = zT_membership(members, non_members)
     assert result.auc == 1.0 and result.tpr_at_max_fpr == 1.0
 
@@ -237,5 +303,8 @@ def test_whitening_is_no_worse_and_scores_are_finite_at_the_default() -> None:
     whitened = zT_membership(*run(seeds, 999, draws=2))
     plain = zT_membership(*run(seeds, 999, draws=2, whiten=False))
     for result in (whitened, plain):
-        assert torch.isfinite(result.member_scores).all() and torch.isfinite(result.non_member_scores).all()
+        assert (
+            torch.isfinite(result.member_scores).all()
+            and torch.isfinite(result.non_member_scores).all()
+        )
     assert whitened.auc > plain.auc - 2 * plain.auc_stderr

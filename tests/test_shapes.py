@@ -104,8 +104,13 @@ def test_public_classes_are_no_tasks_and_their_images_are_their_own() -> None:
     assert public.classes == ds.PUBLIC_CLASSES and torch.bincount(public.labels).tolist() == [3] * 8
     corpus = ds.public_corpus(4)
     assert len(corpus) == 8 * 3 * 4 and corpus.domain == "public"  # the common domains only
-    task = torch.cat([client_train_set("sketch", 3).images, test_set("sketch", 3).images,
-                      ds.pretrain_set("sketch", 3).images])  # fmt: skip
+    task = torch.cat(
+        [
+            client_train_set("sketch", 3).images,
+            test_set("sketch", 3).images,
+            ds.pretrain_set("sketch", 3).images,
+        ]
+    )
     flat = torch.cat([task, public.images]).flatten(1)
     assert torch.unique(flat, dim=0).shape[0] == flat.shape[0]
 
@@ -125,10 +130,14 @@ def test_partition_mapping() -> None:
     doms = ("sketch", "quickdraw", "painting")
     got = [partition(p, doms) for p in range(7)]
     assert got == [
-        ("sketch", 0), ("quickdraw", 0), ("painting", 0),
-        ("sketch", 1), ("quickdraw", 1), ("painting", 1),
+        ("sketch", 0),
+        ("quickdraw", 0),
+        ("painting", 0),
+        ("sketch", 1),
+        ("quickdraw", 1),
+        ("painting", 1),
         ("sketch", 2),
-    ]  # fmt: skip
+    ]
     assert partition(4, ["photo"]) == ("photo", 4)
 
 

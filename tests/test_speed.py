@@ -15,9 +15,18 @@ pytestmark = pytest.mark.long(minutes=0.8)
 
 @pytest.fixture()
 def args(tiny_model_dir):
-    return speed.parse([f"--model={tiny_model_dir}", "--image-size=32", "--batch=2", "--steps=3",
-                        "--threads=1", "--concept-images=8", "--classifier-images=16",
-                        "--classifier-steps=2"])  # fmt: skip
+    return speed.parse(
+        [
+            f"--model={tiny_model_dir}",
+            "--image-size=32",
+            "--batch=2",
+            "--steps=3",
+            "--threads=1",
+            "--concept-images=8",
+            "--classifier-images=16",
+            "--classifier-steps=2",
+        ]
+    )
 
 
 def test_the_project_loop_draws_the_stock_pipelines_images(args):
@@ -57,7 +66,9 @@ def test_concept_cases_learn_as_many_vectors_each(args):
 def test_classifier_case_splits_data_preparation_from_training(args):
     result = speed.case_classifier(args, "classifier-bf16")
     assert result["steps"] == 2 and 0 < result["data_seconds"] < result["seconds"]
-    assert result["forward_backward_seconds"] == pytest.approx(result["seconds"] - result["data_seconds"])
+    assert result["forward_backward_seconds"] == pytest.approx(
+        result["seconds"] - result["data_seconds"]
+    )
 
 
 def test_the_compiled_unet_draws_the_eager_loops_images(args, tiny_model_dir):

@@ -48,7 +48,9 @@ def test_no_shipped_module_has_a_hidden_mode():
     variable set somewhere up the stack."""
     for package in SHIPPED:
         for path in sorted((ROOT / package).rglob("*.py")):
-            assert "contextvars" not in imported_modules(path), f"{path.relative_to(ROOT)} uses contextvars"
+            assert "contextvars" not in imported_modules(path), (
+                f"{path.relative_to(ROOT)} uses contextvars"
+            )
 
 
 DATA_LAYER = ("dataset.py", "folders.py", "partitions.py", "shapes.py", "images.py", "specs.py")
@@ -67,7 +69,8 @@ def test_no_test_module_imports_another():
         for name in imported_modules(path):
             parts = name.split(".")
             assert not any(p.startswith("test_") or p == "conftest" for p in parts[:2]), (
-                f"{path.name} imports {name}: shared helpers belong in tests/helpers.py")
+                f"{path.name} imports {name}: shared helpers belong in tests/helpers.py"
+            )
             assert parts[0] != "helpers", f"{path.name}: import it as tests.helpers"
 
 
@@ -79,7 +82,9 @@ def test_tests_load_scripts_one_way():
             continue
         source = path.read_text()
         for spelling in ("sys.path", "syspath_prepend", "spec_from_file_location"):
-            assert spelling not in source, f"{path.name} loads code with {spelling}: use tests.helpers.script"
+            assert spelling not in source, (
+                f"{path.name} loads code with {spelling}: use tests.helpers.script"
+            )
 
 
 def package_imports(path, module: str, modules: set[str]) -> set[str]:
@@ -96,8 +101,9 @@ def package_imports(path, module: str, modules: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) + 1 - node.level]
                 base = ".".join([*anchor, base] if base else anchor)
-            found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                      for a in node.names}  # fmt: skip
+            found |= {
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            }
     return (found & modules) - {module}
 
 
@@ -111,7 +117,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                return [*path[path.index(target):], target]
+                return [*path[path.index(target) :], target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         state[node] = "done"

@@ -33,13 +33,27 @@ def payload(tiny_ldm):
     cfg = FedBiPConfig(concept_epochs=1, num_inference_steps=10, image_size=32)
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
-    payload, _ = personalize(tiny_ldm, images, labels, CLASSES, "sketch", "sketch-0", cfg,
-                              torch.Generator().manual_seed(0))
+    payload, _ = personalize(
+        tiny_ldm,
+        images,
+        labels,
+        CLASSES,
+        "sketch",
+        "sketch-0",
+        cfg,
+        torch.Generator().manual_seed(0),
+    )
     return payload
 
 
 def settings(**kw) -> SynthesisSettings:
-    base = {"multiplier": 2, "num_inference_steps": 10, "guidance_scale": 3.0, "eta_std": 0.1, "batch_size": 4}
+    base = {
+        "multiplier": 2,
+        "num_inference_steps": 10,
+        "guidance_scale": 3.0,
+        "eta_std": 0.1,
+        "batch_size": 4,
+    }
     return SynthesisSettings(**{**base, **kw})
 
 
@@ -160,17 +174,25 @@ def test_denoising_follows_the_models_prediction_type(tmp_path):
     folder = tmp_path / "v-model"
     build_ldm(replace(TINY, prediction_type="v_prediction"), WORDS, seed=0).save(folder)
     v_model = load_ldm(folder)
-    as_eps = replace(v_model, scheduler=PNDMScheduler.from_config(
-        {**v_model.scheduler.config, "prediction_type": "epsilon"}))  # fmt: skip
+    as_eps = replace(
+        v_model,
+        scheduler=PNDMScheduler.from_config(
+            {**v_model.scheduler.config, "prediction_type": "epsilon"}
+        ),
+    )
     z = torch.randn(2, *v_model.latent_shape(), generator=torch.Generator().manual_seed(0))
     cond = unconditional_embedding(v_model).expand(2, -1, -1)
     out = denoise(v_model, z, cond, cond, Sampler.create("pndm", v_model.scheduler, 10), 901, 1.0)
     assert torch.isfinite(out).all()
-    as_eps_out = denoise(as_eps, z, cond, cond, Sampler.create("pndm", as_eps.scheduler, 10), 901, 1.0)
+    as_eps_out = denoise(
+        as_eps, z, cond, cond, Sampler.create("pndm", as_eps.scheduler, 10), 901, 1.0
+    )
     assert not torch.allclose(out, as_eps_out, atol=1e-3)
 
 
-def test_half_precision_on_a_bf16_cpu_samples_under_bf16_autocast(tiny_model_dir, payload, monkeypatch):
+def test_half_precision_on_a_bf16_cpu_samples_under_bf16_autocast(
+    tiny_model_dir, payload, monkeypatch
+):
     exact = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32)
     assert exact.autocast is None
     monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: True)
@@ -187,13 +209,17 @@ def test_half_precision_on_a_bf16_cpu_samples_under_bf16_autocast(tiny_model_dir
     assert (half - full).abs().mean() < 0.05, "bf16 sampling draws the same images, to rounding"
     assert not torch.equal(half, full)
     monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: False)
-    assert load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=32).autocast is None
+    assert (
+        load_for_run(str(tiny_model_dir), "cpu", half_precision=True, image_size=32).autocast
+        is None
+    )
 
 
 def test_channels_last_unet_samples_the_same_images(tiny_model_dir, payload):
     plain = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32)
-    fast = load_for_run(str(tiny_model_dir), "cpu", half_precision=False, image_size=32,
-                        channels_last=True)  # fmt: skip
+    fast = load_for_run(
+        str(tiny_model_dir), "cpu", half_precision=False, image_size=32, channels_last=True
+    )
     plain, fast = plain.to("cpu", torch.float64), fast.to("cpu", torch.float64)  # keeps layouts
     assert fast.unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     eta = torch.zeros(1, plain.concept_dim)

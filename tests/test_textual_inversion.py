@@ -45,7 +45,13 @@ def personalized(ldm: LDM, n_s: int, n_v: int) -> tuple[Payload, FedBiPConfig]:
     cfg = FedBiPConfig(concept_epochs=1, n_s=n_s, n_v=n_v)
     data = shapes.client_train_set("sketch", 2, classes=CLASSES)
     payload, _ = personalize(
-        ldm, data.images, data.labels, list(CLASSES), "sketch", "sketch-0", cfg,
+        ldm,
+        data.images,
+        data.labels,
+        list(CLASSES),
+        "sketch",
+        "sketch-0",
+        cfg,
         generator=torch.Generator().manual_seed(0),
     )
     return payload, cfg
@@ -72,7 +78,11 @@ def training_conditioning(
     layout = prompt_layout(ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, "sketch", CLASSES)
     with torch.no_grad():
         return encode_prompts(
-            ldm, layout, "token", payload.domain_concept, payload.class_concepts,
+            ldm,
+            layout,
+            "token",
+            payload.domain_concept,
+            payload.class_concepts,
             torch.tensor([label]),
         )
 

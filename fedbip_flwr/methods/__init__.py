@@ -55,11 +55,33 @@ from .base import (
 )
 
 __all__ = [
-    "ClientJob", "Method", "MethodSettings", "MultiRound", "ServerJob", "Teacher", "Upload",
-    "audit_upload", "central", "create", "espresso", "create_for", "create_one_shot", "fedavg", "fedbip",
-    "fedbip_mixture", "fedld", "fedlmg", "fedpft", "institution_upload", "local", "names", "one_shot_for", "oscar", "prompts_only",
+    "ClientJob",
+    "Method",
+    "MethodSettings",
+    "MultiRound",
+    "ServerJob",
+    "Teacher",
+    "Upload",
+    "audit_upload",
+    "central",
+    "create",
+    "espresso",
+    "create_for",
+    "create_one_shot",
+    "fedavg",
+    "fedbip",
+    "fedbip_mixture",
+    "fedld",
+    "fedlmg",
+    "fedpft",
+    "institution_upload",
+    "local",
+    "names",
+    "one_shot_for",
+    "oscar",
+    "prompts_only",
     "register",
-]  # fmt: skip
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +110,9 @@ def institution_upload(
     this, so what an institution computes and audits offline is exactly what it would upload."""
     started = time.perf_counter()
     data = dataset.institution_data(cfg.data, node)
-    if len(data) > cfg.max_images_per_client:  # the server would refuse the upload: fail before the work
+    if (
+        len(data) > cfg.max_images_per_client
+    ):  # the server would refuse the upload: fail before the work
         log.error("[%s] holds %d private images", data.client_id, len(data))  # its count stays here
         raise DataError(
             f"{data.client_id} holds more private images than the run's max-images-per-client "
@@ -99,10 +123,14 @@ def institution_upload(
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = one_shot_for(cfg).upload(job)
-    if EPSILON_METRIC in metrics:  # a DP upload: nothing beside it that its guarantee does not cover
+    if (
+        EPSILON_METRIC in metrics
+    ):  # a DP upload: nothing beside it that its guarantee does not cover
         if cfg.replayable_client_noise:
-            log.warning("[%s] replayable-client-noise is on: a server that replays it removes the DP noise",
-                        data.client_id)  # fmt: skip
+            log.warning(
+                "[%s] replayable-client-noise is on: a server that replays it removes the DP noise",
+                data.client_id,
+            )
         return blob, {EPSILON_METRIC: metrics[EPSILON_METRIC]}
     return blob, {
         SENT_IMAGES: len(data),

@@ -64,10 +64,24 @@ from ..upload import read_header as _read_header
 from ..upload import read_tensors as _read_tensors
 
 __all__ = [
-    "ClientJob", "Distillation", "Method", "MultiRound", "ServerJob", "Teacher", "Upload",
-    "MethodSettings", "WorkUnit", "create", "create_for", "create_one_shot", "decode_upload",
-    "encode_upload", "names", "one_shot_for", "register",
-]  # fmt: skip
+    "ClientJob",
+    "Distillation",
+    "Method",
+    "MultiRound",
+    "ServerJob",
+    "Teacher",
+    "Upload",
+    "MethodSettings",
+    "WorkUnit",
+    "create",
+    "create_for",
+    "create_one_shot",
+    "decode_upload",
+    "encode_upload",
+    "names",
+    "one_shot_for",
+    "register",
+]
 
 
 @dataclass(frozen=True)
@@ -166,7 +180,10 @@ class Method(Registered, ABC):
 
     @abstractmethod
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         """The classifier's training data per client id, as uint8 shards (``images``,
         ``labels``) at ``shard_path(client_id, index)``; shards already there under the same
@@ -179,10 +196,14 @@ class Method(Registered, ABC):
         for balancing the split, which the shards' own keys never depend on."""
         cfg = server.cfg
         return [
-            WorkUnit(client_id, 0, cfg.images_per_class * len(server.class_names)
-                     or cfg.multiplier * upload.meta.num_examples)
+            WorkUnit(
+                client_id,
+                0,
+                cfg.images_per_class * len(server.class_names)
+                or cfg.multiplier * upload.meta.num_examples,
+            )
             for client_id, upload in sorted(uploads.items())
-        ]  # fmt: skip
+        ]
 
     def make_unit(
         self,
@@ -203,7 +224,9 @@ class Method(Registered, ABC):
         joins the cross-entropy), or None for plain cross-entropy."""
         return None
 
-    def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module] | None:
+    def final_models(
+        self, uploads: Mapping[str, Upload], server: ServerJob
+    ) -> dict[str, nn.Module] | None:
         """Models to score instead of one global classifier (Local: each client's own), or
         None: the server trains one classifier on :meth:`train_set`."""
         return None
@@ -213,7 +236,9 @@ class MultiRound(Registered, ABC):
     """A method trained over several rounds on one of Flower's strategies, not from one upload."""
 
     @abstractmethod
-    def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
+    def client_round(
+        self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device
+    ) -> RecordDict:
         """A client's reply to one round's ``train`` message."""
 
     @abstractmethod
@@ -222,7 +247,11 @@ class MultiRound(Registered, ABC):
 
     @abstractmethod
     def run_server(
-        self, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, evaluate: Callable[[nn.Module], Accuracy]
+        self,
+        grid: Grid,
+        cfg: FedBiPConfig,
+        folder: RunFolder,
+        evaluate: Callable[[nn.Module], Accuracy],
     ) -> RunResults:
         """Every round, the final model saved in ``folder`` and scored by ``evaluate`` (the
         server's test sets; empty where it holds none); returns the run's results, also
@@ -255,7 +284,9 @@ def create(name: str, settings: MethodSettings | Mapping[str, Any] | None = None
     try:
         cls = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
+        raise ValueError(
+            f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
     model = METHOD_SETTINGS[name]
     if isinstance(settings, Mapping):
         settings = model.from_flat(settings)
@@ -269,7 +300,9 @@ def create_for(cfg: FedBiPConfig) -> AnyMethod:
     return create(cfg.method, cfg.settings_of(cfg.method))
 
 
-def create_one_shot(name: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> Method:
+def create_one_shot(
+    name: str, settings: MethodSettings | Mapping[str, Any] | None = None
+) -> Method:
     """The one-shot method registered under ``name``; ValueError for a multi-round one, which
     makes no single upload."""
     method = create(name, settings)
@@ -327,7 +360,9 @@ def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
     return check_index(name, labels, len(upload.meta.class_names), "one per class name")
 
 
-def check_class_counts(upload: Upload, server: ServerJob, name: str = "class_counts") -> torch.Tensor:
+def check_class_counts(
+    upload: Upload, server: ServerJob, name: str = "class_counts"
+) -> torch.Tensor:
     """(C,) int64 per-class counts, non-negative, each and their sum within the server's run
     config max-images-per-client (it synthesizes as many images as they claim), summing to the
     upload's num_examples."""
@@ -378,9 +413,10 @@ def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
     config max-images-per-class, x z(T) per image x passes): the server, not the claim,
     bounds what a client's set holds."""
     per_class = (
-        torch.full_like(counts, cfg.images_per_class) if cfg.images_per_class
+        torch.full_like(counts, cfg.images_per_class)
+        if cfg.images_per_class
         else counts.clamp(max=cfg.class_cap) * cfg.latents_per_image * cfg.multiplier
-    )  # fmt: skip
+    )
     return torch.repeat_interleave(torch.arange(len(counts)), per_class)
 
 
@@ -401,7 +437,13 @@ def fresh_noise_set(
     extra = () if conditions is None else (conditions,)
     key = shard_key((seed, *settings.sampling_knobs()), cond_table, labels, *extra)
     batches = functools.partial(
-        iter_from_noise, server.ldm(), cond_table, labels, settings, torch.Generator().manual_seed(seed), conditions
+        iter_from_noise,
+        server.ldm(),
+        cond_table,
+        labels,
+        settings,
+        torch.Generator().manual_seed(seed),
+        conditions,
     )
     return keyed_shard(path, key, labels, batches, mode=server.shard_mode)
 
@@ -430,6 +472,8 @@ def mixture_set(
     def batches() -> Iterator[torch.Tensor]:
         generator = torch.Generator().manual_seed(seed)
         start = functools.partial(draw, mixture, generator=generator)
-        return iter_denoised(server.ldm(), cond_table, labels, settings, timestep, start, conditions, zigzag)
+        return iter_denoised(
+            server.ldm(), cond_table, labels, settings, timestep, start, conditions, zigzag
+        )
 
     return keyed_shard(path, key, labels, batches, mode=server.shard_mode)

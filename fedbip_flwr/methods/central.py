@@ -48,12 +48,22 @@ class Central(Method):
         return upload
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         out = {}
         for client_id, upload in sorted(uploads.items()):
             images, labels = upload.tensors["images"], upload.tensors["labels"]
             key = shard_key((self.name,), images, labels)
-            out[client_id] = [keyed_shard(shard_path(client_id, 0), key, labels,
-                                          lambda i=images: [dequantize(i)], mode=server.shard_mode)]
+            out[client_id] = [
+                keyed_shard(
+                    shard_path(client_id, 0),
+                    key,
+                    labels,
+                    lambda i=images: [dequantize(i)],
+                    mode=server.shard_mode,
+                )
+            ]
         return out

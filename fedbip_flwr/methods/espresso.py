@@ -117,28 +117,52 @@ class Espresso(Method):
 
         started = time.perf_counter()
         instances = personalize_instances(
-            ldm.vae, ldm.scheduler, data.images, data.labels, timestep, gamma_mean=cfg.gamma_mean,
-            gamma_std=cfg.gamma_std, vae_batch_size=cfg.vae_batch_size, draws=own.noisings,
+            ldm.vae,
+            ldm.scheduler,
+            data.images,
+            data.labels,
+            timestep,
+            gamma_mean=cfg.gamma_mean,
+            gamma_std=cfg.gamma_std,
+            vae_batch_size=cfg.vae_batch_size,
+            draws=own.noisings,
             generator=job.generator,
-        )  # fmt: skip
-        mixture = fit_mixture(instances.zT, instances.zT_labels, len(classes), own.components, job.generator,
-                              rows_per_component=own.rows_per_component)  # fmt: skip
+        )
+        mixture = fit_mixture(
+            instances.zT,
+            instances.zT_labels,
+            len(classes),
+            own.components,
+            job.generator,
+            rows_per_component=own.rows_per_component,
+        )
         seconds["seconds-instance"] = time.perf_counter() - started
 
         started = time.perf_counter()
         start = initial_conditions(ldm, cfg.prompt_template, data.domain, classes, own.clusters)
-        with tqdm(total=own.epochs, desc=f"conditions {data.client_id}", unit="epoch", mininterval=5) as bar:
+        with tqdm(
+            total=own.epochs, desc=f"conditions {data.client_id}", unit="epoch", mininterval=5
+        ) as bar:
             learned = learn_conditions(
-                ldm, start, instances.z0, data.labels, sub_clusters, timestep, epochs=own.epochs,
-                batch_size=own.batch_size, lr=own.lr, generator=job.generator,
+                ldm,
+                start,
+                instances.z0,
+                data.labels,
+                sub_clusters,
+                timestep,
+                epochs=own.epochs,
+                batch_size=own.batch_size,
+                lr=own.lr,
+                generator=job.generator,
                 on_epoch=lambda _epoch, loss: (bar.set_postfix(loss=f"{loss:.4f}"), bar.update()),
-            )  # fmt: skip
+            )
         seconds["seconds-concept"] = time.perf_counter() - started
 
         meta = EspressoMeta(
-            **mixture_meta(job, ldm, timestep, own.components), clusters=own.clusters,
+            **mixture_meta(job, ldm, timestep, own.components),
+            clusters=own.clusters,
             prompt_template=cfg.prompt_template,
-        )  # fmt: skip
+        )
         tensors = {
             "class_counts": class_counts(data.labels, len(classes)),
             CONDITIONS: learned.conditions.contiguous(),
@@ -148,35 +172,68 @@ class Espresso(Method):
             **seconds,
             SENT_CONCEPT_LOSSES: learned.losses,
             "condition-drift": learned.drift,
-            "sub-cluster-sizes": torch.bincount(data.labels * own.clusters + sub_clusters,
-                                                minlength=len(classes) * own.clusters).tolist(),
+            "sub-cluster-sizes": torch.bincount(
+                data.labels * own.clusters + sub_clusters, minlength=len(classes) * own.clusters
+            ).tolist(),
             **mixture_metrics(mixture, len(instances.zT)),
         }
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         meta, own = upload.meta, self.settings
-        refuse_mismatch([
-            ("clusters", meta.clusters, own.clusters, "clients and server must share run config espresso.clusters"),
-            ("prompt template", meta.prompt_template, server.cfg.prompt_template,
-             "conditions start from its plain prompt"),
-        ])  # fmt: skip
+        refuse_mismatch(
+            [
+                (
+                    "clusters",
+                    meta.clusters,
+                    own.clusters,
+                    "clients and server must share run config espresso.clusters",
+                ),
+                (
+                    "prompt template",
+                    meta.prompt_template,
+                    server.cfg.prompt_template,
+                    "conditions start from its plain prompt",
+                ),
+            ]
+        )
         expect = expectations(server.cfg, server.ldm(), server.class_names)
         mixture = check_mixture_upload(upload, server, own.components, expect)
         conditions = check_conditions(upload, server, own)
-        return dataclasses.replace(upload, content=EspressoUpload(conditions, mixture, upload.tensors["class_counts"]))
+        return dataclasses.replace(
+            upload, content=EspressoUpload(conditions, mixture, upload.tensors["class_counts"])
+        )
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         out = {}
         for client_id, upload in sorted(uploads.items()):
             content: EspressoUpload = upload.content
             labels = fresh_noise_labels(content.counts, server.cfg)
             clusters = content.conditions.shape[1]
-            rows = condition_rows(content.counts, clusters, labels, client_seed(server.cfg.seed, f"{client_id}/conditions"))
+            rows = condition_rows(
+                content.counts,
+                clusters,
+                labels,
+                client_seed(server.cfg.seed, f"{client_id}/conditions"),
+            )
             table = content.conditions.reshape(-1, *content.conditions.shape[2:])
-            out[client_id] = [mixture_set(server, client_id, table, labels, content.mixture, upload.meta.timestep,
-                                          shard_path(client_id, 0), rows, zigzag(self.settings))]  # fmt: skip
+            out[client_id] = [
+                mixture_set(
+                    server,
+                    client_id,
+                    table,
+                    labels,
+                    content.mixture,
+                    upload.meta.timestep,
+                    shard_path(client_id, 0),
+                    rows,
+                    zigzag(self.settings),
+                )
+            ]
         return out
 
 
@@ -188,11 +245,15 @@ def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -
     most run config max-images-per-class of each class), never more for a larger claim."""
     meta, ldm = upload.meta, server.ldm()
     images = min(meta.num_examples, server.cfg.class_cap * len(server.class_names))
-    start = initial_conditions(ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters)
+    start = initial_conditions(
+        ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters
+    )
     conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))
     scale = concept_scale(ldm, SPACE)
     # The client's text encoder may run at another precision: allow c0's rounding besides the steps.
-    reach = scale * condition_moves(own, images) * (1 + ROUNDING) + ROUNDING * float(start.abs().max())
+    reach = scale * condition_moves(own, images) * (1 + ROUNDING) + ROUNDING * float(
+        start.abs().max()
+    )
     moved = (conditions - start).abs().amax(dim=(-2, -1))
     if bool((moved > reach).any()):
         k, j = (int(i) for i in (moved > reach).nonzero()[0])

@@ -74,13 +74,17 @@ class FedAvg(MultiRound):
     def classifier(self, cfg: FedBiPConfig, init: str) -> nn.Module:
         """The global classifier's architecture: a ResNet-18 from ``init`` (part all), or the
         frozen backbone shipped with the base model with a fresh linear head (part head)."""
-        return build_classifier(len(cfg.class_list), "pretrained" if self.head_only else init, cfg.model)
+        return build_classifier(
+            len(cfg.class_list), "pretrained" if self.head_only else init, cfg.model
+        )
 
     def federated(self, model: nn.Module) -> nn.Module:
         """The part of ``model`` whose weights travel and are averaged."""
         return model.fc if self.head_only else model
 
-    def client_round(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device) -> RecordDict:
+    def client_round(
+        self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device
+    ) -> RecordDict:
         """One client's round: the global weights, trained locally on its own images."""
         data = dataset.institution_data(cfg.data, node)
         generator = client_generator(cfg, node, data.client_id)
@@ -88,28 +92,53 @@ class FedAvg(MultiRound):
             self._check_encoder(msg, cfg)
             rounds = self.settings.rounds
             server_round = _config(msg).get(ROUND, 1)
-            if isinstance(server_round, bool) or not isinstance(server_round, int) or not 1 <= server_round <= rounds:
-                raise PayloadError(f"the server calls this round {server_round!r}, not one of 1..{rounds} (fedavg.rounds)")
+            if (
+                isinstance(server_round, bool)
+                or not isinstance(server_round, int)
+                or not 1 <= server_round <= rounds
+            ):
+                raise PayloadError(
+                    f"the server calls this round {server_round!r}, not one of 1..{rounds} (fedavg.rounds)"
+                )
             features = public_encoder(cfg.model, cfg.classifier_image_size, device)(data.images)
             head = nn.Linear(features.shape[1], len(data.classes))
-            head.load_state_dict(checked_arrays(_arrays(msg), head.state_dict(), "the server's global head"))
+            head.load_state_dict(
+                checked_arrays(_arrays(msg), head.state_dict(), "the server's global head")
+            )
             # the round's own draw from the client's stream: each round shuffles anew
             seed = int(torch.randint(_SEED_BOUND, (server_round,), generator=generator)[-1])
             recipe = cast(FedPFTSettings, cfg.settings_of("fedpft"))  # FedPFT's head recipe
-            fit_head(head, features, data.labels, self.settings.local_epochs, recipe,
-                     torch.Generator().manual_seed(seed), device)  # fmt: skip
+            fit_head(
+                head,
+                features,
+                data.labels,
+                self.settings.local_epochs,
+                recipe,
+                torch.Generator().manual_seed(seed),
+                device,
+            )
             sent = head.cpu().state_dict()
         else:
             model = build_classifier(len(data.classes), "random")
-            model.load_state_dict(checked_arrays(_arrays(msg), model.state_dict(), "the server's global model"))
+            model.load_state_dict(
+                checked_arrays(_arrays(msg), model.state_dict(), "the server's global model")
+            )
             seed = int(torch.randint(_SEED_BOUND, (1,), generator=generator))
-            train_classifier(model, data.images, data.labels, train_settings(cfg, self.settings.local_epochs),
-                             seed=seed, device=device)  # fmt: skip
+            train_classifier(
+                model,
+                data.images,
+                data.labels,
+                train_settings(cfg, self.settings.local_epochs),
+                seed=seed,
+                device=device,
+            )
             sent = model.cpu().state_dict()
-        return RecordDict({
-            ARRAYS: ArrayRecord(sent),
-            METRICS: MetricRecord({SENT_IMAGES: len(data)}),
-        })  # fmt: skip
+        return RecordDict(
+            {
+                ARRAYS: ArrayRecord(sent),
+                METRICS: MetricRecord({SENT_IMAGES: len(data)}),
+            }
+        )
 
     def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         """Flower's federated evaluation: the global weights scored on the client's held-out images."""
@@ -118,12 +147,19 @@ class FedAvg(MultiRound):
             self._check_encoder(msg, cfg)
         model = self.classifier(cfg, "random")
         part = self.federated(model)
-        part.load_state_dict(checked_arrays(_arrays(msg), part.state_dict(), f"the server's global {self._what}"))
-        scores = score_classifier(model, dataset.institution_test_set(cfg.data, node, domain),
-                                  cfg.classifier_image_size)  # fmt: skip
-        return RecordDict({METRICS: MetricRecord(
-            {SENT_ACCURACY: scores[SENT_ACCURACY], SENT_IMAGES: scores[SENT_IMAGES]}
-        )})  # fmt: skip
+        part.load_state_dict(
+            checked_arrays(_arrays(msg), part.state_dict(), f"the server's global {self._what}")
+        )
+        scores = score_classifier(
+            model, dataset.institution_test_set(cfg.data, node, domain), cfg.classifier_image_size
+        )
+        return RecordDict(
+            {
+                METRICS: MetricRecord(
+                    {SENT_ACCURACY: scores[SENT_ACCURACY], SENT_IMAGES: scores[SENT_IMAGES]}
+                )
+            }
+        )
 
     def run_server(
         self,
@@ -153,12 +189,19 @@ class FedAvg(MultiRound):
             min_evaluate_nodes=cfg.min_clients if on_clients else 0,
         )
         config = ConfigRecord({ENCODER: encoder_identity(cfg.model)[0]} if self.head_only else {})
-        result = strategy.start(grid, ArrayRecord(part.state_dict()), num_rounds=self.settings.rounds,
-                                timeout=cfg.reply_timeout_s, train_config=config,
-                                evaluate_config=ConfigRecord(dict(config)))  # fmt: skip
+        result = strategy.start(
+            grid,
+            ArrayRecord(part.state_dict()),
+            num_rounds=self.settings.rounds,
+            timeout=cfg.reply_timeout_s,
+            train_config=config,
+            evaluate_config=ConfigRecord(dict(config)),
+        )
         if len(result.arrays) == 0:
             raise RuntimeError("FedAvg produced no global model: every client failed (see the log)")
-        part.load_state_dict(checked_arrays(result.arrays, template, f"FedAvg's global {self._what}"))
+        part.load_state_dict(
+            checked_arrays(result.arrays, template, f"FedAvg's global {self._what}")
+        )
         save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.class_list)})
         record = RunResults(
             status="completed",
@@ -176,11 +219,17 @@ class FedAvg(MultiRound):
 
     def _check_encoder(self, msg: Message, cfg: FedBiPConfig) -> None:
         """The head is only meaningful on the backbone it was trained on: the server's."""
-        refuse_mismatch([(
-            "the server's encoder", _config(msg).get(ENCODER), encoder_identity(cfg.model)[0],
-            "fedavg.part = head trains on the features of the backbone shipped with the base "
-            "model: this client's base model must ship the server's",
-        )])  # fmt: skip
+        refuse_mismatch(
+            [
+                (
+                    "the server's encoder",
+                    _config(msg).get(ENCODER),
+                    encoder_identity(cfg.model)[0],
+                    "fedavg.part = head trains on the features of the backbone shipped with the base "
+                    "model: this client's base model must ship the server's",
+                )
+            ]
+        )
 
 
 class CheckedFedAvg(FlowerFedAvg):
@@ -201,8 +250,12 @@ class CheckedFedAvg(FlowerFedAvg):
                 try:
                     check_reply(msg.content, self.template, self.max_images)
                 except PayloadError as err:
-                    log.warning("round %d: node %d's reply left out of the average: %s",
-                                server_round, msg.metadata.src_node_id, err.reason)  # fmt: skip
+                    log.warning(
+                        "round %d: node %d's reply left out of the average: %s",
+                        server_round,
+                        msg.metadata.src_node_id,
+                        err.reason,
+                    )
                     continue
             kept.append(msg)
         return super().aggregate_train(server_round, kept)
@@ -214,13 +267,19 @@ def check_reply(content: RecordDict, template: Mapping[str, torch.Tensor], max_i
     image count, an int in [1, ``max_images``] (the average's weight); else
     :class:`~fedbip_flwr.upload.PayloadError`."""
     if sorted(content.keys()) != sorted((ARRAYS, METRICS)):
-        raise PayloadError(f"the reply holds records {_names(content.keys())}, not {ARRAYS!r} and {METRICS!r}")
-    if not isinstance(content[ARRAYS], ArrayRecord) or not isinstance(content[METRICS], MetricRecord):
+        raise PayloadError(
+            f"the reply holds records {_names(content.keys())}, not {ARRAYS!r} and {METRICS!r}"
+        )
+    if not isinstance(content[ARRAYS], ArrayRecord) or not isinstance(
+        content[METRICS], MetricRecord
+    ):
         raise PayloadError(f"{ARRAYS!r} must be an ArrayRecord and {METRICS!r} a MetricRecord")
     checked_arrays(content[ARRAYS], template, "the reply's weights")
     metrics = content[METRICS]
     if list(metrics.keys()) != [SENT_IMAGES]:
-        raise PayloadError(f"the reply's metrics are {_names(metrics.keys())}, not [{SENT_IMAGES!r}]")
+        raise PayloadError(
+            f"the reply's metrics are {_names(metrics.keys())}, not [{SENT_IMAGES!r}]"
+        )
     count = metrics[SENT_IMAGES]
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= max_images:
         raise PayloadError(
@@ -229,7 +288,9 @@ def check_reply(content: RecordDict, template: Mapping[str, torch.Tensor], max_i
         )
 
 
-def checked_arrays(record: object, template: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
+def checked_arrays(
+    record: object, template: Mapping[str, torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
     """``record``'s arrays as tensors, if exactly ``template``'s names and shapes, each floating
     one of the template's dtype and finite; or :class:`~fedbip_flwr.upload.PayloadError` saying
     which is not. An integer array (BatchNorm's batch count) may also arrive as float64, which is
@@ -239,7 +300,9 @@ def checked_arrays(record: object, template: Mapping[str, torch.Tensor], what: s
     names = set(record.keys())
     if names != set(template):
         missing, extra = sorted(set(template) - names), sorted(names - set(template))
-        raise PayloadError(f"{what} lack {_names(missing)} and hold {_names(extra)} that the model has not")
+        raise PayloadError(
+            f"{what} lack {_names(missing)} and hold {_names(extra)} that the model has not"
+        )
     out = {}
     for name, want in template.items():
         try:
@@ -250,7 +313,9 @@ def checked_arrays(record: object, template: Mapping[str, torch.Tensor], what: s
         if want.is_floating_point() or got.dtype != torch.float64:
             check_dtype_shape(label, got, want.dtype, tuple(want.shape))
         else:
-            check_dtype_shape(label, got, torch.float64, tuple(want.shape), "Flower's average of an integer array")
+            check_dtype_shape(
+                label, got, torch.float64, tuple(want.shape), "Flower's average of an integer array"
+            )
         out[name] = check_finite(label, got) if got.is_floating_point() else got
     return out
 

@@ -83,7 +83,9 @@ def personalize(
     come from to keep z(T) private.
     """
     report = ClientReport()
-    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)  # the server's sampler: z(T) is noised for it
+    sampler = SynthesisSettings.from_config(cfg).sampler(
+        ldm
+    )  # the server's sampler: z(T) is noised for it
     timestep = sampler.first_timestep(cfg.start_timestep)
 
     order = upload_order(len(labels) * cfg.latents_per_image, generator)
@@ -106,9 +108,16 @@ def personalize(
     clusters = cfg.class_clusters
     sub = sub_clusters(images, labels, cfg, ldm.device)
     layout, concepts = client_concepts(
-        ldm, instances.z0, instances.labels * clusters + sub, class_names, domain, client_id, cfg,
-        timestep, generator,
-    )  # fmt: skip
+        ldm,
+        instances.z0,
+        instances.labels * clusters + sub,
+        class_names,
+        domain,
+        client_id,
+        cfg,
+        timestep,
+        generator,
+    )
     report.seconds["concept"] = time.perf_counter() - started
     report.concept_losses = concepts.losses
     report.concept_drift = {"s": concepts.domain_drift, "v": concepts.class_drift}
@@ -167,10 +176,13 @@ def client_concepts(
     def on_epoch(epoch: int, loss: float) -> None:
         bar.set_postfix(loss=f"{loss:.4f}")
         bar.update()
-        log.info("[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss)
+        log.info(
+            "[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss
+        )
 
-    with tqdm(total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch",
-              mininterval=5) as bar:
+    with tqdm(
+        total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch", mininterval=5
+    ) as bar:
         concepts = learn_concepts(
             ldm,
             layout,
@@ -188,7 +200,9 @@ def client_concepts(
     return layout, concepts
 
 
-def sub_clusters(images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device) -> torch.Tensor:
+def sub_clusters(
+    images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device
+) -> torch.Tensor:
     """Each image's sub-cluster within its class (run config class-clusters; all 0 for one
     concept per class), from the public encoder shipped with the base model."""
     if cfg.class_clusters == 1:
@@ -209,9 +223,15 @@ class FedBiP(Method):
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
         data = job.data
         payload, report = personalize(
-            job.ldm(), data.images, data.labels, list(data.classes), data.domain,
-            data.client_id, job.cfg, job.generator,
-        )  # fmt: skip
+            job.ldm(),
+            data.images,
+            data.labels,
+            list(data.classes),
+            data.domain,
+            data.client_id,
+            job.cfg,
+            job.generator,
+        )
         blob = encode_payload(payload)
         return blob, {
             "seconds-instance": report.seconds["instance"],
@@ -237,7 +257,10 @@ class FedBiP(Method):
         return as_upload(payload)
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
         if server.cfg.synthesis_start == "fresh-noise":
@@ -283,11 +306,13 @@ def concept_only_unit(
     settings = SynthesisSettings.from_config(server.cfg)
     eta = draw_etas(payload, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
     return fresh_noise_set(
-        server, f"{unit.client_id}/pass{unit.index}",
+        server,
+        f"{unit.client_id}/pass{unit.index}",
         pass_conditioning(server.ldm(), payload, settings, eta),
-        payload.labels, shard_path(unit.client_id, unit.index),
+        payload.labels,
+        shard_path(unit.client_id, unit.index),
         None if payload.latent_clusters is None else payload.concept_rows,
-    )  # fmt: skip
+    )
 
 
 def as_upload(payload: Payload) -> Upload:
@@ -334,7 +359,9 @@ def synthesize_all(
     """
     units = synthesis_units(payloads, cfg.multiplier)
     out: dict[str, list[Path]] = {}
-    with tqdm(total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5) as bar:
+    with tqdm(
+        total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5
+    ) as bar:
         for unit in units:
             payload = payloads[unit.client_id]
             path = synthesize_unit(ldm, payload, cfg, unit, shard_path, mode, bar.update)

@@ -145,16 +145,31 @@ class FedBiPMixture(Method):
             return self.private_upload(job)
         own, data, ldm = self.settings, job.data, job.ldm()
         payload, report = personalize(
-            ldm, data.images, data.labels, list(data.classes), data.domain, data.client_id,
-            job.cfg, job.generator,
-        )  # fmt: skip
-        mixture = fit_mixture(payload.latents.float(), payload.labels, len(data.classes), own.components,
-                              job.generator, rows_per_component=own.rows_per_component)  # fmt: skip
+            ldm,
+            data.images,
+            data.labels,
+            list(data.classes),
+            data.domain,
+            data.client_id,
+            job.cfg,
+            job.generator,
+        )
+        mixture = fit_mixture(
+            payload.latents.float(),
+            payload.labels,
+            len(data.classes),
+            own.components,
+            job.generator,
+            rows_per_component=own.rows_per_component,
+        )
         meta = FedBiPMixtureMeta(
             **mixture_meta(job, ldm, payload.meta.timestep, own.components),
-            n_s=payload.meta.n_s, n_v=payload.meta.n_v, concept_space=payload.meta.concept_space,
-            prompt_template=payload.meta.prompt_template, class_clusters=payload.meta.class_clusters,
-        )  # fmt: skip
+            n_s=payload.meta.n_s,
+            n_v=payload.meta.n_v,
+            concept_space=payload.meta.concept_space,
+            prompt_template=payload.meta.prompt_template,
+            class_clusters=payload.meta.class_clusters,
+        )
         tensors = {
             "class_counts": class_counts(data.labels, len(data.classes)),
             "domain_concept": payload.domain_concept,
@@ -179,31 +194,72 @@ class FedBiPMixture(Method):
                 "class's images together, so one image can move every other image's sub-cluster"
             )
         if cfg.concept_epochs < 1:
-            raise ValueError("fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)")
+            raise ValueError(
+                "fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)"
+            )
         per_epoch = dp_sgd_steps_per_epoch(own.dp_sample_rate)
-        budget = split_budget(own.dp_epsilon, own.dp_delta, own.dp_concept_share, own.dp_sample_rate,
-                              cfg.concept_epochs * per_epoch, STATS_RELEASES)  # fmt: skip
+        budget = split_budget(
+            own.dp_epsilon,
+            own.dp_delta,
+            own.dp_concept_share,
+            own.dp_sample_rate,
+            cfg.concept_epochs * per_epoch,
+            STATS_RELEASES,
+        )
         timestep = first_timestep(cfg, ldm)
         z0 = encode_images(ldm.vae, data.images, cfg.vae_batch_size)
         z_t = forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=generator))
-        stats = stats_guarantee(own, budget.epsilon, budget.delta, budget.stats_noise_multiplier, z0[0].numel())
+        stats = stats_guarantee(
+            own, budget.epsilon, budget.delta, budget.stats_noise_multiplier, z0[0].numel()
+        )
         alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
-        mixture, counts, statistics = private_mixture(z_t, data.labels, len(data.classes), stats, own.components,
-                                                      alpha_bar, generator, cfg.replayable_client_noise)  # fmt: skip
-        privacy = DPSGD(own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip)
-        layout, concepts = client_concepts(ldm, z0, data.labels, list(data.classes), data.domain, data.client_id,
-                                           cfg, timestep, generator, privacy)  # fmt: skip
+        mixture, counts, statistics = private_mixture(
+            z_t,
+            data.labels,
+            len(data.classes),
+            stats,
+            own.components,
+            alpha_bar,
+            generator,
+            cfg.replayable_client_noise,
+        )
+        privacy = DPSGD(
+            own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip
+        )
+        layout, concepts = client_concepts(
+            ldm,
+            z0,
+            data.labels,
+            list(data.classes),
+            data.domain,
+            data.client_id,
+            cfg,
+            timestep,
+            generator,
+            privacy,
+        )
         release = MixtureDPRelease(
             **{**statistics.model_dump(), "covers": list(self.tensor_names)},
-            concepts=ConceptDPRelease(sample_rate=own.dp_sample_rate, steps=budget.steps,
-                                      noise_multiplier=budget.sgd_noise_multiplier, clip=own.dp_grad_clip,
-                                      covers=list(CONCEPTS)),
-        )  # fmt: skip
+            concepts=ConceptDPRelease(
+                sample_rate=own.dp_sample_rate,
+                steps=budget.steps,
+                noise_multiplier=budget.sgd_noise_multiplier,
+                clip=own.dp_grad_clip,
+                covers=list(CONCEPTS),
+            ),
+        )
         meta = FedBiPMixtureMeta(
-            **{**mixture_meta(job, ldm, timestep, own.components), "num_examples": max(1, int(counts.sum()))},
-            n_s=layout.n_s, n_v=layout.n_v, concept_space=cfg.concept_space, prompt_template=cfg.prompt_template,
-            class_clusters=1, dp=release,
-        )  # fmt: skip
+            **{
+                **mixture_meta(job, ldm, timestep, own.components),
+                "num_examples": max(1, int(counts.sum())),
+            },
+            n_s=layout.n_s,
+            n_v=layout.n_v,
+            concept_space=cfg.concept_space,
+            prompt_template=cfg.prompt_template,
+            class_clusters=1,
+            dp=release,
+        )
         tensors = {
             "class_counts": counts,
             "domain_concept": concepts.domain,
@@ -217,34 +273,66 @@ class FedBiPMixture(Method):
         mixture = check_mixture_upload(upload, server, self.settings.components, expect)
         check_private_release(upload.meta, self.settings, server.cfg, mixture)
         concepts = concept_payload(upload, server, expect)
-        return dataclasses.replace(upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"]))
+        return dataclasses.replace(
+            upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"])
+        )
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """One per (client, pass), as FedBiP's."""
         per_pass = {cid: len(pass_labels(u.content, server)) for cid, u in uploads.items()}
-        return [WorkUnit(cid, k, per_pass[cid]) for cid in sorted(uploads) for k in range(server.cfg.multiplier)]
+        return [
+            WorkUnit(cid, k, per_pass[cid])
+            for cid in sorted(uploads)
+            for k in range(server.cfg.multiplier)
+        ]
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         out: dict[str, list[Path]] = {}
         for unit in self.work_units(uploads, server):
-            out.setdefault(unit.client_id, []).extend(self.make_unit(unit, uploads, server, shard_path))
+            out.setdefault(unit.client_id, []).extend(
+                self.make_unit(unit, uploads, server, shard_path)
+            )
         return out
 
     def make_unit(
-        self, unit: WorkUnit, uploads: Mapping[str, Upload], server: ServerJob,
+        self,
+        unit: WorkUnit,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
         shard_path: Callable[[str, int], Path],
-    ) -> list[Path]:  # fmt: skip
+    ) -> list[Path]:
         content: MixtureUpload = uploads[unit.client_id].content
         settings = SynthesisSettings.from_config(server.cfg)
-        eta = draw_etas(content.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
+        eta = draw_etas(content.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
+            unit.index
+        ]
         cond = pass_conditioning(server.ldm(), content.concepts, settings, eta)
         stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, server)
         clusters = content.concepts.meta.class_clusters
-        rows = None if clusters == 1 else condition_rows(content.counts, clusters, labels, client_seed(server.cfg.seed, stream))
-        return [mixture_set(server, stream, cond, labels, content.mixture, content.concepts.meta.timestep,
-                            shard_path(unit.client_id, unit.index), rows)]  # fmt: skip
+        rows = (
+            None
+            if clusters == 1
+            else condition_rows(
+                content.counts, clusters, labels, client_seed(server.cfg.seed, stream)
+            )
+        )
+        return [
+            mixture_set(
+                server,
+                stream,
+                cond,
+                labels,
+                content.mixture,
+                content.concepts.meta.timestep,
+                shard_path(unit.client_id, unit.index),
+                rows,
+            )
+        ]
 
 
 def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
@@ -264,16 +352,37 @@ def check_private_release(
         return
     sgd = release.concepts
     q, steps = sgd.sample_rate, cfg.concept_epochs * dp_sgd_steps_per_epoch(sgd.sample_rate)
-    refuse_mismatch([
-        ("DP-SGD covers", sorted(sgd.covers), sorted(CONCEPTS), "S and V are what DP-SGD learns"),
-        ("DP-SGD sample rate", q, own.dp_sample_rate, "clients and server must share fedbip-mixture.dp-sample-rate"),
-        ("DP-SGD steps", sgd.steps, steps, f"concept-epochs {cfg.concept_epochs} x ceil(1 / sample rate)"),
-    ])  # fmt: skip
+    refuse_mismatch(
+        [
+            (
+                "DP-SGD covers",
+                sorted(sgd.covers),
+                sorted(CONCEPTS),
+                "S and V are what DP-SGD learns",
+            ),
+            (
+                "DP-SGD sample rate",
+                q,
+                own.dp_sample_rate,
+                "clients and server must share fedbip-mixture.dp-sample-rate",
+            ),
+            (
+                "DP-SGD steps",
+                sgd.steps,
+                steps,
+                f"concept-epochs {cfg.concept_epochs} x ceil(1 / sample rate)",
+            ),
+        ]
+    )
     epsilon = composed_epsilon(
-        release.delta, dp_sgd_event(q, sgd.noise_multiplier, steps), gaussian_releases(release.noise_multiplier, release.releases)
-    )  # fmt: skip
-    noise = (f"noise multipliers ({release.noise_multiplier:.6g} on the statistics, {sgd.noise_multiplier:.6g} "
-             f"over {steps} DP-SGD steps at sample rate {q:g})")  # fmt: skip
+        release.delta,
+        dp_sgd_event(q, sgd.noise_multiplier, steps),
+        gaussian_releases(release.noise_multiplier, release.releases),
+    )
+    noise = (
+        f"noise multipliers ({release.noise_multiplier:.6g} on the statistics, {sgd.noise_multiplier:.6g} "
+        f"over {steps} DP-SGD steps at sample rate {q:g})"
+    )
     check_claimed_epsilon(release.epsilon, epsilon, release.delta, noise)
 
 
@@ -282,22 +391,29 @@ def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> 
     a DP upload's concepts within the reach of its DP-SGD's steps (checked before)."""
     meta, ldm = upload.meta, server.ldm()
     if meta.dp is not None and expect.plausibility is not None:
-        plausibility = dataclasses.replace(expect.plausibility, concept_steps=meta.dp.concepts.steps)
+        plausibility = dataclasses.replace(
+            expect.plausibility, concept_steps=meta.dp.concepts.steps
+        )
         expect = dataclasses.replace(expect, plausibility=plausibility)
     n_s, n_v = expect.concept_sizes(meta.domain)
     d, classes = ldm.concept_dim, len(meta.class_names)
     concepts = {
         "domain_concept": check_tensor(upload, "domain_concept", torch.float32, (meta.n_s, d)),
-        "class_concepts": check_tensor(upload, "class_concepts", torch.float32,
-                                       (classes * meta.class_clusters, meta.n_v, d)),
+        "class_concepts": check_tensor(
+            upload, "class_concepts", torch.float32, (classes * meta.class_clusters, meta.n_v, d)
+        ),
     }
     fields = meta.model_dump(include=set(PayloadMeta.model_fields) - {"method"})
-    fields["num_examples"] = meta.num_examples * server.cfg.latents_per_image  # as FedBiP's z(T) rows
+    fields["num_examples"] = (
+        meta.num_examples * server.cfg.latents_per_image
+    )  # as FedBiP's z(T) rows
     payload = Payload(
-        latents=torch.empty(0, *meta.latent_shape), labels=torch.empty(0, dtype=torch.int64),
-        meta=PayloadMeta(**fields, latent_dtype="float32"), **concepts,
+        latents=torch.empty(0, *meta.latent_shape),
+        labels=torch.empty(0, dtype=torch.int64),
+        meta=PayloadMeta(**fields, latent_dtype="float32"),
+        **concepts,
         latent_clusters=torch.empty(0, dtype=torch.int64) if meta.class_clusters > 1 else None,
-    )  # fmt: skip
+    )
     check_expectations(payload, dataclasses.replace(expect, plausibility=None))
     check_concept_scale(payload, payload.meta.per_concept(n_v), expect.plausibility)
     return payload

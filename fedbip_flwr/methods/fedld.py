@@ -144,7 +144,9 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
     return SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
 
 
-def check_mixture_upload(upload: Upload, server: ServerJob, components: int, expect: Expectations) -> LatentMixture:
+def check_mixture_upload(
+    upload: Upload, server: ServerJob, components: int, expect: Expectations
+) -> LatentMixture:
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
     run config (``expect``, :func:`fedbip_flwr.expectations.expectations`), and for plausibility:
     draws from every held class must look like z(T) at T. Its class counts, which decide how
@@ -156,10 +158,17 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
             "(clients and server must share run config domains)"
         )
-    refuse_mismatch([
-        *sampling_checks(meta, expect),
-        ("components", meta.components, components, "clients and server must share the method's components"),
-    ])  # fmt: skip
+    refuse_mismatch(
+        [
+            *sampling_checks(meta, expect),
+            (
+                "components",
+                meta.components,
+                components,
+                "clients and server must share the method's components",
+            ),
+        ]
+    )
     counts = check_class_counts(upload, server)
     try:
         mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
@@ -172,11 +181,15 @@ def check_mixture_upload(upload: Upload, server: ServerJob, components: int, exp
             f"{wanted[0]} classes and the method's {components} components need {wanted}"
         )
     # every class the server will draw from: the held ones, or all with images-per-class > 0
-    synthesized = counts > 0 if not server.cfg.images_per_class else torch.ones_like(counts, dtype=torch.bool)
+    synthesized = (
+        counts > 0 if not server.cfg.images_per_class else torch.ones_like(counts, dtype=torch.bool)
+    )
     check_mixture_moments(mixture, synthesized, meta.timestep, expect.plausibility)
     held = torch.arange(len(counts))[synthesized].repeat_interleave(PLAUSIBILITY_DRAWS)
     try:
-        check = torch.Generator().manual_seed(client_seed(server.cfg.seed, f"{meta.client_id}/check"))
+        check = torch.Generator().manual_seed(
+            client_seed(server.cfg.seed, f"{meta.client_id}/check")
+        )
         check_latent_moments(draw(mixture, held, check), meta.timestep, expect.plausibility)
     except PayloadError as err:
         raise PayloadError(f"draws from the mixture: {err.reason}") from None
@@ -195,10 +208,14 @@ class FedLD(Method):
         timestep = first_timestep(job.cfg, ldm)
         z0 = encode_images(ldm.vae, data.images, job.cfg.vae_batch_size)
         noisings = 1 if own.dp_epsilon else own.noisings  # DP: one z(T) per image, so C bounds it
-        z_t = torch.cat([
-            forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=job.generator))
-            for _ in range(noisings)
-        ])  # fmt: skip
+        z_t = torch.cat(
+            [
+                forward_noise(
+                    ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=job.generator)
+                )
+                for _ in range(noisings)
+            ]
+        )
         labels, classes = data.labels.repeat(noisings), len(data.classes)
         meta = mixture_meta(job, ldm, timestep, own.components)
         if own.dp_epsilon:
@@ -206,13 +223,28 @@ class FedLD(Method):
             sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
             guarantee = stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, z_t[0].numel())
             mixture, counts, release = private_mixture(
-                z_t, labels, classes, guarantee, own.components, alpha_bar, job.generator, job.cfg.replayable_client_noise
+                z_t,
+                labels,
+                classes,
+                guarantee,
+                own.components,
+                alpha_bar,
+                job.generator,
+                job.cfg.replayable_client_noise,
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
-            return encode_upload(FedLDMeta(**meta, dp=release), tensors), {EPSILON_METRIC: release.epsilon}
-        mixture = fit_mixture(z_t, labels, classes, own.components, job.generator,
-                              rows_per_component=own.rows_per_component)  # fmt: skip
+            return encode_upload(FedLDMeta(**meta, dp=release), tensors), {
+                EPSILON_METRIC: release.epsilon
+            }
+        mixture = fit_mixture(
+            z_t,
+            labels,
+            classes,
+            own.components,
+            job.generator,
+            rows_per_component=own.rows_per_component,
+        )
         tensors = {"class_counts": class_counts(data.labels, classes), **mixture.to_tensors()}
         return encode_upload(FedLDMeta(**meta), tensors), mixture_metrics(mixture, len(z_t))
 
@@ -222,20 +254,42 @@ class FedLD(Method):
         check_stats_release(upload.meta.dp, self.settings, self.tensor_names, mixture)
         if upload.meta.dp is not None:
             release = upload.meta.dp
-            epsilon = composed_epsilon(release.delta, gaussian_releases(release.noise_multiplier, release.releases))
-            check_claimed_epsilon(release.epsilon, epsilon, release.delta, f"noise multiplier {release.noise_multiplier:.6g}")
+            epsilon = composed_epsilon(
+                release.delta, gaussian_releases(release.noise_multiplier, release.releases)
+            )
+            check_claimed_epsilon(
+                release.epsilon,
+                epsilon,
+                release.delta,
+                f"noise multiplier {release.noise_multiplier:.6g}",
+            )
         return dataclasses.replace(upload, content=mixture)
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         out = {}
         for client_id, upload in sorted(uploads.items()):
-            prompts = [plain_prompt(server.cfg.prompt_template, upload.domain, c) for c in server.class_names]
+            prompts = [
+                plain_prompt(server.cfg.prompt_template, upload.domain, c)
+                for c in server.class_names
+            ]
             cond = encode_texts(server.ldm(), prompts)
             labels = fresh_noise_labels(upload.tensors["class_counts"], server.cfg)
-            out[client_id] = [mixture_set(server, client_id, cond, labels, upload.content,
-                                          upload.meta.timestep, shard_path(client_id, 0))]  # fmt: skip
+            out[client_id] = [
+                mixture_set(
+                    server,
+                    client_id,
+                    cond,
+                    labels,
+                    upload.content,
+                    upload.meta.timestep,
+                    shard_path(client_id, 0),
+                )
+            ]
         return out
 
 
@@ -261,15 +315,28 @@ def check_mixture_moments(
     used = (mixture.weights > 0) & synthesized.unsqueeze(1)
     means, variances = mixture.means.double(), mixture.variances.double()
     second = means.square() + variances
-    row_square, coordinate_square = bounds.std_high**2 + bounds.abs_mean**2, coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2
+    row_square, coordinate_square = (
+        bounds.std_high**2 + bounds.abs_mean**2,
+        coordinate_bound(plaus.alpha_bar, dim, plaus.sigmas) ** 2,
+    )
     limits = {
-        "a variance below the fit's floor reg_covar": (variances.amin(-1) < DEFAULT_REG_COVAR * (1 - ROUNDING), DEFAULT_REG_COVAR),
-        "a mean whose average exceeds a z(T)'s": (means.mean(-1).abs() > bounds.abs_mean, bounds.abs_mean),
+        "a variance below the fit's floor reg_covar": (
+            variances.amin(-1) < DEFAULT_REG_COVAR * (1 - ROUNDING),
+            DEFAULT_REG_COVAR,
+        ),
+        "a mean whose average exceeds a z(T)'s": (
+            means.mean(-1).abs() > bounds.abs_mean,
+            bounds.abs_mean,
+        ),
         "mean^2 + variance above a z(T)'s mean square": (
-            second.mean(-1) > row_square * (1 + ROUNDING) + DEFAULT_REG_COVAR, row_square),
+            second.mean(-1) > row_square * (1 + ROUNDING) + DEFAULT_REG_COVAR,
+            row_square,
+        ),
         "mean^2 + variance on one coordinate above one z(T) coordinate's square": (
-            second.amax(-1) > coordinate_square + DEFAULT_REG_COVAR, coordinate_square),
-    }  # fmt: skip
+            second.amax(-1) > coordinate_square + DEFAULT_REG_COVAR,
+            coordinate_square,
+        ),
+    }
     for what, (outside, limit) in limits.items():
         if bool((outside & used).any()):
             c, k = (int(i) for i in (outside & used).nonzero()[0])
@@ -280,7 +347,10 @@ def check_mixture_moments(
 
 
 def check_stats_release(
-    release: DPRelease | None, own: DPMixtureSettings, tensor_names: Sequence[str], mixture: LatentMixture
+    release: DPRelease | None,
+    own: DPMixtureSettings,
+    tensor_names: Sequence[str],
+    mixture: LatentMixture,
 ) -> None:
     """What the server can check of a class-statistics DP upload before its epsilon: the
     header as :func:`check_release_header` has it, the two releases at the run's clip, and the
@@ -290,14 +360,30 @@ def check_stats_release(
     if release is None:
         return
     clip = own.dp_clip * math.sqrt(mixture.means.shape[-1])
-    refuse_mismatch([
-        ("statistics releases", release.releases, STATS_RELEASES, "per class a noisy sum and a noisy count"),
-        ("DP clip", release.clip, clip, "clients and server must share dp-clip (times sqrt(D))"),
-    ])  # fmt: skip
+    refuse_mismatch(
+        [
+            (
+                "statistics releases",
+                release.releases,
+                STATS_RELEASES,
+                "per class a noisy sum and a noisy count",
+            ),
+            (
+                "DP clip",
+                release.clip,
+                clip,
+                "clients and server must share dp-clip (times sqrt(D))",
+            ),
+        ]
+    )
     one = torch.zeros_like(mixture.weights)
     one[:, 0] = 1.0
     copies = mixture.means[:, :1].expand_as(mixture.means)
-    if not (torch.equal(mixture.weights, one) and bool(mixture.variances.eq(1).all()) and torch.equal(mixture.means, copies)):
+    if not (
+        torch.equal(mixture.weights, one)
+        and bool(mixture.variances.eq(1).all())
+        and torch.equal(mixture.means, copies)
+    ):
         raise PayloadError(
             "its tensors are not a DP release's: per class one component of weight 1 and variance 1 "
             "(the others its copies at weight 0), which is all the guarantee covers"
@@ -328,11 +414,14 @@ def check_release_header(
 def check_claimed_epsilon(claimed: float, accounted: float, delta: float, noise: str) -> None:
     """The header's epsilon is what the server's accountant gives for its noise."""
     if not math.isclose(claimed, accounted, rel_tol=EPSILON_TOLERANCE):
-        raise PayloadError(f"its guarantee claims epsilon {claimed:.6g}, but its {noise} give {accounted:.6g} at delta {delta:g}")
+        raise PayloadError(
+            f"its guarantee claims epsilon {claimed:.6g}, but its {noise} give {accounted:.6g} at delta {delta:g}"
+        )
 
 
-def stats_guarantee(own: DPMixtureSettings, epsilon: float, delta: float, noise_multiplier: float,
-                    latent_numel: int) -> DPGuarantee:  # fmt: skip
+def stats_guarantee(
+    own: DPMixtureSettings, epsilon: float, delta: float, noise_multiplier: float, latent_numel: int
+) -> DPGuarantee:
     """The class statistics' guarantee at ``noise_multiplier`` (calibrated to (``epsilon``,
     ``delta``) for these releases alone, or with others: :func:`fedbip_flwr.dp.split_budget`),
     rows clipped to ``dp-clip`` sqrt(D) for latents of D = ``latent_numel`` values."""
@@ -360,15 +449,23 @@ def private_mixture(
     estimates = [noisy_estimate(z_t[labels == c], guarantee, generator) for c in range(classes)]
     mixture, counts = mixture_of_estimates(estimates, components, alpha_bar, tuple(z_t.shape[1:]))
     release = DPRelease(
-        epsilon=guarantee.epsilon, delta=guarantee.delta, noise_multiplier=guarantee.noise_multiplier,
-        clip=guarantee.clip, releases=guarantee.releases, covers=["class_counts", *MIXTURE_TENSOR_NAMES],
-        unit=f"one private image ({guarantee.adjacency})", replayable_noise=replayable,
-    )  # fmt: skip
+        epsilon=guarantee.epsilon,
+        delta=guarantee.delta,
+        noise_multiplier=guarantee.noise_multiplier,
+        clip=guarantee.clip,
+        releases=guarantee.releases,
+        covers=["class_counts", *MIXTURE_TENSOR_NAMES],
+        unit=f"one private image ({guarantee.adjacency})",
+        replayable_noise=replayable,
+    )
     return mixture, counts, release
 
 
 def mixture_of_estimates(
-    estimates: list[DPGaussianEstimate], components: int, alpha_bar: float, latent_shape: tuple[int, ...]
+    estimates: list[DPGaussianEstimate],
+    components: int,
+    alpha_bar: float,
+    latent_shape: tuple[int, ...],
 ) -> tuple[LatentMixture, torch.Tensor]:
     """Per class (one estimate each, of its z(T) at abar_T = ``alpha_bar``) one Gaussian: the
     noisy mean shrunk to the RMS a mean of z(T) can have, variance 1 (as :func:`private_mixture`

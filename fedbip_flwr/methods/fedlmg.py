@@ -86,7 +86,6 @@ VARIANTS = {
 }
 
 
-
 class FedLMGMeta(UploadMeta):
     method: Literal["fedlmg"] = "fedlmg"
 
@@ -140,8 +139,12 @@ def forward_with_bn_inputs(
     """The model's logits and, for every BatchNorm layer in order, its input's per-image
     statistics (hooks on the layers' inputs: the running statistics describe those)."""
     stats: list[tuple[torch.Tensor, torch.Tensor]] = []
-    handles = [layer.register_forward_pre_hook(lambda _m, inputs: stats.append(
-        per_image_statistics(inputs[0]))) for layer in bn_layers(model)]  # fmt: skip
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda _m, inputs: stats.append(per_image_statistics(inputs[0]))
+        )
+        for layer in bn_layers(model)
+    ]
     try:
         logits = model(images)
     finally:
@@ -167,10 +170,12 @@ def guidance_terms(classifier: nn.Module, images: torch.Tensor, labels: torch.Te
     logits, stats = forward_with_bn_inputs(classifier, images)
     ce = F.cross_entropy(logits.float(), labels.to(logits.device), reduction="none")
     bn = sum(
-        ((mean - layer.running_mean).norm(dim=1) + (var - layer.running_var).norm(dim=1)
-         for layer, (mean, var) in zip(bn_layers(classifier), stats, strict=True)),
+        (
+            (mean - layer.running_mean).norm(dim=1) + (var - layer.running_var).norm(dim=1)
+            for layer, (mean, var) in zip(bn_layers(classifier), stats, strict=True)
+        ),
         torch.zeros_like(ce),
-    )  # fmt: skip
+    )
     return LossTerms(ce=ce, bn=bn.float())
 
 
@@ -180,8 +185,9 @@ def guidance_terms(classifier: nn.Module, images: torch.Tensor, labels: torch.Te
 def ddim_scheduler(ldm: LDM) -> DDIMScheduler:
     """DDIM on the LDM's own noise schedule, stepping from epsilon (the sampler converts a
     v-prediction) without clipping x0: its state is (x_t, eps), so an edit of x_t is safe."""
-    return DDIMScheduler.from_config(ldm.scheduler.config, prediction_type="epsilon",
-                                     clip_sample=False, thresholding=False)  # fmt: skip
+    return DDIMScheduler.from_config(
+        ldm.scheduler.config, prediction_type="epsilon", clip_sample=False, thresholding=False
+    )
 
 
 class GuidedSampler:
@@ -220,7 +226,12 @@ class GuidedSampler:
         return _prepare(images, self.settings.classifier_size)
 
     def loss_gradient(
-        self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, labels: torch.Tensor, *,
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        context: torch.Tensor,
+        labels: torch.Tensor,
+        *,
         bn_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, LossTerms]:
         """(eps, grad_{x_t} L, the loss terms) at x_t, the gradient through the UNet, the VAE
@@ -244,7 +255,9 @@ class GuidedSampler:
         scheduler.set_timesteps(s.num_inference_steps)
         x = noise.to(self.ldm.device, torch.float32) * scheduler.init_noise_sigma
         for _ in range(s.noise_edits):
-            _, grad, _ = self.loss_gradient(x, scheduler.timesteps[0], context, labels, bn_only=True)
+            _, grad, _ = self.loss_gradient(
+                x, scheduler.timesteps[0], context, labels, bn_only=True
+            )
             x = x - s.edit_step * grad
         for t in scheduler.timesteps:
             if s.step == 0.0:
@@ -302,7 +315,9 @@ def source_teacher(models: Mapping[str, nn.Module]) -> Teacher:
     def targets(x: torch.Tensor, sources: list[str]) -> torch.Tensor:
         out: torch.Tensor | None = None
         for client_id in sorted(set(sources)):
-            rows = torch.tensor([i for i, s in enumerate(sources) if s == client_id], device=x.device)
+            rows = torch.tensor(
+                [i for i, s in enumerate(sources) if s == client_id], device=x.device
+            )
             logits = models[client_id].to(x.device)(x[rows]).float()
             if out is None:
                 out = logits.new_empty((len(x), logits.shape[-1]))
@@ -322,7 +337,11 @@ def class_prompts(own: FedLMGSettings, class_names: list[str]) -> list[str]:
 
 
 def guided_key(
-    upload: Upload, settings: GuidanceSettings, prompts: list[str], ldm: LDM, seed: int,
+    upload: Upload,
+    settings: GuidanceSettings,
+    prompts: list[str],
+    ldm: LDM,
+    seed: int,
     labels: torch.Tensor,
 ) -> str:
     """The key of a client's guided shard: the base model, the seed, the settings, the
@@ -360,25 +379,47 @@ class FedLMG(Method):
         return Upload(upload.meta, upload.tensors, content=model.requires_grad_(False))
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         cfg, ldm = server.cfg, server.ldm()
         settings = guidance_settings(cfg, self.settings)
         prompts = class_prompts(self.settings, server.class_names)
         cond = encode_texts(ldm, prompts)
-        labels = {cid: fresh_noise_labels(u.tensors["class_counts"], cfg) for cid, u in uploads.items()}
+        labels = {
+            cid: fresh_noise_labels(u.tensors["class_counts"], cfg) for cid, u in uploads.items()
+        }
         out = {}
-        with tqdm(total=sum(len(v) for v in labels.values()), desc="fedlmg guided sampling",
-                  unit="img", mininterval=5) as bar:  # fmt: skip
+        with tqdm(
+            total=sum(len(v) for v in labels.values()),
+            desc="fedlmg guided sampling",
+            unit="img",
+            mininterval=5,
+        ) as bar:
             for client_id, upload in sorted(uploads.items()):
                 seed = client_seed(cfg.seed, client_id)
                 batches = functools.partial(
-                    iter_guided, ldm, upload.content, cond, labels[client_id], settings,
-                    torch.Generator().manual_seed(seed), bar.update, cfg.vae_batch_size,
-                )  # fmt: skip
+                    iter_guided,
+                    ldm,
+                    upload.content,
+                    cond,
+                    labels[client_id],
+                    settings,
+                    torch.Generator().manual_seed(seed),
+                    bar.update,
+                    cfg.vae_batch_size,
+                )
                 key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
-                path = keyed_shard(shard_path(client_id, 0), key, labels[client_id], batches,
-                                   mode=server.shard_mode, on_reuse=bar.update)  # fmt: skip
+                path = keyed_shard(
+                    shard_path(client_id, 0),
+                    key,
+                    labels[client_id],
+                    batches,
+                    mode=server.shard_mode,
+                    on_reuse=bar.update,
+                )
                 out[client_id] = [path]
         return out
 

@@ -122,8 +122,11 @@ class FeatureMixture:
         return self.covariances
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        return {WEIGHTS: self.weights.contiguous(), MEANS: self.means.contiguous(),
-                COVARIANCES: self.covariances.contiguous()}  # fmt: skip
+        return {
+            WEIGHTS: self.weights.contiguous(),
+            MEANS: self.means.contiguous(),
+            COVARIANCES: self.covariances.contiguous(),
+        }
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,16 +169,22 @@ def fit_class_mixtures(
             fits.append(_pad(np.ones(1), np.zeros((1, dim)), cov, k))
             continue
         fitted = GaussianMixture(
-            n_components=min(k, len(mine)), covariance_type=own.covariance_type, tol=own.tol,
-            max_iter=own.max_iter, reg_covar=REG_COVAR, random_state=seeds[c],
-        ).fit(mine)  # fmt: skip
+            n_components=min(k, len(mine)),
+            covariance_type=own.covariance_type,
+            tol=own.tol,
+            max_iter=own.max_iter,
+            reg_covar=REG_COVAR,
+            random_state=seeds[c],
+        ).fit(mine)
         fits.append(_pad(fitted.weights_, fitted.means_, fitted.covariances_, k))
     weights, means, covariances = (torch.from_numpy(np.stack(part)).float() for part in zip(*fits))
     # sklearn's weights sum to 1 in float64; renormalised, they do in float32 too
     return FeatureMixture(weights / weights.sum(dim=1, keepdim=True), means, covariances)
 
 
-def _pad(weights: np.ndarray, means: np.ndarray, covariances: np.ndarray, k: int) -> tuple[np.ndarray, ...]:
+def _pad(
+    weights: np.ndarray, means: np.ndarray, covariances: np.ndarray, k: int
+) -> tuple[np.ndarray, ...]:
     pad = k - len(weights)
     return (
         np.concatenate([weights, np.zeros(pad)]),
@@ -185,9 +194,13 @@ def _pad(weights: np.ndarray, means: np.ndarray, covariances: np.ndarray, k: int
 
 
 def private_mixture(
-    features: torch.Tensor, labels: torch.Tensor, num_classes: int, own: FedPFTSettings,
-    generator: torch.Generator, replayable: bool,
-) -> tuple[FeatureMixture, torch.Tensor, DPRelease]:  # fmt: skip
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    own: FedPFTSettings,
+    generator: torch.Generator,
+    replayable: bool,
+) -> tuple[FeatureMixture, torch.Tensor, DPRelease]:
     """Per class, for every class of the run (which classes a client holds is protected too),
     one Gaussian from :func:`fedbip_flwr.dp.noisy_estimate` of its features clipped to
     ``dp-clip`` sqrt(D): the noisy mean, the noisy per-feature variance (spherical: their
@@ -195,21 +208,30 @@ def private_mixture(
     each is projected onto what honest features allow (:func:`project`)."""
     dim = features.shape[1]
     guarantee = gaussian_guarantee(own.dp_clip * math.sqrt(dim), own.dp_epsilon, own.dp_delta)
-    estimates = [noisy_estimate(features[labels == c], guarantee, generator) for c in range(num_classes)]
+    estimates = [
+        noisy_estimate(features[labels == c], guarantee, generator) for c in range(num_classes)
+    ]
     means = torch.stack([e.mean() for e in estimates]).unsqueeze(1).cpu()
     variances = torch.stack([e.variance(floor=-math.inf) for e in estimates]).unsqueeze(1).cpu()
     means, variances = project(means, variances, own.covariance_type)
     mixture = FeatureMixture(torch.ones(num_classes, 1), means, variances)
     counts = torch.tensor([max(0, round(e.count)) for e in estimates], dtype=torch.int64)
     release = DPRelease(
-        epsilon=guarantee.epsilon, delta=guarantee.delta, noise_multiplier=guarantee.noise_multiplier,
-        clip=guarantee.clip, releases=guarantee.releases, covers=["class_counts", WEIGHTS, MEANS, COVARIANCES],
-        unit=f"one private image ({guarantee.adjacency})", replayable_noise=replayable,
-    )  # fmt: skip
+        epsilon=guarantee.epsilon,
+        delta=guarantee.delta,
+        noise_multiplier=guarantee.noise_multiplier,
+        clip=guarantee.clip,
+        releases=guarantee.releases,
+        covers=["class_counts", WEIGHTS, MEANS, COVARIANCES],
+        unit=f"one private image ({guarantee.adjacency})",
+        replayable_noise=replayable,
+    )
     return mixture, counts, release
 
 
-def project(means: torch.Tensor, variances: torch.Tensor, covariance_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+def project(
+    means: torch.Tensor, variances: torch.Tensor, covariance_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Noisy (C, K, D) means and per-feature variances moved to the nearest moments features in
     [0, FEATURE_CEILING] can have (what :func:`check_moments` holds an upload to): each mean
     into that range, each variance into [REG_COVAR, mean (ceiling - mean) + REG_COVAR]; a
@@ -227,22 +249,37 @@ def check_moments(mixture: FeatureMixture) -> None:
     the fit's floor REG_COVAR; and, since each row lies in [0, U] (x^2 <= U x), a component's
     mean m and variance v on a feature have v <= m (U - m) + REG_COVAR (for a spherical
     variance: averaged over the features)."""
-    weights, means, covs = mixture.weights.double(), mixture.means.double(), mixture.covariances.double()
+    weights, means, covs = (
+        mixture.weights.double(),
+        mixture.means.double(),
+        mixture.covariances.double(),
+    )
     if bool((weights < 0).any()):
         raise PayloadError(f"{WEIGHTS} holds a negative weight")
     error = float((weights.sum(dim=1) - 1.0).abs().max())
     if error > WEIGHT_SUM_TOLERANCE:
-        raise PayloadError(f"a class's {WEIGHTS} sum to 1 +- {error:.3g}, beyond {WEIGHT_SUM_TOLERANCE}")
+        raise PayloadError(
+            f"a class's {WEIGHTS} sum to 1 +- {error:.3g}, beyond {WEIGHT_SUM_TOLERANCE}"
+        )
     if bool((covs < REG_COVAR * (1 - ROUNDING)).any()):
-        raise PayloadError(f"{COVARIANCES} holds a variance below the fit's floor {REG_COVAR:g} (or <= 0)")
+        raise PayloadError(
+            f"{COVARIANCES} holds a variance below the fit's floor {REG_COVAR:g} (or <= 0)"
+        )
     if float(means.min()) < -MEAN_TOLERANCE:
-        raise PayloadError(f"{MEANS} holds {float(means.min()):.3g}: features are ReLU outputs, never negative")
+        raise PayloadError(
+            f"{MEANS} holds {float(means.min()):.3g}: features are ReLU outputs, never negative"
+        )
     if float(means.max()) > FEATURE_CEILING:
-        raise PayloadError(f"{MEANS} holds {float(means.max()):.3g}, above any feature's {FEATURE_CEILING:g}")
+        raise PayloadError(
+            f"{MEANS} holds {float(means.max()):.3g}, above any feature's {FEATURE_CEILING:g}"
+        )
     room = (means.clamp(min=0) * (FEATURE_CEILING - means)).clamp(min=0)
     room = room.mean(-1) if covs.ndim == 2 else room
     if bool((covs > room * (1 + ROUNDING) + REG_COVAR * (1 + ROUNDING)).any()):
-        c, k = (int(i) for i in (covs > room * (1 + ROUNDING) + REG_COVAR * (1 + ROUNDING)).nonzero()[0][:2])
+        c, k = (
+            int(i)
+            for i in (covs > room * (1 + ROUNDING) + REG_COVAR * (1 + ROUNDING)).nonzero()[0][:2]
+        )
         raise PayloadError(
             f"class {c}, component {k} has a variance above mean x ({FEATURE_CEILING:g} - mean) + "
             f"{REG_COVAR:g}, the most features in [0, {FEATURE_CEILING:g}] can spread about that mean"
@@ -261,8 +298,14 @@ class FedPFT(Method):
         encoder = public_encoder(cfg.model, cfg.classifier_image_size, job.device)
         features = encoder(data.images)
         identity, dim = encoder_identity(cfg.model)
-        meta = {**common_meta(job), "encoder": identity, "image_size": cfg.classifier_image_size,
-                "feature_dim": dim, "components": own.components, "covariance_type": own.covariance_type}  # fmt: skip
+        meta = {
+            **common_meta(job),
+            "encoder": identity,
+            "image_size": cfg.classifier_image_size,
+            "feature_dim": dim,
+            "components": own.components,
+            "covariance_type": own.covariance_type,
+        }
         classes = len(data.classes)
         if own.dp_epsilon:
             mixture, counts, release = private_mixture(
@@ -270,29 +313,59 @@ class FedPFT(Method):
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
-            return encode_upload(FedPFTMeta(**meta, dp=release), tensors), {EPSILON_METRIC: release.epsilon}
+            return encode_upload(FedPFTMeta(**meta, dp=release), tensors), {
+                EPSILON_METRIC: release.epsilon
+            }
         mixture = fit_class_mixtures(features, data.labels, classes, own, job.generator)
         tensors = {"class_counts": class_counts(data.labels, classes), **mixture.to_tensors()}
         fitted = mixture.weights[mixture.weights > 0]
-        return encode_upload(FedPFTMeta(**meta), tensors), {"mixture-smallest-weight": float(fitted.min())}
+        return encode_upload(FedPFTMeta(**meta), tensors), {
+            "mixture-smallest-weight": float(fitted.min())
+        }
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         own, meta, cfg = self.settings, upload.meta, server.cfg
         identity, dim = encoder_identity(cfg.model)
-        refuse_mismatch([
-            ("encoder", meta.encoder, identity, "features must come from the server's backbone"),
-            ("image size", meta.image_size, cfg.classifier_image_size, "run config classifier-image-size"),
-            ("feature dimension", meta.feature_dim, dim, "the backbone's"),
-            ("components", meta.components, own.components, "clients and server must share fedpft.components"),
-            ("covariance type", meta.covariance_type, own.covariance_type, "fedpft.covariance-type"),
-        ])  # fmt: skip
+        refuse_mismatch(
+            [
+                (
+                    "encoder",
+                    meta.encoder,
+                    identity,
+                    "features must come from the server's backbone",
+                ),
+                (
+                    "image size",
+                    meta.image_size,
+                    cfg.classifier_image_size,
+                    "run config classifier-image-size",
+                ),
+                ("feature dimension", meta.feature_dim, dim, "the backbone's"),
+                (
+                    "components",
+                    meta.components,
+                    own.components,
+                    "clients and server must share fedpft.components",
+                ),
+                (
+                    "covariance type",
+                    meta.covariance_type,
+                    own.covariance_type,
+                    "fedpft.covariance-type",
+                ),
+            ]
+        )
         check_class_counts(upload, server)
         shape = (len(server.class_names), own.components)
         cov_shape = shape if own.covariance_type == "spherical" else (*shape, dim)
         mixture = FeatureMixture(
             check_tensor(upload, WEIGHTS, torch.float32, shape, "(classes, components)"),
-            check_tensor(upload, MEANS, torch.float32, (*shape, dim), "(classes, components, features)"),
-            check_tensor(upload, COVARIANCES, torch.float32, cov_shape, f"{own.covariance_type} covariances"),
+            check_tensor(
+                upload, MEANS, torch.float32, (*shape, dim), "(classes, components, features)"
+            ),
+            check_tensor(
+                upload, COVARIANCES, torch.float32, cov_shape, f"{own.covariance_type} covariances"
+            ),
         )
         check_moments(mixture)
         self._check_release(meta.dp, mixture, dim)
@@ -305,28 +378,61 @@ class FedPFT(Method):
         check_release_header(release, own.dp_epsilon, own.dp_delta, self.tensor_names)
         if release is None:
             return
-        refuse_mismatch([
-            ("statistics releases", release.releases, DP_RELEASES, "per class a noisy sum, sum of squares and count"),
-            ("DP clip", release.clip, own.dp_clip * math.sqrt(dim), "fedpft.dp-clip times sqrt(D)"),
-            ("components", mixture.weights.shape[1], 1, "a DP release is one Gaussian per class"),
-        ])  # fmt: skip
-        accounted = composed_epsilon(release.delta, gaussian_releases(release.noise_multiplier, release.releases))
-        check_claimed_epsilon(release.epsilon, accounted, release.delta, f"noise multiplier {release.noise_multiplier:.6g}")
+        refuse_mismatch(
+            [
+                (
+                    "statistics releases",
+                    release.releases,
+                    DP_RELEASES,
+                    "per class a noisy sum, sum of squares and count",
+                ),
+                (
+                    "DP clip",
+                    release.clip,
+                    own.dp_clip * math.sqrt(dim),
+                    "fedpft.dp-clip times sqrt(D)",
+                ),
+                (
+                    "components",
+                    mixture.weights.shape[1],
+                    1,
+                    "a DP release is one Gaussian per class",
+                ),
+            ]
+        )
+        accounted = composed_epsilon(
+            release.delta, gaussian_releases(release.noise_multiplier, release.releases)
+        )
+        check_claimed_epsilon(
+            release.epsilon,
+            accounted,
+            release.delta,
+            f"noise multiplier {release.noise_multiplier:.6g}",
+        )
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         return {}  # no images: the head is trained on drawn features in final_models
 
-    def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module]:
+    def final_models(
+        self, uploads: Mapping[str, Upload], server: ServerJob
+    ) -> dict[str, nn.Module]:
         features, labels = drawn_features(uploads, server, self.settings.draws_per_image)
-        head = train_head(features, labels, len(server.class_names), self.settings, server.cfg.seed, server.device)
+        head = train_head(
+            features, labels, len(server.class_names), self.settings, server.cfg.seed, server.device
+        )
         model = load_backbone(backbone_path(server.cfg.model))
         model.fc = head.cpu()
         return {GLOBAL: model.eval()}
 
 
-def drawn_features(uploads: Mapping[str, Upload], server: ServerJob, per_image: int) -> tuple[torch.Tensor, torch.Tensor]:
+def drawn_features(
+    uploads: Mapping[str, Upload], server: ServerJob, per_image: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every client's draws, clients in id order: per class its count clipped to run config
     max-images-per-class x ``per_image``, each from a component chosen by weight, seeded by the
     run seed and the client id."""
@@ -334,7 +440,9 @@ def drawn_features(uploads: Mapping[str, Upload], server: ServerJob, per_image: 
     for client_id, upload in sorted(uploads.items()):
         counts = upload.tensors["class_counts"].clamp(max=server.cfg.class_cap) * per_image
         labels = torch.repeat_interleave(torch.arange(len(counts)), counts)
-        generator = torch.Generator().manual_seed(client_seed(server.cfg.seed, f"{client_id}/fedpft"))
+        generator = torch.Generator().manual_seed(
+            client_seed(server.cfg.seed, f"{client_id}/fedpft")
+        )
         parts.append(draw(upload.content, labels, generator))
         part_labels.append(labels)
     return torch.cat(parts), torch.cat(part_labels)
@@ -351,9 +459,13 @@ def draw(mixture: FeatureMixture, labels: torch.Tensor, generator: torch.Generat
 
 
 def train_head(
-    features: torch.Tensor, labels: torch.Tensor, num_classes: int, own: FedPFTSettings,
-    seed: int, device: torch.device | str = "cpu",
-) -> nn.Linear:  # fmt: skip
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    own: FedPFTSettings,
+    seed: int,
+    device: torch.device | str = "cpu",
+) -> nn.Linear:
     """``nn.Linear(D, C)`` initialised from ``seed`` and trained by :func:`fit_head` for
     ``head-epochs``; initialised and shuffled from ``seed`` alone."""
     generator = torch.Generator().manual_seed(seed)
@@ -366,9 +478,14 @@ def train_head(
 
 
 def fit_head(
-    head: nn.Linear, features: torch.Tensor, labels: torch.Tensor, epochs: int, own: FedPFTSettings,
-    generator: torch.Generator, device: torch.device | str = "cpu",
-) -> nn.Linear:  # fmt: skip
+    head: nn.Linear,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    epochs: int,
+    own: FedPFTSettings,
+    generator: torch.Generator,
+    device: torch.device | str = "cpu",
+) -> nn.Linear:
     """``head`` trained in place from where it stands: AdamW at ``head-lr``, cross-entropy,
     ``epochs`` over (``features``, ``labels``) in batches of ``head-batch-size`` shuffled by
     ``generator``. FedPFT's server and FedAvg's head-only clients both train with it."""

@@ -39,8 +39,14 @@ def train_local_classifier(job: ClientJob, epochs: int) -> nn.Module:
     seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
     torch.manual_seed(seed)
     model = build_classifier(len(job.data.classes), job.cfg.classifier_init, job.cfg.model)
-    return train_classifier(model, job.data.images, job.data.labels, train_settings(job.cfg, epochs),
-                            seed=seed, device=job.device).cpu()  # fmt: skip
+    return train_classifier(
+        model,
+        job.data.images,
+        job.data.labels,
+        train_settings(job.cfg, epochs),
+        seed=seed,
+        device=job.device,
+    ).cpu()
 
 
 def classifier_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,9 +86,14 @@ class Local(Method):
         return Upload(upload.meta, upload.tensors, content=check_classifier(upload))
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         return {}
 
-    def final_models(self, uploads: Mapping[str, Upload], server: ServerJob) -> dict[str, nn.Module]:
+    def final_models(
+        self, uploads: Mapping[str, Upload], server: ServerJob
+    ) -> dict[str, nn.Module]:
         return {client_id: upload.content for client_id, upload in sorted(uploads.items())}

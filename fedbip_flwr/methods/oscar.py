@@ -80,10 +80,16 @@ class OSCAR(Method):
         labels = data.labels.repeat(own.captions_per_image)  # captions are pass-major
         conditioning = class_conditioning(ldm, captions, labels, len(data.classes))
         meta = OscarMeta(
-            **common_meta(job), captioner=captioner.name, captioner_fingerprint=captioner.fingerprint,
-            captions_per_image=own.captions_per_image, base_model=ldm.fingerprint,
-        )  # fmt: skip
-        tensors = {"class_counts": class_counts(data.labels, len(data.classes)), "conditioning": conditioning}
+            **common_meta(job),
+            captioner=captioner.name,
+            captioner_fingerprint=captioner.fingerprint,
+            captions_per_image=own.captions_per_image,
+            base_model=ldm.fingerprint,
+        )
+        tensors = {
+            "class_counts": class_counts(data.labels, len(data.classes)),
+            "conditioning": conditioning,
+        }
         return encode_upload(meta, tensors), {
             "num-captions": len(captions),
             "seconds-caption": captioned - started,
@@ -117,7 +123,10 @@ class OSCAR(Method):
         return upload
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         out = {}
         for client_id, upload in sorted(uploads.items()):
@@ -125,7 +134,9 @@ class OSCAR(Method):
             labels = fresh_noise_labels(counts, server.cfg)
             labels = labels[counts[labels] > 0]  # a class the client lacks has no conditioning
             cond = upload.tensors["conditioning"]
-            out[client_id] = [fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))]
+            out[client_id] = [
+                fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))
+            ]
         return out
 
 
@@ -137,7 +148,9 @@ def caption_images(
 
 
 @torch.no_grad()
-def class_conditioning(ldm: LDM, captions: list[str], labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+def class_conditioning(
+    ldm: LDM, captions: list[str], labels: torch.Tensor, num_classes: int
+) -> torch.Tensor:
     """Eq. 7: the mean text-encoder hidden states (C, L, d) float32 of each class's captions;
     zero for a class without captions. Encoded a batch at a time, so memory stays flat."""
     sums = torch.zeros(num_classes, int(ldm.tokenizer.model_max_length), ldm.concept_dim)

@@ -46,7 +46,10 @@ class PromptsOnly(Method):
         return upload
 
     def train_set(
-        self, uploads: Mapping[str, Upload], server: ServerJob, shard_path: Callable[[str, int], Path]
+        self,
+        uploads: Mapping[str, Upload],
+        server: ServerJob,
+        shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         template = server.cfg.prompt_template
         out = {}
@@ -54,6 +57,7 @@ class PromptsOnly(Method):
             prompts = [plain_prompt(template, upload.domain, name) for name in server.class_names]
             cond = encode_texts(server.ldm(), prompts)
             labels = fresh_noise_labels(upload.tensors["class_counts"], server.cfg)
-            out[client_id] = [fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))]
+            out[client_id] = [
+                fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))
+            ]
         return out
-
