@@ -16,6 +16,7 @@ import torch
 from fedbip_flwr import dataset, shapes
 from fedbip_flwr.client import kept_classifier_path
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
+from fedbip_flwr.folders import held_out_by_content
 from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.partitions import DataError
@@ -66,15 +67,16 @@ def test_own_folder_is_labelled_by_the_run_class_order(own_folder):
 
 
 @pytest.mark.parametrize("layout", ["train-only", "class-folders-at-root"])
-def test_folder_without_test_split_holds_out_a_fixed_fifth(tmp_path, layout):
+def test_folder_without_test_split_holds_out_files_by_their_content(tmp_path, layout):
     root = shapes.write_image_folder(tmp_path / "data", "sketch", 5, 1)
     shutil.rmtree(root / "test")
     if layout == "class-folders-at-root":
         root = (root / "train").rename(tmp_path / "flat")
+    held = sum(held_out_by_content(path) for path in root.rglob("*.png"))
     cfg, node = institution(root)
     train = dataset.institution_data(cfg.data, node)
     test = dataset.institution_test_set(cfg.data, node, "sketch")
-    assert len(train.labels) == 24 and len(test.labels) == 6  # one of five per class
+    assert len(train.labels) + len(test.labels) == 30 and len(test.labels) == held
     assert torch.equal(test.images, dataset.institution_test_set(cfg.data, node, "sketch").images)
 
 
