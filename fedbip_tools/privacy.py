@@ -243,11 +243,9 @@ def averaged_reconstructions(images: torch.Tensor, sources: torch.Tensor, n: int
     (image i) does not. Every image needs at least one row."""
     if sources.shape != (len(images),):
         raise ValueError(f"{len(sources)} sources for {len(images)} images")
-    counts = torch.bincount(sources, minlength=n)
-    if len(counts) > n or not counts.all():
+    if not torch.equal(sources.unique(), torch.arange(n)):
         raise ValueError(f"the sources must name each of the {n} private images, and only them")
-    sums = torch.zeros(n, *images.shape[1:]).index_add_(0, sources, images.float())
-    return sums / counts.view(-1, *[1] * (images.dim() - 1))
+    return group_rows(images, torch.zeros_like(sources), sources)[0].float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.instance import encode_images, personalize_instances
+from fedbip_flwr.instance import encode_images, personalize_instances, upload_order
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
@@ -90,45 +90,35 @@ def attack(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Scores of one client's members and its share of non-members, per variant and statistic.
     ``upload`` is in the client's order (row k N + i from image i)."""
-    order = torch.randperm(len(upload), generator=generator)
+    order = upload_order(len(upload), generator)  # as the client now uploads them
     shuffled, shuffled_labels = upload[order], upload_labels[order]
     groups = torch.arange(len(upload)) % n_images
+    base = {
+        "signal_scale": a,
+        "reference": reference,
+        "latents_per_image": draws,
+        "gamma_mean": gamma[0],
+        "gamma_std": gamma[1],
+    }
     out = {}
     for name, (statistic, whiten) in STATISTICS.items():
+        kwargs = {**base, "statistic": statistic, "whiten": whiten}
         for variant in VARIANTS:
             rows, row_labels, row_groups = (
                 (shuffled, shuffled_labels, None)
                 if variant == "rows"
                 else (upload, upload_labels, groups)
             )
-            kwargs = {
-                "signal_scale": a,
-                "reference": reference,
-                "groups": row_groups,
-                "latents_per_image": draws,
-                "gamma_mean": gamma[0],
-                "gamma_std": gamma[1],
-                "statistic": statistic,
-                "whiten": whiten,
-            }
             out[f"{variant}/{name}"] = (
-                zT_membership_scores(member_z0, labels, rows, row_labels, **kwargs),
-                zT_membership_scores(non_member_z0, non_labels, rows, row_labels, **kwargs),
+                zT_membership_scores(
+                    member_z0, labels, rows, row_labels, groups=row_groups, **kwargs
+                ),
+                zT_membership_scores(
+                    non_member_z0, non_labels, rows, row_labels, groups=row_groups, **kwargs
+                ),
             )
         # the rows-as-given statistic must not depend on the order (shuffled vs today's)
-        in_order = zT_membership_scores(
-            member_z0,
-            labels,
-            upload,
-            upload_labels,
-            signal_scale=a,
-            reference=reference,
-            latents_per_image=draws,
-            gamma_mean=gamma[0],
-            gamma_std=gamma[1],
-            statistic=statistic,
-            whiten=whiten,
-        )
+        in_order = zT_membership_scores(member_z0, labels, upload, upload_labels, **kwargs)
         gap = float((in_order - out[f"rows/{name}"][0]).abs().max())
         assert gap < 1e-6 * max(1.0, float(in_order.abs().max())), (
             f"order changed the rows statistic by {gap}"

@@ -124,7 +124,7 @@ def _run_one_shot(
     models, accuracy, curves = _classifier(
         method, job, uploads, training_set, folder, tests, seconds
     )
-    evaluation = _evaluate_at_institutions(strategy, grid, cfg, folder, models, seconds)
+    evaluation = _evaluate_at_institutions(method, strategy, grid, cfg, folder, models, seconds)
     completed = RunResults(
         status="completed",
         config=cfg.to_flat(),
@@ -326,6 +326,7 @@ def _classifier(
 
 
 def _evaluate_at_institutions(
+    method: Method,
     strategy: OneShotStrategy,
     grid: Grid,
     cfg: FedBiPConfig,
@@ -338,8 +339,10 @@ def _evaluate_at_institutions(
     if not _at_institutions(cfg) or GLOBAL not in models or not folder.classifier.exists():
         return None
     started = time.perf_counter()
-    private = methods.create_for(cfg).settings.private  # its institutions send accuracy alone
-    bounds = ScoreBounds(len(dataset.class_names(cfg.data)), cfg.max_images_per_client, private)
+    # a DP method's institutions send their accuracy alone
+    bounds = ScoreBounds(
+        len(dataset.class_names(cfg.data)), cfg.max_images_per_client, method.settings.private
+    )
     per_client = strategy.evaluate_at_institutions(
         grid,
         folder.classifier.read_bytes(),
