@@ -1,130 +1,26 @@
-"""ClientApp: compute and upload once on ``train`` (the run's method: FedBiP personalizes, the
-peers do their own); score the classifier sent back on ``evaluate``. A multi-round method's
-rounds (FedAvg's: ``train`` carries the global weights) go to its own hooks.
+"""ClientApp: on ``train`` the institution's one upload for the run's method (FedBiP
+personalizes, the peers do their own); on ``evaluate`` its score of the classifier sent back.
+A multi-round method's rounds go to its own hooks (:mod:`fedbip_flwr.apps`).
 
-Thin over the library. Who this node is and where its data lives come from its own node config
-(:class:`fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase and
-client id there; a simulated node gets a partition id. Its randomness never comes from anything
-the server sets (:func:`fedbip_flwr.seeds.client_generator`). An exception here becomes a Flower
-error reply whose reason the server records.
+Who this node is and where its data lives come from its own node config
+(:class:`fedbip_flwr.config.NodeConfig`), never from the server (:mod:`fedbip_flwr.client_run`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-from collections.abc import Iterator
-
-import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedbip_flwr import dataset, methods
-from fedbip_flwr.classifier import load_classifier_bytes
-from fedbip_flwr.client import kept_classifier_path, score_classifier
-from fedbip_flwr.config import FedBiPConfig, NodeConfig
-from fedbip_flwr.folders import UnreadableImages
-from fedbip_flwr.ldm import LDM, load_for_run, release_cached_memory, select_device
-from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import MultiRound, institution_upload
-from fedbip_flwr.results import SENT_ACCURACY
-from fedbip_flwr.storage import atomic_write
-from fedbip_flwr.wire import (
-    METRICS_RECORD,
-    RUN_FOLDER,
-    UPLOADED,
-    classifier_bytes,
-    message_config,
-    payload_content,
-    skipped_content,
-)
+from fedbip_flwr import apps
 
-log = logging.getLogger("fedbip_flwr.client_app")
 app = ClientApp()
 
 
-@functools.lru_cache(maxsize=1)
-def _model(model: str, device: str, half_precision: bool, image_size: int) -> LDM:
-    """One frozen LDM per process: a simulation actor serves several clients."""
-    return load_for_run(model, device, half_precision, image_size)
-
-
-def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
-    """The run config with this institution's own keys (data-root, model, ...) over it."""
-    node = NodeConfig.from_flat(context.node_config)
-    return FedBiPConfig.from_flat({**context.run_config, **node.run_overrides()}), node
-
-
-@contextlib.contextmanager
-def names_stay_here() -> Iterator[None]:
-    """An error reply carries its text to the server: unreadable files are named in this
-    institution's log and counted, not named, in the reply."""
-    try:
-        yield
-    except UnreadableImages as err:
-        log.error("%s", err)
-        raise err.for_server() from None
-
-
 @app.train()
-@names_stay_here()
 def train(msg: Message, context: Context) -> Message:
-    setup_logging()
-    cfg, node = configs(context)
-    method = methods.create_for(cfg)
-    if isinstance(method, MultiRound):
-        return Message(
-            content=method.client_round(msg, cfg, node, select_device(cfg.device)), reply_to=msg
-        )
-    _, client_id = dataset.institution_identity(cfg.data, node)
-    if client_id in message_config(msg).get(UPLOADED, []):
-        log.info("[%s] the server already holds this upload; not personalizing again", client_id)
-        return Message(content=skipped_content(client_id), reply_to=msg)
-    ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    log.info(
-        "[%s] computing its upload (%s) with %d torch threads",
-        client_id,
-        cfg.method,
-        torch.get_num_threads(),
-    )
-    device = select_device(cfg.device)
-    blob, metrics = institution_upload(cfg, node, ldm, device)
-    if (released := release_cached_memory(device)) is not None:
-        log.info(
-            "[%s] CUDA memory reserved after the step: %.0f MiB, %.0f MiB once the cache was "
-            "released (%.0f MiB allocated)",
-            client_id,
-            released[0] / 2**20,
-            released[1] / 2**20,
-            torch.cuda.memory_allocated(device) / 2**20,
-        )
-    log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
-    return Message(content=payload_content(blob, metrics, client_id), reply_to=msg)
+    return apps.train(msg, context)
 
 
 @app.evaluate()
-@names_stay_here()
 def evaluate(msg: Message, context: Context) -> Message:
-    """Score the classifier the server sent on this institution's held-out images; keep it."""
-    setup_logging()
-    cfg, node = configs(context)
-    method = methods.create_for(cfg)
-    if isinstance(method, MultiRound):
-        return Message(content=method.client_evaluate(msg, cfg, node), reply_to=msg)
-    domain, client_id = dataset.institution_identity(cfg.data, node)
-    settings = message_config(msg)
-    blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))
-    model = load_classifier_bytes(blob, cfg.class_list)
-    test = dataset.institution_test_set(cfg.data, node, domain)
-    scores = score_classifier(model, test, cfg.classifier_image_size, method.settings.private)
-    kept = kept_classifier_path(node.output_dir or cfg.output_dir, settings[RUN_FOLDER], client_id)
-    atomic_write(kept, blob)
-    log.info(
-        "[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
-        client_id,
-        scores[SENT_ACCURACY],
-        len(test.labels),
-        kept,
-    )
-    return Message(content=RecordDict({METRICS_RECORD: MetricRecord(scores)}), reply_to=msg)
+    return apps.evaluate(msg, context)

@@ -154,7 +154,7 @@ def test_an_institutions_node_config_wins_over_the_run_config():
     """The ClientApp's merge: the node's own keys over the run config, the rest untouched."""
     from flwr.app import Context, RecordDict
 
-    from client_app.app import configs
+    from fedbip_flwr.client_run import configs
 
     run = {"data-root": "/shared/default", "seed": 3, "device": "auto"}
     node = {

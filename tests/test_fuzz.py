@@ -53,7 +53,7 @@ from fedbip_flwr.wire import (
     payload_content,
     skipped_content,
 )
-from server_app.strategy import OneShotStrategy, ScoreBounds
+from fedbip_flwr.strategy import OneShotStrategy, ScoreBounds
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import server_app.app as server_app
+from fedbip_flwr import server_run
 from fedbip_flwr import results, shapes
 from fedbip_flwr.methods import create_for
 from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_VARIANCES, MIXTURE_WEIGHTS
@@ -142,7 +142,7 @@ def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_oth
         for n, c in enumerate(sorted(uploads))
     ]
     stopped = RunResults(status="failed", config=cfg.to_flat(), clients=clients)
-    training_set, kept, outcomes = server_app._training_set(
+    training_set, kept, outcomes = server_run._training_set(
         create_for(cfg), server_job(cfg, tiny_ldm), uploads, folder, Seconds(), stopped
     )
     assert set(training_set) == set(kept) == {honest}
@@ -179,7 +179,7 @@ def test_a_restart_records_a_stored_upload_that_no_longer_passes_and_goes_on(tin
         ],
         folder.clients,
     )
-    _, kept, outcomes = server_app._round(
+    _, kept, outcomes = server_run._round(
         create_for(cfg), None, server_job(cfg, tiny_ldm), folder, Seconds()
     )
     assert set(kept) == {honest}

@@ -14,7 +14,7 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedbip_flwr.server import RunFolder
-from server_app.strategy import OneShotStrategy
+from fedbip_flwr.strategy import OneShotStrategy
 from tests.helpers import (
     ROOT,
     SMALL,
@@ -96,7 +96,7 @@ def test_strategy_refuses_a_second_round(tmp_path):
 def test_a_restart_trusts_only_uploaders_whose_payload_landed(tmp_path):
     """The strategy records a node just before writing its payload; a ServerApp killed in
     between leaves a node without a payload, which a restart must ask again."""
-    from server_app.app import read_uploaders
+    from fedbip_flwr.server_run import read_uploaders
 
     folder = RunFolder(tmp_path)
     folder.payloads.mkdir(parents=True)

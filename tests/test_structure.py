@@ -11,6 +11,8 @@ from fedbip_flwr.methods import names
 from tests.helpers import ROOT
 
 SHIPPED = ("fedbip_flwr", "client_app", "server_app")
+APPS = [ROOT / "client_app" / "app.py", *sorted((ROOT / "server_app").glob("*.py"))]
+APP_LINES = 100  # an app declares its entry points; the run itself is library code
 
 
 def imported_modules(path) -> set[str]:
@@ -25,12 +27,40 @@ def imported_modules(path) -> set[str]:
 
 def test_the_apps_name_no_method():
     """The apps reach every method through the registry: no method name, no method module."""
-    for path in [ROOT / "client_app" / "app.py", *sorted((ROOT / "server_app").glob("*.py"))]:
+    for path in APPS:
         text, imports = path.read_text(), imported_modules(path)
         for name in names():
             assert f'"{name}"' not in text, f"{path.name} names method {name}"
             module = f"fedbip_flwr.methods.{name.replace('-', '_')}"
             assert module not in imports, f"{path.name} imports {module}"
+
+
+def test_the_apps_are_thin():
+    for path in APPS:
+        lines = len(path.read_text().splitlines())
+        assert lines <= APP_LINES, f"{path.relative_to(ROOT)}: {lines} lines (at most {APP_LINES})"
+
+
+def multi_round_checks(path) -> int:
+    """How often ``path`` asks whether a method is a MultiRound (``isinstance(x, MultiRound)``)."""
+    return sum(
+        isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "isinstance"
+        and "MultiRound" in ast.unparse(node.args[1])
+        for node in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+def test_one_place_parts_multi_round_methods_from_one_shot_ones():
+    """A multi-round method's path splits from the one-shot path in fedbip_flwr/apps.py alone,
+    so neither app nor any library module branches on the method's kind."""
+    checks = {
+        str(path.relative_to(ROOT)): n
+        for package in (*SHIPPED, "fedbip_tools")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (n := multi_round_checks(path))
+    }
+    assert checks == {"fedbip_flwr/apps.py": 1}
 
 
 def test_what_nodes_run_never_imports_the_tools():

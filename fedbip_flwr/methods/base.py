@@ -21,8 +21,8 @@ config, in :data:`fedbip_flwr.method_settings.METHOD_SETTINGS` (what the run con
 one module here and its import in ``methods/__init__.py``.
 A method trained over several rounds on one of Flower's own strategies instead (FedAvg, the
 multi-round reference) is a :class:`MultiRound`, in the same registry: its three hooks stand
-where a one-shot method uploads, is scored by an institution and runs the one-round strategy,
-so the apps name no method.
+where a one-shot method uploads, is scored by an institution and runs the one-round strategy
+(:mod:`fedbip_flwr.apps` chooses the path, in one place), so the apps name no method.
 """
 
 from __future__ import annotations

@@ -33,12 +33,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from pydantic import ValidationError
 
-from fedbip_flwr.methods import Upload
-from fedbip_flwr.results import SCORE_KEYS, ClientOutcome, Scored, Unscored
-from fedbip_flwr.server import RunFolder
-from fedbip_flwr.storage import atomic_write, write_json
-from fedbip_flwr.upload import PayloadError
-from fedbip_flwr.wire import (
+from .methods import Upload
+from .results import SCORE_KEYS, ClientOutcome, Scored, Unscored
+from .server import RunFolder
+from .storage import atomic_write, write_json
+from .upload import PayloadError
+from .wire import (
     CLIENT_ID,
     blob_record,
     carries_payload,
