@@ -28,9 +28,9 @@ from fedbip_flwr.concepts import DPSGD, _private_epoch
 from fedbip_flwr.dp import gaussian_guarantee, noisy_estimate
 from fedbip_flwr.folders import TEST_FRACTION, own_folder_split
 from fedbip_flwr.results import Scored, Unscored, weighted_mean
+from fedbip_flwr.strategy import ScoreBounds, _scores
 from fedbip_flwr.wire import RUN_FOLDER, blob_record, evaluate_content, reply_metrics
 from fedbip_tools.cli import project_run_config
-from fedbip_flwr.strategy import ScoreBounds, _scores
 
 CLASSES = list(shapes.CLASSES)
 SIZE = 16

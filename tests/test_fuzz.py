@@ -44,6 +44,7 @@ from fedbip_flwr.methods.fedbip import as_upload
 from fedbip_flwr.payload import Payload, decode_payload, encode_payload
 from fedbip_flwr.results import ClientOutcome, Evaluation, Scored, Unscored
 from fedbip_flwr.server import RunFolder
+from fedbip_flwr.strategy import OneShotStrategy, ScoreBounds
 from fedbip_flwr.upload import MAX_HEADER_BYTES
 from fedbip_flwr.wire import (
     BLOB_ARRAY,
@@ -53,7 +54,6 @@ from fedbip_flwr.wire import (
     payload_content,
     skipped_content,
 )
-from fedbip_flwr.strategy import OneShotStrategy, ScoreBounds
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,

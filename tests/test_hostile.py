@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedbip_flwr import server_run
-from fedbip_flwr import results, shapes
+from fedbip_flwr import results, server_run, shapes
 from fedbip_flwr.methods import create_for
 from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_VARIANCES, MIXTURE_WEIGHTS
 from fedbip_flwr.results import ClientOutcome, RunResults, Seconds
