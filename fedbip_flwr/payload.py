@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
+from fedbip_flwr.concepts import Concepts, check_concept_rows
 from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, MAX_CLASS_CLUSTERS
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
@@ -111,6 +112,19 @@ class Payload:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensors under their file names (:meth:`PayloadMeta.tensor_names`)."""
         return {name: getattr(self, name) for name in self.meta.tensor_names()}
+
+    @property
+    def concepts(self) -> Concepts:
+        """S and V with what places them in the prompt: what synthesis conditions on."""
+        return Concepts(
+            domain=self.domain_concept,
+            classes=self.class_concepts,
+            template=self.meta.prompt_template,
+            domain_phrase=self.meta.domain,
+            concept_names=tuple(self.meta.concept_names),
+            space=self.meta.concept_space,
+            owner=self.meta.client_id,
+        )
 
     @property
     def concept_rows(self) -> torch.Tensor:
@@ -453,7 +467,7 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
             "(clients and server must share run config domains)"
         )
     lengths = meta.per_concept(n_v)
-    check_class_rows(p.class_concepts, lengths, meta.concept_names)
+    check_concept_rows(p.class_concepts, lengths, meta.concept_names)
     check_prompts_fit(meta, expect)
     if expect.plausibility is not None:
         check_latent_moments(p.latents, expect.timestep, expect.plausibility)
@@ -520,21 +534,6 @@ def refuse_mismatch(checks: Sequence[Check]) -> None:
     for label, got, want, why in checks:
         if got != want:
             raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
-
-
-def check_class_rows(
-    class_concepts: torch.Tensor, lengths: Sequence[int], class_names: Sequence[str]
-) -> None:
-    """V is one (C, n_v, d) tensor but V_y uses only its first ``lengths[y]`` rows: those must
-    be non-zero and the rest exactly zero, or client and server disagree on the prompt layout."""
-    for name, rows, length in zip(class_names, class_concepts, lengths, strict=True):
-        used = rows[:length].abs().amax(dim=-1) > 0
-        if length > len(rows) or not bool(used.all()) or bool(rows[length:].any()):
-            raise PayloadError(
-                f"class concept of {name!r} does not use exactly its first {length} of "
-                f"{len(rows)} vectors (the rest zero), as the server's prompt layout does "
-                "(clients and server must share run config n-v and the base model's tokenizer)"
-            )
 
 
 def check_latent_moments(latents: torch.Tensor, timestep: int, plaus: Plausibility) -> None:

@@ -1,15 +1,19 @@
-"""Server-side synthesis (paper eq. 5): denoise each uploaded z(T) with the client's concepts.
+"""Server-side synthesis (paper eq. 5): denoising toward a client's concepts.
 
     S_hat = S + scale * eta,  eta ~ N(0, sigma^2)
     x~_i  = D( denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
 
-Generation starts from z(T) itself, never from fresh noise, at exactly the payload's T. With a
+What every diffusion method shares: the conditioning a client's learned
+:class:`~fedbip_flwr.concepts.Concepts` give (whichever method's upload carried them), the
+denoising loop, and starts from fresh noise or a client's latent mixture. FedBiP starts from
+each uploaded z(T) itself at exactly its T (:mod:`fedbip_flwr.methods.fedbip`); with a
 multiplier m (FedBiP-S/M/L = 2/5/10) every z(T) is denoised m times, each pass with its own eta:
-every sampler here is deterministic (DDIM with eta 0), so eta is what makes the m images differ. ``scale`` is the concept
-space's typical coordinate size (:func:`fedbip_flwr.concepts.concept_scale`), so sigma = 0.1
-means the same in token and hidden space. A prompt embedding is computed once per
-(client, pass, class) and shared by the batch. The sampler (:mod:`fedbip_flwr.sampler`, run
-config ``scheduler``) steps by the model's prediction type (epsilon or v-prediction).
+every sampler here is deterministic (DDIM with eta 0), so eta is what makes the m images
+differ. ``scale`` is the concept space's typical coordinate size
+(:func:`fedbip_flwr.concepts.concept_scale`), so sigma = 0.1 means the same in token and hidden
+space. A prompt embedding is computed once per (client, pass, class) and shared by the batch.
+The sampler (:mod:`fedbip_flwr.sampler`, run config ``scheduler``) steps by the model's
+prediction type (epsilon or v-prediction).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .concepts import (
+    Concepts,
     PromptLayout,
+    check_concept_rows,
     concept_scale,
     encode_prompts,
     prompt_layout,
@@ -29,7 +35,6 @@ from .concepts import (
 )
 from .config import FedBiPConfig
 from .ldm import LDM
-from .payload import Payload, check_class_rows
 from .sampler import Sampler, SchedulerName, TimestepSpacing
 from .upload import PayloadError
 
@@ -218,118 +223,49 @@ class SynthesisSettings:
         )
 
 
-@dataclass(frozen=True)
-class SyntheticImages:
-    images: torch.Tensor  # (N * m, 3, H, W) in [-1, 1]
-    labels: torch.Tensor  # (N * m,)
-    source: torch.Tensor  # (N * m,) index of the z(T) each image was denoised from
-
-
-def payload_layout(ldm: LDM, payload: Payload, settings: SynthesisSettings) -> PromptLayout:
-    """The client's prompt layout, rebuilt from its metadata and the run config's n-v.
+def concept_layout(ldm: LDM, concepts: Concepts, settings: SynthesisSettings) -> PromptLayout:
+    """The client's prompt layout, rebuilt from its concepts and the run config's n-v.
 
     S's size is its row count (never fewer than its phrase's tokens). V is one tensor, so
     which of its rows V_y uses depends on n-v: validation with the server's token counts has
     matched them already, and the check here catches synthesis run with another n-v.
     """
-    meta = payload.meta
+    n_s = len(concepts.domain)
     layout = prompt_layout(
         ldm.tokenizer,
-        meta.prompt_template,
-        meta.n_s,
+        concepts.template,
+        n_s,
         settings.n_v,
-        meta.domain,
-        meta.concept_names,
+        concepts.domain_phrase,
+        list(concepts.concept_names),
         warn=False,
     )
-    if layout.n_s != meta.n_s:
+    if layout.n_s != n_s:
         raise PayloadError(
-            f"S of {meta.client_id} has {meta.n_s} vectors but its domain phrase "
-            f"'{meta.domain}' is {layout.n_s} tokens: a concept starts from its whole phrase"
+            f"S of {concepts.owner} has {n_s} vectors but its domain phrase "
+            f"'{concepts.domain_phrase}' is {layout.n_s} tokens: a concept starts from its whole "
+            "phrase"
         )
-    check_class_rows(payload.class_concepts, layout.v_lengths.tolist(), meta.concept_names)
+    check_concept_rows(concepts.classes, layout.v_lengths.tolist(), concepts.concept_names)
     return layout
 
 
 def pass_conditioning(
-    ldm: LDM, payload: Payload, settings: SynthesisSettings, eta: torch.Tensor
+    ldm: LDM, concepts: Concepts, settings: SynthesisSettings, eta: torch.Tensor
 ) -> torch.Tensor:
     """tau(S + scale * eta, V) for every row of V (a class's, or with class-clusters a
     sub-cluster's, class-major): (C x class_clusters, L, d), one pass's prompt embeddings."""
-    meta = payload.meta
-    layout = payload_layout(ldm, payload, settings)
-    s_hat = payload.domain_concept + concept_scale(ldm, meta.concept_space) * eta
-    rows = torch.arange(len(meta.concept_names))
-    return encode_prompts(ldm, layout, meta.concept_space, s_hat, payload.class_concepts, rows)
+    layout = concept_layout(ldm, concepts, settings)
+    s_hat = concepts.domain + concept_scale(ldm, concepts.space) * eta
+    rows = torch.arange(len(concepts.concept_names))
+    return encode_prompts(ldm, layout, concepts.space, s_hat, concepts.classes, rows)
 
 
-def synthesize_pass(
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    eta: torch.Tensor,
-    on_batch: Callable[[int], None] | None = None,
-) -> torch.Tensor:
-    """One pass over a client's z(T) with the domain concept shifted by scale * ``eta`` (n_s, d)."""
-    return torch.cat(list(iter_pass(ldm, payload, settings, eta, on_batch)))
-
-
-def iter_pass(
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    eta: torch.Tensor,
-    on_batch: Callable[[int], None] | None = None,
-) -> Iterator[torch.Tensor]:
-    """:func:`synthesize_pass` one batch at a time (images in [-1, 1], float32, CPU), in order.
-
-    The server writes each batch to its shard as it comes, so a pass is never whole in memory.
-    """
-    cond_per_row = pass_conditioning(ldm, payload, settings, eta)
-    uncond = unconditional_embedding(ldm)
-    sampler = settings.sampler(ldm)
-    rows = payload.concept_rows
-    for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
-        cond = cond_per_row[rows[batch].to(cond_per_row.device)]
-        z0 = denoise(
-            ldm,
-            payload.latents[batch].float(),
-            cond,
-            uncond,
-            sampler,
-            payload.meta.timestep,
-            settings.guidance_scale,
-            ldm.batch_bucket(settings.batch_size),
-        )
-        images = decode_latents(ldm, z0, settings.vae_batch_size)
-        if on_batch is not None:
-            on_batch(len(batch))
-        yield images
-
-
-def draw_etas(payload: Payload, settings: SynthesisSettings, seed: int) -> torch.Tensor:
+def draw_etas(concepts: Concepts, settings: SynthesisSettings, seed: int) -> torch.Tensor:
     """(m, n_s, d) perturbations in units of the concept scale, reproducible from the seed."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (settings.multiplier, *payload.domain_concept.shape)
+    shape = (settings.multiplier, *concepts.domain.shape)
     return settings.eta_std * torch.randn(shape, generator=generator)
-
-
-def synthesize_client(
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    seed: int,
-    on_batch: Callable[[int], None] | None = None,
-) -> SyntheticImages:
-    """All m passes for one client; deterministic for a given payload and seed."""
-    etas = draw_etas(payload, settings, seed)
-    images = [synthesize_pass(ldm, payload, settings, eta, on_batch) for eta in etas]
-    n = len(payload.labels)
-    return SyntheticImages(
-        torch.cat(images),
-        payload.labels.repeat(settings.multiplier),
-        torch.arange(n).repeat(settings.multiplier),
-    )
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import torch
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods.fedbip import personalize
-from fedbip_flwr.synthesis import SynthesisSettings, synthesize_client
+from fedbip_flwr.methods.fedbip import personalize, synthesize_client
+from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_flwr.viz import image_grid
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from fedbip_flwr.concepts import (
 )
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG, TINY, build_ldm, load_ldm
 from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, decode_payload, encode_payload
-from fedbip_flwr.synthesis import SynthesisSettings, payload_layout
+from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_flwr.upload import SCHEMA_VERSION, PayloadError
 from tests.helpers import WORDS
 
@@ -225,10 +225,10 @@ def test_adapted_concepts_round_trip_through_server_checks(tiny_ldm):
     ):
         decode_payload(encode_payload(payload), expect(2))
     settings = SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=1)
-    rebuilt = payload_layout(tiny_ldm, payload, settings)
+    rebuilt = concept_layout(tiny_ldm, payload.concepts, settings)
     assert torch.equal(rebuilt.input_ids, layout.input_ids)
     with pytest.raises(PayloadError, match="'circle'"):
-        payload_layout(tiny_ldm, payload, SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=3))
+        concept_layout(tiny_ldm, payload.concepts, SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=3))
 
 
 def test_v_prediction_model_trains_against_the_velocity(tmp_path):

@@ -31,11 +31,11 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods.fedbip import personalize, synthesize_all
+from fedbip_flwr.methods.fedbip import personalize, synthesize_all, synthesize_pass
 from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import RunFolder, first_images, synthetic_dataset, train_settings
 from fedbip_flwr.storage import read_tensors, write_tensors
-from fedbip_flwr.synthesis import SynthesisSettings, draw_etas, synthesize_pass
+from fedbip_flwr.synthesis import SynthesisSettings, draw_etas
 from fedbip_flwr.viz import quantize
 
 CLASSES = ["circle", "square", "star"]
@@ -75,7 +75,7 @@ def test_streamed_shard_is_the_whole_pass_saved_at_once(synthesized):
     ldm, payloads, folder, shards = synthesized
     payload = payloads["sketch-0"]
     settings = SynthesisSettings.from_config(CFG)
-    eta = draw_etas(payload, settings, client_seed(CFG.seed, "sketch-0"))[1]
+    eta = draw_etas(payload.concepts, settings, client_seed(CFG.seed, "sketch-0"))[1]
     whole = quantize(synthesize_pass(ldm, payload, settings, eta))
     stored = shards["sketch-0"][1].read_bytes()
     meta = read_tensors(shards["sketch-0"][1])

@@ -171,3 +171,28 @@ def test_the_library_has_no_import_cycle():
     graph = {module: package_imports(path, module, set(paths)) for module, path in paths.items()}
     cycle = find_cycle(graph)
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+SHARED_SAMPLING = ("synthesis.py", "concepts.py", "sampler.py")
+
+
+def test_the_shared_sampling_code_knows_no_method_upload():
+    """Synthesis conditions on :class:`~fedbip_flwr.concepts.Concepts`, whichever method's upload
+    carried them: the sampling layer imports no method and no method's upload format."""
+    for name in SHARED_SAMPLING:
+        path = ROOT / "fedbip_flwr" / name
+        found = {
+            m
+            for m in imported_modules(path) | {f"fedbip_flwr.{n}" for n in _relative(path)}
+            if m.startswith(("fedbip_flwr.payload", "fedbip_flwr.methods"))
+        }
+        assert not found, f"{name} imports {sorted(found)}"
+
+
+def _relative(path) -> set[str]:
+    """The modules ``from .x import ...`` names in ``path`` (one level: fedbip_flwr's own)."""
+    return {
+        node.module
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+    }

@@ -13,15 +13,13 @@ from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
-from fedbip_flwr.methods.fedbip import personalize
+from fedbip_flwr.methods.fedbip import personalize, synthesize_client, synthesize_pass
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.synthesis import (
     SynthesisSettings,
     decode_latents,
     denoise,
     sample_from_prompts,
-    synthesize_client,
-    synthesize_pass,
 )
 from tests.helpers import WORDS
 

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..clusters import cluster_images, public_encoder
-from ..concepts import DPSGD, LearnedConcepts, PromptLayout, learn_concepts, prompt_layout
+from ..concepts import (
+    DPSGD,
+    LearnedConcepts,
+    PromptLayout,
+    learn_concepts,
+    prompt_layout,
+    unconditional_embedding,
+)
 from ..config import FedBiPConfig
 from ..expectations import expectations
 from ..instance import personalize_instances, upload_order
@@ -37,7 +44,13 @@ from ..payload import (
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
-from ..synthesis import SynthesisSettings, draw_etas, iter_pass, pass_conditioning
+from ..synthesis import (
+    SynthesisSettings,
+    decode_latents,
+    denoise,
+    draw_etas,
+    pass_conditioning,
+)
 from ..upload import SCHEMA_VERSION
 from .base import (
     ClientJob,
@@ -304,11 +317,13 @@ def concept_only_unit(
 ) -> Path:
     """One concept-only shard: pass ``unit.index``'s eta, noise of that pass's own."""
     settings = SynthesisSettings.from_config(server.cfg)
-    eta = draw_etas(payload, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
+    eta = draw_etas(payload.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
+        unit.index
+    ]
     return fresh_noise_set(
         server,
         f"{unit.client_id}/pass{unit.index}",
-        pass_conditioning(server.ldm(), payload, settings, eta),
+        pass_conditioning(server.ldm(), payload.concepts, settings, eta),
         payload.labels,
         shard_path(unit.client_id, unit.index),
         None if payload.latent_clusters is None else payload.concept_rows,
@@ -318,6 +333,78 @@ def concept_only_unit(
 def as_upload(payload: Payload) -> Upload:
     """A decoded (validated) payload as the server keeps every method's upload."""
     return Upload(meta=payload.meta, tensors=payload.tensors(), content=payload)
+
+
+# --- denoising a client's z(T) (paper eq. 5) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyntheticImages:
+    images: torch.Tensor  # (N * m, 3, H, W) in [-1, 1]
+    labels: torch.Tensor  # (N * m,)
+    source: torch.Tensor  # (N * m,) index of the z(T) each image was denoised from
+
+
+def synthesize_pass(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    eta: torch.Tensor,
+    on_batch: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """One pass over a client's z(T) with the domain concept shifted by scale * ``eta`` (n_s, d)."""
+    return torch.cat(list(iter_pass(ldm, payload, settings, eta, on_batch)))
+
+
+def iter_pass(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    eta: torch.Tensor,
+    on_batch: Callable[[int], None] | None = None,
+) -> Iterator[torch.Tensor]:
+    """:func:`synthesize_pass` one batch at a time (images in [-1, 1], float32, CPU), in order.
+
+    The server writes each batch to its shard as it comes, so a pass is never whole in memory.
+    """
+    cond_per_row = pass_conditioning(ldm, payload.concepts, settings, eta)
+    uncond = unconditional_embedding(ldm)
+    sampler = settings.sampler(ldm)
+    rows = payload.concept_rows
+    for batch in torch.arange(len(payload.labels)).split(settings.batch_size):
+        cond = cond_per_row[rows[batch].to(cond_per_row.device)]
+        z0 = denoise(
+            ldm,
+            payload.latents[batch].float(),
+            cond,
+            uncond,
+            sampler,
+            payload.meta.timestep,
+            settings.guidance_scale,
+            ldm.batch_bucket(settings.batch_size),
+        )
+        images = decode_latents(ldm, z0, settings.vae_batch_size)
+        if on_batch is not None:
+            on_batch(len(batch))
+        yield images
+
+
+def synthesize_client(
+    ldm: LDM,
+    payload: Payload,
+    settings: SynthesisSettings,
+    seed: int,
+    on_batch: Callable[[int], None] | None = None,
+) -> SyntheticImages:
+    """All m passes for one client; deterministic for a given payload and seed."""
+    etas = draw_etas(payload.concepts, settings, seed)
+    images = [synthesize_pass(ldm, payload, settings, eta, on_batch) for eta in etas]
+    n = len(payload.labels)
+    return SyntheticImages(
+        torch.cat(images),
+        payload.labels.repeat(settings.multiplier),
+        torch.arange(n).repeat(settings.multiplier),
+    )
 
 
 # --- the server's work units and shards -----------------------------------------------------------
@@ -380,7 +467,7 @@ def synthesize_unit(
 ) -> Path:
     """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
     settings = SynthesisSettings.from_config(cfg)
-    eta = draw_etas(payload, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
+    eta = draw_etas(payload.concepts, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
     return keyed_shard(
         shard_path(unit.client_id, unit.index),
         shard_key((payload_digest(payload), *settings.sampling_knobs()), eta),

@@ -308,10 +308,11 @@ class FedBiPMixture(Method):
     ) -> list[Path]:
         content: MixtureUpload = uploads[unit.client_id].content
         settings = SynthesisSettings.from_config(server.cfg)
-        eta = draw_etas(content.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
+        concepts = content.concepts.concepts
+        eta = draw_etas(concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
             unit.index
         ]
-        cond = pass_conditioning(server.ldm(), content.concepts, settings, eta)
+        cond = pass_conditioning(server.ldm(), concepts, settings, eta)
         stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, server)
         clusters = content.concepts.meta.class_clusters
         rows = (
