@@ -221,6 +221,20 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     # the Flower user's first one-shot try: feature mixtures of the frozen shipped backbone, no LDM
     Variant("FedPFT", {"method": "fedpft"}),
+    # FedPFT's frozen public start under the diffusion rows' ResNet-18: the like-for-like
+    # comparison, and its floor (no client-derived image)
+    Variant(
+        "FedBiP-S public start (2 z(T) per image)",
+        {
+            "method": "fedbip",
+            "multiplier": 1,
+            "latents-per-image": 2,
+            "classifier-init": "pretrained",
+        },
+    ),
+    Variant(
+        "Prompts-only public start", {"method": "prompts-only", "classifier-init": "pretrained"}
+    ),
 )
 # sees no client image: the DCR AUC the member and non-member images give by themselves
 NO_DATA_CONTROL = "Prompts-only"
@@ -235,6 +249,8 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     (HEADLINE, "FedLMG-FT"),
     (HEADLINE, "Central"),
     (HEADLINE, "FedPFT"),
+    ("FedBiP-S public start (2 z(T) per image)", "FedPFT"),
+    ("FedBiP-S public start (2 z(T) per image)", "Prompts-only public start"),
     # the mixture mode against FedBiP from as many z(T) per image (as many images per client)
     ("FedBiP-S (2 z(T) per image)", "FedBiP-mixture (2 z(T) per image)"),
     *zip(ABLATION, ABLATION[1:]),
