@@ -235,6 +235,15 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(
         "Prompts-only public start", {"method": "prompts-only", "classifier-init": "pretrained"}
     ),
+    Variant(
+        "FedBiP-mixture public start (2 z(T) per image)",
+        {
+            "method": "fedbip-mixture",
+            "multiplier": 1,
+            "latents-per-image": 2,
+            "classifier-init": "pretrained",
+        },
+    ),
 )
 # sees no client image: the DCR AUC the member and non-member images give by themselves
 NO_DATA_CONTROL = "Prompts-only"
@@ -251,6 +260,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     (HEADLINE, "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "Prompts-only public start"),
+    ("FedBiP-mixture public start (2 z(T) per image)", "FedPFT"),
     # the mixture mode against FedBiP from as many z(T) per image (as many images per client)
     ("FedBiP-S (2 z(T) per image)", "FedBiP-mixture (2 z(T) per image)"),
     *zip(ABLATION, ABLATION[1:]),
