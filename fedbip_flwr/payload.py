@@ -26,8 +26,8 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedbip_flwr.concepts import Concepts, check_concept_rows
 from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, MAX_CLASS_CLUSTERS
+from fedbip_flwr.shared_concepts import Concepts, check_concept_rows
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,

@@ -3,8 +3,8 @@
     S_hat = S + scale * eta,  eta ~ N(0, sigma^2)
     x~_i  = D( denoise(z_i(T) -> 0 | tau(S_hat, V_{y_i})) )
 
-What every diffusion method shares: the conditioning a client's learned
-:class:`~fedbip_flwr.concepts.Concepts` give (whichever method's upload carried them), the
+What every diffusion method shares: the conditioning a client's learned concepts give
+(:class:`~fedbip_flwr.shared_concepts.Concepts`, whichever method's upload carried them), the
 denoising loop, and starts from fresh noise or a client's latent mixture. FedBiP starts from
 each uploaded z(T) itself at exactly its T (:mod:`fedbip_flwr.methods.fedbip`); with a
 multiplier m (FedBiP-S/M/L = 2/5/10) every z(T) is denoised m times, each pass with its own eta:
@@ -25,9 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .concepts import (
-    Concepts,
     PromptLayout,
-    check_concept_rows,
     concept_scale,
     encode_prompts,
     prompt_layout,
@@ -36,6 +34,7 @@ from .concepts import (
 from .config import FedBiPConfig
 from .ldm import LDM
 from .sampler import Sampler, SchedulerName, TimestepSpacing
+from .shared_concepts import Concepts, check_concept_rows
 from .upload import PayloadError
 
 if TYPE_CHECKING:

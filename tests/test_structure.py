@@ -173,12 +173,13 @@ def test_the_library_has_no_import_cycle():
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
-SHARED_SAMPLING = ("synthesis.py", "concepts.py", "sampler.py")
+SHARED_SAMPLING = ("synthesis.py", "concepts.py", "shared_concepts.py", "sampler.py")
 
 
 def test_the_shared_sampling_code_knows_no_method_upload():
-    """Synthesis conditions on :class:`~fedbip_flwr.concepts.Concepts`, whichever method's upload
-    carried them: the sampling layer imports no method and no method's upload format."""
+    """Synthesis conditions on :class:`~fedbip_flwr.shared_concepts.Concepts`, whichever
+    method's upload carried them: the sampling layer imports no method and no method's upload
+    format."""
     for name in SHARED_SAMPLING:
         path = ROOT / "fedbip_flwr" / name
         found = {

@@ -316,14 +316,12 @@ def concept_only_unit(
     payload: Payload, server: ServerJob, unit: WorkUnit, shard_path: Callable[[str, int], Path]
 ) -> Path:
     """One concept-only shard: pass ``unit.index``'s eta, noise of that pass's own."""
-    settings = SynthesisSettings.from_config(server.cfg)
-    eta = draw_etas(payload.concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
-        unit.index
-    ]
+    settings, concepts = SynthesisSettings.from_config(server.cfg), payload.concepts
+    eta = draw_etas(concepts, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
     return fresh_noise_set(
         server,
         f"{unit.client_id}/pass{unit.index}",
-        pass_conditioning(server.ldm(), payload.concepts, settings, eta),
+        pass_conditioning(server.ldm(), concepts, settings, eta),
         payload.labels,
         shard_path(unit.client_id, unit.index),
         None if payload.latent_clusters is None else payload.concept_rows,
