@@ -244,6 +244,24 @@ VARIANTS: tuple[Variant, ...] = (
             "classifier-init": "pretrained",
         },
     ),
+    Variant(
+        "FedBiP-L public start (10 z(T) per image)",
+        {
+            "method": "fedbip",
+            "multiplier": 1,
+            "latents-per-image": 10,
+            "classifier-init": "pretrained",
+        },
+    ),
+    Variant("FedLD public start", {"method": "fedld", "classifier-init": "pretrained"}),
+    Variant("Espresso public start", {"method": "espresso", "classifier-init": "pretrained"}),
+    Variant("OSCAR public start", {"method": "oscar", "classifier-init": "pretrained"}),
+    Variant(
+        "FedLMG-FT public start",
+        {"method": "fedlmg", "fedlmg.global": "ft", "classifier-init": "pretrained"},
+        sized=fedlmg_budget,
+    ),
+    Variant("Central public start", {"method": "central", "classifier-init": "pretrained"}),
 )
 # sees no client image: the DCR AUC the member and non-member images give by themselves
 NO_DATA_CONTROL = "Prompts-only"
@@ -261,6 +279,12 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("FedBiP-S public start (2 z(T) per image)", "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "Prompts-only public start"),
     ("FedBiP-mixture public start (2 z(T) per image)", "FedPFT"),
+    ("FedBiP-L public start (10 z(T) per image)", "Prompts-only public start"),
+    ("FedBiP-L public start (10 z(T) per image)", "FedLMG-FT public start"),
+    ("FedBiP-L public start (10 z(T) per image)", "Central public start"),
+    ("FedBiP-L public start (10 z(T) per image)", "FedLD public start"),
+    ("FedBiP-L public start (10 z(T) per image)", "Espresso public start"),
+    ("FedBiP-L public start (10 z(T) per image)", "OSCAR public start"),
     # the mixture mode against FedBiP from as many z(T) per image (as many images per client)
     ("FedBiP-S (2 z(T) per image)", "FedBiP-mixture (2 z(T) per image)"),
     *zip(ABLATION, ABLATION[1:]),
