@@ -112,6 +112,31 @@ def personalize_instances(
     forward-noise to T (eq. 3). With ``draws`` = m every image gets m independent z(T), so the
     server's m images of it differ by more than the concept perturbation eta."""
     z0 = encode_images(vae, images, vae_batch_size)
+    return noise_instances(
+        noise_schedule,
+        z0,
+        labels,
+        timestep,
+        gamma_mean=gamma_mean,
+        gamma_std=gamma_std,
+        draws=draws,
+        generator=generator,
+    )
+
+
+def noise_instances(
+    noise_schedule: SchedulerMixin,
+    z0: torch.Tensor,
+    labels: torch.Tensor,
+    timestep: int,
+    *,
+    gamma_mean: float = 0.5,
+    gamma_std: float = 0.1,
+    draws: int = 1,
+    generator: torch.Generator,
+) -> InstanceLatents:
+    """:func:`personalize_instances` from latents already encoded (the server's attacks make
+    its reference rows so, from public images it encoded once)."""
     partners, gammas, noised = [], [], []
     for _ in range(draws):
         partners.append(pick_partners(labels, generator))

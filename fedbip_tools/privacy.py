@@ -13,8 +13,15 @@ Three questions, each asked of what an outsider (or the server) ends up holding:
 * **Does the global classifier remember its training images?** A loss-threshold membership
   attack (lower loss = member): AUC and true-positive rate at a low false-positive rate.
 * **Does the upload itself give away which images a client held?** The server holds every
-  client's z(T) rows and the base model's VAE: it encodes a candidate image and tests it against
-  the rows of its class (:func:`zT_membership`), before anything is synthesized.
+  client's upload and the base model: it encodes a candidate image and tests it against the
+  z(T) rows of its class (:func:`zT_membership_scores`), against the class's uploaded mixture
+  (:func:`mixture_membership_scores`), or asks whether the learned concepts lower the
+  candidate's diffusion loss (:func:`concept_loss_ratio_scores`), before anything is
+  synthesized.
+* **Does the synthetic set give away more than its distances show?** A density ratio between
+  the synthetic set and public reference images in a feature space (DOMIAS,
+  :func:`density_ratio_membership`): where synthetic images crowd beyond what the domain
+  explains, a member sits.
 
 Images are float tensors (N, 3, H, W) in [-1, 1].
 """
@@ -31,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from sklearn.metrics import roc_auc_score, roc_curve
 from torch import nn
+from torch.distributions import Categorical, Independent, MixtureSameFamily, Normal
 
 from fedbip_flwr.classifier import backbone_path, fit_to_classifier, load_backbone
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.mixture import LatentMixture
 
 Features = Callable[[torch.Tensor], torch.Tensor]  # images (N, 3, H, W) -> features (N, D)
 Space = Literal["pixels", "features"]
@@ -525,3 +534,78 @@ def zT_membership(
     auc, stderr = _auc_with_stderr(members, non_members)
     tpr = tpr_at_fpr(members, non_members, max_fpr)
     return ZTAttackResult(statistic, grouped, auc, stderr, tpr, max_fpr, members, non_members)
+
+
+# --------------------------------------------------------------------------------------------
+# membership inference on a mixture upload (fedbip-mixture, FedLD): the server, before synthesis
+# --------------------------------------------------------------------------------------------
+MixtureStatistic = Literal["likelihood-ratio", "mean-filter"]
+
+
+def mixture_log_density(
+    mixture: LatentMixture, points: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """log p(x | y) of each point under its label's diagonal Gaussian mixture (float64);
+    weight-0 components (padding) count for nothing."""
+    components = Independent(
+        Normal(mixture.means.double()[labels], mixture.variances.double()[labels].sqrt()), 1
+    )
+    density = MixtureSameFamily(
+        Categorical(logits=mixture.weights.double()[labels].log()), components
+    )
+    return density.log_prob(points.double().flatten(1))
+
+
+def mixture_membership_scores(
+    candidate_latents: torch.Tensor,
+    candidate_labels: torch.Tensor,
+    uploaded: LatentMixture,
+    *,
+    signal_scale: float,
+    reference: LatentReference,
+    reference_mixture: LatentMixture | None = None,
+    gamma_mean: float = 0.5,
+    gamma_std: float = 0.1,
+    statistic: MixtureStatistic = "likelihood-ratio",
+) -> torch.Tensor:
+    """Membership scores (higher = member) of candidate latents z(0) against a client's
+    uploaded per-class mixtures over its z(T) rows.
+
+    A row that carries the candidate as image or partner has mean ``gamma_mean a c +
+    (1 - gamma_mean) a m`` (m the class centre; FedLD mixes nothing: ``gamma_mean = 1``,
+    ``gamma_std = 0``), and the mixture's components are fitted to such rows, so a member pulls
+    its class's fit towards ``a c``.
+
+    * ``"likelihood-ratio"``: ``log p_up(x | y) - log p_ref(x | y)`` at that mean x, where
+      ``reference_mixture`` is what the server fits the same way (same T, mixing, components)
+      to z(T) it makes from public images: the issue's test; the reference takes away what any
+      mixture of the class gives x.
+    * ``"mean-filter"``: the class mixture's mean (its weights over its means, the mean of the
+      class's rows) against the matched filter of the z(T) test
+      (:func:`zT_membership_scores`): ``<S^-1 u, mean - a m> / sqrt(u' S^-1 u)``, u = c - m,
+      S the row noise whitened by the reference's spread.
+    """
+    if candidate_latents.shape[1:].numel() != uploaded.means.shape[-1]:
+        raise ValueError(
+            f"candidates of {candidate_latents.shape[1:].numel()} values against a mixture "
+            f"over {uploaded.means.shape[-1]}"
+        )
+    if not 0 < signal_scale <= 1:
+        raise ValueError(f"signal_scale is sqrt(abar_T), in (0, 1]; got {signal_scale}")
+    a = signal_scale
+    candidates = candidate_latents.double().flatten(1)
+    centres = torch.stack([reference.centres[int(y)] for y in candidate_labels])
+    if statistic == "likelihood-ratio":
+        if reference_mixture is None:
+            raise ValueError("the likelihood ratio needs the server's reference_mixture")
+        x = a * (gamma_mean * candidates + (1 - gamma_mean) * centres)
+        return mixture_log_density(uploaded, x, candidate_labels) - mixture_log_density(
+            reference_mixture, x, candidate_labels
+        )
+    if statistic != "mean-filter":
+        raise ValueError(f"unknown statistic {statistic!r}")
+    class_means = torch.einsum("cm,cmd->cd", uploaded.weights.double(), uploaded.means.double())
+    u = candidates - centres
+    w = _row_noise(a, gamma_mean, gamma_std, reference)(u)
+    energy = (u * w).sum(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    return (w * (class_means[candidate_labels] - a * centres)).sum(dim=1) / energy.sqrt()

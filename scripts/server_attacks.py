@@ -1,4 +1,8 @@
-"""Can the server tell which images a FedBiP client held from its z(T) upload alone (issue 49)?
+"""Can the server tell which images a client held from its upload alone (issue 49)?
+
+Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture`` and ``fedld``, the
+per-class diagonal Gaussian mixtures those methods fit to such rows (mixed same-class pairs,
+and plain z(T) with no partner) instead of uploading them.
 
 The server holds every client's upload (rows z(T) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps,
 zbar = gamma z_i(0) + (1 - gamma) z_i'(0), with their class labels) and the base model's VAE.
@@ -40,14 +44,20 @@ from tqdm import tqdm
 
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.instance import encode_images, personalize_instances, upload_order
+from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
 from fedbip_flwr.ldm import load_for_run
+from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_tools import provenance
 from fedbip_tools.cli import project_run_config
-from fedbip_tools.privacy import LatentReference, zT_membership, zT_membership_scores
+from fedbip_tools.privacy import (
+    LatentReference,
+    mixture_membership_scores,
+    zT_membership,
+    zT_membership_scores,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SD_SCHEDULER = ROOT / "models" / "sd-v1-4-architecture"  # SD v1-4's scheduler_config.json
@@ -59,6 +69,9 @@ STATISTICS = {
     "max-correlation": ("max-correlation", False),
 }
 VARIANTS = ("rows", "oracle")
+MIXTURE_KINDS = ("fedbip-mixture", "fedld")
+MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
+KINDS = ("zT", *MIXTURE_KINDS)
 
 
 def per_class_chunk(
@@ -133,6 +146,49 @@ def attack(
     return out
 
 
+def mixture_attack(
+    member_z0: torch.Tensor,
+    non_member_z0: torch.Tensor,
+    labels: torch.Tensor,
+    non_labels: torch.Tensor,
+    uploaded: LatentMixture,
+    reference_mixture: LatentMixture,
+    a: float,
+    gamma: tuple[float, float],
+    reference: LatentReference,
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Scores of one client's members and its share of non-members against its mixture."""
+    base = {
+        "signal_scale": a,
+        "reference": reference,
+        "reference_mixture": reference_mixture,
+        "gamma_mean": gamma[0],
+        "gamma_std": gamma[1],
+    }
+    return {
+        statistic: tuple(
+            mixture_membership_scores(z, y, uploaded, statistic=statistic, **base)
+            for z, y in ((member_z0, labels), (non_member_z0, non_labels))
+        )
+        for statistic in MIXTURE_STATISTICS
+    }
+
+
+def fitted_mixture(
+    cfg: FedBiPConfig, kind: str, rows: InstanceLatents, generator: torch.Generator
+) -> LatentMixture:
+    """The mixture method ``kind`` fits to ``rows`` with the run's settings of its table."""
+    own = cfg.settings_of(kind)
+    return fit_mixture(
+        rows.zT,
+        rows.zT_labels,
+        len(shapes.CLASSES),
+        own.components,
+        generator,
+        rows_per_component=own.rows_per_component,
+    )
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -164,6 +220,7 @@ def main() -> None:
         "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -177,6 +234,12 @@ def main() -> None:
         {999, Sampler.create("pndm", sd, 25, "leading").first_timestep()}, reverse=True
     )
     draws = sorted({cfg.latents_per_image, *args.draws})
+    mixture_kinds = [kind for kind in args.kinds if kind in MIXTURE_KINDS]
+    # fedbip-mixture fits FedBiP's mixed pairs; FedLD plain z(T) of each image (no partner)
+    mixing = {
+        "fedbip-mixture": {"gamma_mean": cfg.gamma_mean, "gamma_std": cfg.gamma_std},
+        "fedld": {"gamma_mean": 1.0, "gamma_std": 0.0},
+    }
     domains = args.domains or cfg.domain_list
     shots, seed = cfg.shots_per_class, cfg.seed
     settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [
@@ -192,12 +255,15 @@ def main() -> None:
         for size, schedule, schedule_name, timesteps in settings:
             encode = lambda images: encode_images(ldm.vae, images, cfg.vae_batch_size)  # noqa: E731
             reference = shapes.pretrain_set(domain, args.reference_per_class, seed=seed, size=size)
-            prior = LatentReference.of(encode(reference.images), reference.labels)
+            reference_z0 = encode(reference.images)
+            prior = LatentReference.of(reference_z0, reference.labels)
             unseen = shapes.test_set(domain, shots * args.replicates, seed=seed, size=size)
             clients = [
                 shapes.client_train_set(domain, shots, client_index=r, seed=seed, size=size)
                 for r in range(args.replicates)
             ]
+            # the server's encoding of a member is its z0 (encode_images, deterministic)
+            client_z0 = [encode(client.images) for client in clients]
             non_members = [per_class_chunk(unseen, shots, r) for r in range(args.replicates)]
             non_member_z0 = [encode(images) for images, _ in non_members]
             for t in timesteps:
@@ -205,6 +271,23 @@ def main() -> None:
                 for k in draws:
                     pooled: dict[str, tuple[list, list]] = {}
                     stats = None
+                    server_mixtures = {
+                        kind: fitted_mixture(
+                            cfg,
+                            kind,
+                            noise_instances(
+                                schedule,
+                                reference_z0,
+                                reference.labels,
+                                t,
+                                **mixing[kind],
+                                draws=k,
+                                generator=torch.Generator().manual_seed(args.seed + k),
+                            ),
+                            torch.Generator().manual_seed(args.seed + k),
+                        )
+                        for kind in mixture_kinds
+                    }
                     for r, client in enumerate(clients):
                         generator = torch.Generator().manual_seed(
                             args.seed * 1_000_003
@@ -212,33 +295,53 @@ def main() -> None:
                             + r * 101
                             + k
                         )  # the same partners, gammas and noise at every T of a size
-                        inst = personalize_instances(
-                            ldm.vae,
+                        own = (client_z0[r], non_member_z0[r], client.labels, non_members[r][1])
+                        inst = noise_instances(
                             schedule,
-                            client.images,
+                            client_z0[r],
                             client.labels,
                             t,
-                            gamma_mean=cfg.gamma_mean,
-                            gamma_std=cfg.gamma_std,
-                            vae_batch_size=cfg.vae_batch_size,
+                            **mixing["fedbip-mixture"],
                             draws=k,
                             generator=generator,
                         )
-                        # the server's encoding of a member is z0 itself (encode_images, deterministic)
-                        scores = attack(
-                            inst.z0,
-                            non_member_z0[r],
-                            inst.labels,
-                            non_members[r][1],
-                            inst.zT,
-                            inst.zT_labels,
-                            len(client),
-                            k,
-                            a,
-                            (cfg.gamma_mean, cfg.gamma_std),
-                            prior,
-                            generator,
-                        )
+                        scores = {}
+                        if "zT" in args.kinds:
+                            z_scores = attack(
+                                *own,
+                                inst.zT,
+                                inst.zT_labels,
+                                len(client),
+                                k,
+                                a,
+                                (cfg.gamma_mean, cfg.gamma_std),
+                                prior,
+                                generator,
+                            )
+                            scores.update(z_scores)
+                        for kind in mixture_kinds:
+                            fit_generator = torch.Generator().manual_seed(
+                                generator.initial_seed() + 1
+                            )
+                            rows = (
+                                inst
+                                if kind == "fedbip-mixture"
+                                else noise_instances(
+                                    schedule,
+                                    client_z0[r],
+                                    client.labels,
+                                    t,
+                                    **mixing[kind],
+                                    draws=k,
+                                    generator=fit_generator,
+                                )
+                            )
+                            uploaded = fitted_mixture(cfg, kind, rows, fit_generator)
+                            gamma = (mixing[kind]["gamma_mean"], mixing[kind]["gamma_std"])
+                            m_scores = mixture_attack(
+                                *own, uploaded, server_mixtures[kind], a, gamma, prior
+                            )
+                            scores.update({f"{kind}/{n}": v for n, v in m_scores.items()})
                         for name, (m, n) in scores.items():
                             pooled.setdefault(name, ([], []))
                             pooled[name][0].append(m)
@@ -267,8 +370,10 @@ def main() -> None:
     bar.close()
 
     record = {
-        "what": "server-side membership test on FedBiP's z(T) upload (issue 49): members vs unseen images "
-        "of the same domain and classes, scores pooled over the domain's clients",
+        "what": "server-side membership tests on uploads (issue 49: "
+        + ", ".join(args.kinds)
+        + "): members vs unseen images of the same domain and classes, scores pooled over the "
+        "domain's clients",
         "command": "OMP_NUM_THREADS=1 python scripts/server_attacks.py "
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -291,19 +396,13 @@ def main() -> None:
 
 
 def print_table(record: dict) -> None:
-    """Markdown: domain x size x K rows, AUC +- stderr / TPR@1%FPR of each variant and statistic."""
-    columns = [
-        "rows/likelihood-ratio",
-        "oracle/likelihood-ratio",
-        "rows/likelihood-ratio/unwhitened",
-        "rows/max-correlation",
-        "oracle/max-correlation",
-        "rows/max-correlation/upload-centred",
-    ]
+    """Markdown: domain x size x K rows, AUC +- stderr / TPR@1%FPR of every attack measured."""
+    entries = [e for per_domain in record["results"].values() for e in per_domain.values()]
+    columns = list(dict.fromkeys(name for e in entries for name in e["attacks"]))
     print("| domain | setting | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 2) + "|")
-    for domain, entries in record["results"].items():
-        for key, entry in entries.items():
+    for domain, per_domain in record["results"].items():
+        for key, entry in per_domain.items():
             cells = [
                 f"{entry['attacks'][c]['auc']:.3f}+-{entry['attacks'][c]['auc_stderr']:.3f} / "
                 f"{entry['attacks'][c]['tpr_at_max_fpr']:.3f}"

@@ -20,10 +20,13 @@ from diffusers import PNDMScheduler
 
 from fedbip_flwr.instance import InstanceLatents, personalize_instances
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
+from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_tools.privacy import (
     LatentReference,
     _row_noise,
     group_rows,
+    mixture_log_density,
+    mixture_membership_scores,
     tpr_at_fpr,
     zT_membership,
     zT_membership_scores,
@@ -72,6 +75,7 @@ def world(seed: int, shape: tuple[int, ...] = SHAPE) -> dict:
         "non_labels": non_labels,
         "others": others,
         "reference": LatentReference.of(reference, reference_labels),
+        "public": (reference, reference_labels),
     }
 
 
@@ -308,3 +312,81 @@ def test_whitening_is_no_worse_and_scores_are_finite_at_the_default() -> None:
             and torch.isfinite(result.non_member_scores).all()
         )
     assert whitened.auc > plain.auc - 2 * plain.auc_stderr
+
+
+# --- the mixture uploads (fedbip-mixture, FedLD) -----------------------------------------------
+
+
+def fitted(inst: InstanceLatents, seed: int) -> LatentMixture:
+    """fedbip-mixture's fit: 4 Gaussians per class, at most one per 4 rows."""
+    generator = torch.Generator().manual_seed(seed)
+    return fit_mixture(inst.zT, inst.zT_labels, CLASSES, 4, generator, rows_per_component=4)
+
+
+def run_mixture(
+    seeds, timestep: int, statistic: str, rows_of_members: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`run`, against the mixture fitted to each client's z(T) (2 per image); the
+    server's reference mixture is fitted the same way to z(T) it makes from its public images."""
+    members, non_members = [], []
+    for seed in seeds:
+        w = world(seed)
+        uploaded = w["members"] if rows_of_members else w["others"]
+        mixture = fitted(upload(uploaded, w["labels"], timestep, 2, seed), seed)
+        kwargs = {
+            "signal_scale": sqrt_abar(timestep),
+            "reference": w["reference"],
+            "reference_mixture": fitted(upload(*w["public"], timestep, 2, seed + 50), seed + 50),
+            "statistic": statistic,
+        }
+        members.append(mixture_membership_scores(w["members"], w["labels"], mixture, **kwargs))
+        non_members.append(
+            mixture_membership_scores(w["non_members"], w["non_labels"], mixture, **kwargs)
+        )
+    return torch.cat(members), torch.cat(non_members)
+
+
+def test_mixture_log_density_is_scikit_learns() -> None:
+    from sklearn.mixture import GaussianMixture
+
+    rows = torch.randn(40, 6, generator=torch.Generator().manual_seed(0)).double()
+    gm = GaussianMixture(3, covariance_type="diag", random_state=0).fit(rows.numpy())
+    mixture = LatentMixture(
+        torch.from_numpy(gm.weights_)[None],
+        torch.from_numpy(gm.means_)[None],
+        torch.from_numpy(gm.covariances_)[None],
+        (1, 2, 3),
+    )
+    points = torch.randn(7, 6, generator=torch.Generator().manual_seed(1)).double()
+    ours = mixture_log_density(mixture, points, torch.zeros(7, dtype=torch.long))
+    assert torch.allclose(ours, torch.from_numpy(gm.score_samples(points.numpy())), atol=1e-9)
+    # a padding component (weight 0) changes nothing, wherever it sits
+    padded = LatentMixture(
+        torch.cat([mixture.weights, torch.zeros(1, 1, dtype=torch.float64)], 1),
+        torch.cat([mixture.means, points[:1, None]], 1),
+        torch.cat([mixture.variances, torch.full((1, 1, 6), 1e-6, dtype=torch.float64)], 1),
+        (1, 2, 3),
+    )
+    assert torch.allclose(mixture_log_density(padded, points, torch.zeros(7).long()), ours)
+
+
+@pytest.mark.parametrize("statistic", ["likelihood-ratio", "mean-filter"])
+def test_mixture_attack_finds_members_at_large_sqrt_abar(statistic: str) -> None:
+    # T = 200: each component's mean is mostly its few rows' images
+    members, non_members = run_mixture([0, 1], 200, statistic)
+    assert zT_membership(members, non_members).auc > 0.85
+
+
+@pytest.mark.parametrize("statistic", ["likelihood-ratio", "mean-filter"])
+def test_mixture_of_other_images_gives_chance(statistic: str) -> None:
+    result = zT_membership(*run_mixture([0, 1, 2], 200, statistic, rows_of_members=False))
+    assert abs(result.auc - 0.5) < 3 * result.auc_stderr
+
+
+def test_mixture_likelihood_ratio_needs_the_reference_mixture() -> None:
+    w = world(0)
+    mixture = fitted(upload(w["members"], w["labels"], 200, 2), 0)
+    with pytest.raises(ValueError, match="reference_mixture"):
+        mixture_membership_scores(
+            w["members"], w["labels"], mixture, signal_scale=0.5, reference=w["reference"]
+        )
