@@ -287,10 +287,16 @@ def diffusion_loss(
 
 
 def conditioned_loss(
-    ldm: LDM, cond: torch.Tensor, z0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
+    ldm: LDM,
+    cond: torch.Tensor,
+    z0: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+    per_example: bool = False,
 ) -> torch.Tensor:
     """|| target - model(z(t), t, cond) ||^2 (mean, float32 or wider) for cross-attention states
-    ``cond`` (B, L, d): the loss every learned conditioning minimises.
+    ``cond`` (B, L, d): the loss every learned conditioning minimises. ``per_example``: each
+    example's mean (B,) instead (what a membership test compares).
 
     The target is eps for an epsilon-prediction model (SD v1) and the velocity for a
     v-prediction one (SD 2.x); load_ldm refuses any other kind.
@@ -304,6 +310,9 @@ def conditioned_loss(
     else:
         target = noise
     dtype = torch.promote_types(pred.dtype, torch.float32)  # half-precision UNets: float32
+    if per_example:
+        errors = F.mse_loss(pred.to(dtype), target.to(ldm.device, dtype), reduction="none")
+        return errors.flatten(1).mean(dim=1)
     return F.mse_loss(pred.to(dtype), target.to(ldm.device, dtype))
 
 

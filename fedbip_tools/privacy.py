@@ -41,8 +41,11 @@ from torch import nn
 from torch.distributions import Categorical, Independent, MixtureSameFamily, Normal
 
 from fedbip_flwr.classifier import backbone_path, fit_to_classifier, load_backbone
+from fedbip_flwr.concepts import PromptLayout, conditioned_loss, encode_prompts, initial_concepts
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.ldm import LDM
 from fedbip_flwr.mixture import LatentMixture
+from fedbip_flwr.shared_concepts import Concepts
 
 Features = Callable[[torch.Tensor], torch.Tensor]  # images (N, 3, H, W) -> features (N, D)
 Space = Literal["pixels", "features"]
@@ -609,3 +612,69 @@ def mixture_membership_scores(
     w = _row_noise(a, gamma_mean, gamma_std, reference)(u)
     energy = (u * w).sum(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
     return (w * (class_means[candidate_labels] - a * centres)).sum(dim=1) / energy.sqrt()
+
+
+# --------------------------------------------------------------------------------------------
+# membership inference on learned concepts (FedBiP's S and V): the server, before synthesis
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def concept_loss_ratio_scores(
+    ldm: LDM,
+    concepts: Concepts,
+    layout: PromptLayout,
+    candidate_latents: torch.Tensor,
+    candidate_labels: torch.Tensor,
+    *,
+    max_timestep: int,
+    draws: int,
+    generator: torch.Generator,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """Membership scores (higher = member): how much the client's learned concepts lower a
+    candidate's diffusion loss below the plain prompt's (the words S and V start from, which the
+    server knows), ``L(c | S0, V0) - L(c | S, V)``, each averaged over ``draws`` pairs (t, eps)
+    shared by both prompts, t ~ U{1..max_timestep} as the concepts were learned. The concepts
+    were fitted to the members' losses; a reference model is the plain prompt of the same
+    frozen LDM. With several concepts per class (class-clusters, class-major rows of V), the
+    candidate's best concept counts (the server does not know its sub-cluster).
+    """
+    classes = len(dict.fromkeys(concepts.concept_names))
+    per_class = len(concepts.concept_names) // classes
+    s0, v0 = initial_concepts(ldm, layout, concepts.space)
+    z0 = candidate_latents.float()
+    learned = torch.zeros(per_class, len(z0), dtype=torch.float64)
+    plain = torch.zeros(len(z0), dtype=torch.float64)
+    for _ in range(draws):
+        t = torch.randint(1, max_timestep + 1, (len(z0),), generator=generator)
+        noise = torch.randn(z0.shape, generator=generator)
+        for batch in torch.arange(len(z0)).split(batch_size):
+            first_row = candidate_labels[batch] * per_class
+            shared = (z0[batch], t[batch], noise[batch])
+            plain[batch] += _losses(ldm, layout, concepts.space, (s0, v0), first_row, *shared)
+            for j in range(per_class):
+                learned[j, batch] += _losses(
+                    ldm,
+                    layout,
+                    concepts.space,
+                    (concepts.domain, concepts.classes),
+                    first_row + j,
+                    *shared,
+                )
+    return (plain - learned.amin(dim=0)) / draws
+
+
+def _losses(
+    ldm: LDM,
+    layout: PromptLayout,
+    space: str,
+    embeddings: tuple[torch.Tensor, torch.Tensor],
+    rows: torch.Tensor,
+    z0: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """Each example's diffusion loss under prompt ``rows`` of (S, V) (float64, on the CPU)."""
+    cond = encode_prompts(ldm, layout, space, *embeddings, rows)
+    return conditioned_loss(ldm, cond, z0, t, noise, per_example=True).double().cpu()

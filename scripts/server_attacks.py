@@ -45,15 +45,17 @@ from tqdm import tqdm
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
-from fedbip_flwr.ldm import load_for_run
+from fedbip_flwr.ldm import LDM, load_for_run
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
-from fedbip_flwr.synthesis import SynthesisSettings
+from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
+    concept_loss_ratio_scores,
     mixture_membership_scores,
     zT_membership,
     zT_membership_scores,
@@ -71,7 +73,8 @@ STATISTICS = {
 VARIANTS = ("rows", "oracle")
 MIXTURE_KINDS = ("fedbip-mixture", "fedld")
 MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
-KINDS = ("zT", *MIXTURE_KINDS)
+CONCEPTS = "concepts"
+KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS)
 
 
 def per_class_chunk(
@@ -189,6 +192,75 @@ def fitted_mixture(
     )
 
 
+def concept_attacks(
+    args: argparse.Namespace,
+    cfg: FedBiPConfig,
+    ldm: LDM,
+    domains: list[str],
+    results: dict,
+) -> None:
+    """The loss-ratio test on each client's learned concepts at the run's budget (``replicates``
+    clients per domain) and overfitted (the positive control, one client per domain), into
+    ``results[domain]["64px/concepts/shots=S/epochs=E"]``."""
+    budgets = [(cfg.shots_per_class, cfg.concept_epochs, args.replicates)]
+    if args.overfit_shots:
+        budgets.append((args.overfit_shots, args.overfit_epochs, 1))
+    settings = SynthesisSettings.from_config(cfg)
+    for domain in domains:
+        for shots, epochs, replicates in budgets:
+            run = cfg.model_copy(update={"concept_epochs": epochs})
+            unseen = shapes.test_set(domain, shots * replicates, seed=cfg.seed, size=cfg.image_size)
+            members, non_members, losses = [], [], []
+            for r in tqdm(range(replicates), desc=f"concepts {domain} {shots}x{epochs}"):
+                client = shapes.client_train_set(
+                    domain, shots, client_index=r, seed=cfg.seed, size=cfg.image_size
+                )
+                generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
+                payload, report = personalize(
+                    ldm,
+                    client.images,
+                    client.labels,
+                    list(client.classes),
+                    domain,
+                    f"{domain}-{r}",
+                    run,
+                    generator,
+                )
+                concepts = payload.concepts
+                layout = concept_layout(ldm, concepts, settings)
+                others, other_labels = per_class_chunk(unseen, shots, r)
+                for images, labels, out in (
+                    (client.images, client.labels, members),
+                    (others, other_labels, non_members),
+                ):
+                    out.append(
+                        concept_loss_ratio_scores(
+                            ldm,
+                            concepts,
+                            layout,
+                            encode_images(ldm.vae, images, cfg.vae_batch_size),
+                            labels,
+                            max_timestep=payload.meta.timestep,
+                            draws=args.concept_draws,
+                            generator=torch.Generator().manual_seed(args.seed + 17),
+                        )
+                    )
+                losses.append([report.concept_losses[0], report.concept_losses[-1]])
+            result = zT_membership(
+                torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
+            )
+            results.setdefault(domain, {})[
+                f"{cfg.image_size}px/concepts/shots={shots}/epochs={epochs}"
+            ] = {
+                "shots_per_class": shots,
+                "concept_epochs": epochs,
+                "clients": replicates,
+                "draws": args.concept_draws,
+                "concept_loss_first_last_epoch": losses,
+                "attacks": {"concepts/loss-ratio": result.summary()},
+            }
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -221,6 +293,9 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
+    parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
+    parser.add_argument("--overfit-epochs", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -248,10 +323,13 @@ def main() -> None:
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
     tasks = sum(len(ts) for *_, ts in settings) * len(draws) * len(domains) * args.replicates
+    tasks *= bool(set(args.kinds) - {CONCEPTS})
     bar = tqdm(total=tasks, desc="uploads attacked", unit="upload")
 
     results: dict = {}
-    for domain in domains:
+    if CONCEPTS in args.kinds:
+        concept_attacks(args, cfg, ldm, domains, results)
+    for domain in domains if set(args.kinds) - {CONCEPTS} else []:
         for size, schedule, schedule_name, timesteps in settings:
             encode = lambda images: encode_images(ldm.vae, images, cfg.vae_batch_size)  # noqa: E731
             reference = shapes.pretrain_set(domain, args.reference_per_class, seed=seed, size=size)

@@ -1,0 +1,68 @@
+"""The server's loss-ratio membership test on learned concepts
+(fedbip_tools.privacy.concept_loss_ratio_scores) on the tiny LDM: its definition (the plain
+prompt's per-example loss less the learned concepts', averaged over shared (t, eps) draws) and
+no signal where the concepts are the plain prompt. A random-init UNet listens to its text too
+weakly for concepts to memorise anything, so the positive control (concepts overfitted to one
+image per class on the miniature) is a measurement: scripts/server_attacks.py --kinds concepts."""
+
+from __future__ import annotations
+
+import torch
+
+from fedbip_flwr.concepts import diffusion_loss, initial_concepts, prompt_layout
+from fedbip_flwr.shared_concepts import Concepts
+from fedbip_tools.privacy import concept_loss_ratio_scores
+
+CLASSES = ["circle", "square", "star"]
+TEMPLATE = "a {S} style of a {V}"
+
+
+def concepts_of(ldm, s, v, names=CLASSES) -> Concepts:
+    return Concepts(s, v, TEMPLATE, "sketch", tuple(names), "token", "client-0")
+
+
+def latents(ldm, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *ldm.latent_shape(), generator=g), torch.arange(n) % len(CLASSES)
+
+
+def test_scores_are_the_plain_prompts_loss_less_the_learned_ones(tiny_ldm):
+    layout = prompt_layout(tiny_ldm.tokenizer, TEMPLATE, 1, 1, "sketch", CLASSES)
+    s0, v0 = initial_concepts(tiny_ldm, layout, "token")
+    s, v = s0 + 0.05 * torch.randn_like(s0), v0 + 0.05 * torch.randn_like(v0)
+    z0, labels = latents(tiny_ldm, 3, 0)
+    scores = concept_loss_ratio_scores(
+        tiny_ldm,
+        concepts_of(tiny_ldm, s, v),
+        layout,
+        z0,
+        labels,
+        max_timestep=981,
+        draws=2,
+        generator=torch.Generator().manual_seed(1),
+        batch_size=2,
+    )
+    g = torch.Generator().manual_seed(1)  # the same draws, one example at a time
+    expected = torch.zeros(3, dtype=torch.float64)
+    for _ in range(2):
+        t = torch.randint(1, 982, (3,), generator=g)
+        noise = torch.randn(z0.shape, generator=g)
+        with torch.no_grad():
+            for i in range(3):
+                args = (z0[i : i + 1], labels[i : i + 1], t[i : i + 1], noise[i : i + 1])
+                plain = diffusion_loss(tiny_ldm, layout, "token", s0, v0, *args)
+                learned = diffusion_loss(tiny_ldm, layout, "token", s, v, *args)
+                expected[i] += float(plain - learned) / 2
+    assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-6)
+    # concepts that are the plain prompt give nothing to anyone
+    unchanged = concept_loss_ratio_scores(
+        tiny_ldm,
+        concepts_of(tiny_ldm, s0, v0),
+        layout,
+        z0,
+        labels,
+        max_timestep=981,
+        draws=2,
+        generator=torch.Generator().manual_seed(1),
+    )
+    assert torch.equal(unchanged, torch.zeros(3, dtype=torch.float64))
