@@ -73,6 +73,7 @@ from .privacy import (
     averaged_reconstructions,
     backbone_features,
     dcr_membership,
+    density_ratio_membership,
     loss_membership_inference,
     reconstruction_score,
 )
@@ -325,6 +326,8 @@ class Bench:
         return self.results / "methods" / f"seed-{seed}.json"
 
 
+# DOMIAS's reference: the base model's public images of a client's domain (its pretraining split)
+DOMIAS_REFERENCE_PER_CLASS = 50
 NON_MEMBER_CLIENT = 1  # the shapes world's second client of a domain: images no client here holds
 
 
@@ -476,7 +479,9 @@ def distance_membership(
     index of the shapes world: non-members), each one's distance to its nearest synthetic image
     (:func:`fedbip_tools.privacy.dcr_membership`), in pixels and in the public backbone's
     features: membership AUC (0.5: nothing given away) and the share of members nearer than
-    every non-member."""
+    every non-member; and in features DOMIAS's density ratio against the LDM's public images
+    of the domain (:func:`fedbip_tools.privacy.density_ratio_membership`), AUC and TPR at 1%
+    FPR."""
     synthetic = (
         synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic.float()
     )
@@ -491,6 +496,11 @@ def distance_membership(
     if features is not None:
         feature = dcr_membership(members.images, non_members.images, synthetic, features)
         out.update(feature_auc=feature.auc, feature_share=feature.share_closer)
+        public = shapes.pretrain_set(members.domain, DOMIAS_REFERENCE_PER_CLASS, cfg.seed, size)
+        domias = density_ratio_membership(
+            members.images, non_members.images, synthetic, public.images, features
+        )
+        out.update(domias_auc=domias.auc, domias_tpr=domias.tpr_at_max_fpr)
     return out
 
 
@@ -911,9 +921,10 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
     lines = [
         "| method | MIA loss gap | MIA entropy gap | MIA AUC, pooled | TPR at 1% FPR | nearest real (RMS) | "
         "DCR AUC, pixels | DCR AUC, features | members nearer than every non-member (pixels) | "
+        "DOMIAS AUC, features | "
         "reconstruction PSNR (dB), own / same-class | SSIM, own / same-class | "
         "mean of an image's reconstructions, PSNR (dB) own / same-class |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in summary.items():
         if not e.get("mia_gap"):
@@ -932,8 +943,8 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
 
 
 def dcr_cells(entry: Mapping[str, Any], control: Mapping[str, Any] | None) -> list[str]:
-    """DCR membership AUC in pixels and features, and the members' share nearer than every
-    non-member, means over clients; each AUC with its difference from the no-data control's on
+    """DCR membership AUC in pixels and features, the members' share nearer than every
+    non-member, and DOMIAS's AUC, means over clients; each AUC with its difference from the no-data control's on
     the same seeds, since the member and non-member images alone set where an AUC sits."""
 
     def mean(e: Mapping[str, Any] | None, key: str) -> float | None:
@@ -945,7 +956,7 @@ def dcr_cells(entry: Mapping[str, Any], control: Mapping[str, Any] | None) -> li
         )
 
     cells = []
-    for key in ("pixel_auc", "feature_auc", "pixel_share"):
+    for key in ("pixel_auc", "feature_auc", "pixel_share", "domias_auc"):
         value = mean(entry, key)
         base = (
             mean(control, key)

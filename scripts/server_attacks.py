@@ -56,8 +56,8 @@ from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
     concept_loss_ratio_scores,
+    membership_result,
     mixture_membership_scores,
-    zT_membership,
     zT_membership_scores,
 )
 
@@ -246,7 +246,7 @@ def concept_attacks(
                         )
                     )
                 losses.append([report.concept_losses[0], report.concept_losses[-1]])
-            result = zT_membership(
+            result = membership_result(
                 torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
             )
             results.setdefault(domain, {})[
@@ -437,7 +437,7 @@ def main() -> None:
                         "attacks": {},
                     }
                     for name, (m, n) in pooled.items():
-                        result = zT_membership(
+                        result = membership_result(
                             torch.cat(m),
                             torch.cat(n),
                             statistic=name.split("/", 1)[1],

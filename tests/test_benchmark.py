@@ -89,22 +89,24 @@ def test_summary_leaves_out_what_some_seed_did_not_measure():
 
 
 def test_dcr_cells_give_the_difference_from_the_no_data_control_on_the_same_seeds():
-    def entry(seeds, pixel, feature):
-        return {
-            "seeds": seeds,
-            "dcr": {"a": {"pixel_auc": pixel, "feature_auc": feature, "pixel_share": 0.01}},
-        }
+    def entry(seeds, pixel, feature, domias=None):
+        dcr = {"pixel_auc": pixel, "feature_auc": feature, "pixel_share": 0.01}
+        return {"seeds": seeds, "dcr": {"a": dcr | ({"domias_auc": domias} if domias else {})}}
 
-    control = entry([0, 1, 2], 0.54, 0.50)
-    assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49), control) == [
+    control = entry([0, 1, 2], 0.54, 0.50, 0.51)
+    assert benchmark.dcr_cells(entry([0, 1, 2], 0.56, 0.49, 0.60), control) == [
         "0.560 (+0.020)",
         "0.490 (-0.010)",
         "0.010",
+        "0.600 (+0.090)",
     ]
-    assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == ["0.560", "0.490", "0.010"], (
-        "other seeds"
-    )
-    assert benchmark.dcr_cells({"seeds": [0], "dcr": None}, control) == ["–", "–", "–"]
+    assert benchmark.dcr_cells(entry([0], 0.56, 0.49), control) == [
+        "0.560",
+        "0.490",
+        "0.010",
+        "–",
+    ], "other seeds; a row measured before DOMIAS"
+    assert benchmark.dcr_cells({"seeds": [0], "dcr": None}, control) == ["–"] * 4
 
 
 def made(kind, commit="c1", date="2026-11-25T10:00:00+00:00"):
@@ -294,7 +296,7 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     assert all(0 <= f["class"] <= 1 and 0 <= f["domain"] <= 1 for f in small["fidelity"].values())
     assert math.isfinite(small["mia_gap"]["loss"]) and small["sgd_steps"] == 3
     # the tiny model ships a (random) backbone: membership by distance in pixels and in its features
-    keys = {"pixel_auc", "pixel_share", "feature_auc", "feature_share"}
+    keys = {"pixel_auc", "pixel_share", "feature_auc", "feature_share", "domias_auc", "domias_tpr"}
     assert all(
         set(d) == keys and 0 <= d["pixel_auc"] <= 1 and 0 <= d["feature_auc"] <= 1
         for d in small["dcr"].values()

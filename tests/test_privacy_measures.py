@@ -19,7 +19,9 @@ from fedbip_tools.privacy import (
     averaged_reconstructions,
     backbone_features,
     dcr_membership,
+    density_ratio_membership,
     loss_membership_inference,
+    membership_result,
     nearest_distances,
     psnr,
     reconstruction_score,
@@ -100,6 +102,35 @@ def test_feature_space_runs_on_the_shipped_backbone() -> None:
     assert result.member_distances.max() < 1e-3
     # unit vectors: no two are further apart than 2
     assert 0 < result.non_member_distances.min() and result.non_member_distances.max() <= 2
+
+
+def flat(images: torch.Tensor) -> torch.Tensor:
+    """A feature map that is the pixels themselves."""
+    return images.flatten(1)
+
+
+def test_domias_finds_members_a_synthetic_set_crowds_around() -> None:
+    # the synthetic set: two noisy copies of every member beside as many other images; the
+    # reference: public images of the domain (another client's). Chance for the set of other
+    # images alone, and for the same scores with membership drawn at random.
+    members, non_members, reference = images(0, 8), images(1, 8), images(3, 16)
+    generator = torch.Generator().manual_seed(0)
+    copies = members.repeat(2, 1, 1, 1)
+    copies = copies + 0.05 * torch.randn(copies.shape, generator=generator)
+    crowded = density_ratio_membership(
+        members, non_members, torch.cat([copies, images(2, 16)]), reference, flat
+    )
+    assert crowded.auc > 0.9, crowded.auc
+    assert crowded.tpr_at_max_fpr > 0.3
+    unrelated = density_ratio_membership(
+        members, non_members, torch.cat([images(2, 16), images(4, 16)]), reference, flat
+    )
+    assert abs(unrelated.auc - 0.5) < 3 * unrelated.auc_stderr
+    pooled = torch.cat([crowded.member_scores, crowded.non_member_scores])
+    order = torch.randperm(len(pooled), generator=generator)
+    half = len(crowded.member_scores)
+    shuffled = membership_result(pooled[order[:half]], pooled[order[half:]])
+    assert abs(shuffled.auc - 0.5) < 3 * shuffled.auc_stderr
 
 
 def test_psnr_matches_its_definition() -> None:

@@ -25,10 +25,10 @@ from fedbip_tools.privacy import (
     LatentReference,
     _row_noise,
     group_rows,
+    membership_result,
     mixture_log_density,
     mixture_membership_scores,
     tpr_at_fpr,
-    zT_membership,
     zT_membership_scores,
 )
 
@@ -233,13 +233,13 @@ def test_rows_statistic_ignores_the_order_of_the_rows() -> None:
 def test_positive_control_large_sqrt_abar_finds_the_members(statistic: str) -> None:
     # T = 200: sqrt(abar) = 0.87, each row mostly its two images
     members, non_members = run([0, 1], timestep=200, draws=1, statistic=statistic)
-    result = zT_membership(members, non_members, statistic=statistic)
+    result = membership_result(members, non_members, statistic=statistic)
     assert result.auc > 0.99
     assert result.tpr_at_max_fpr > 0.5
     # the same scores with membership drawn at random: chance, within 3 standard errors
     pooled = torch.cat([members, non_members])
     order = torch.randperm(len(pooled), generator=torch.Generator().manual_seed(0))
-    shuffled = zT_membership(pooled[order[: len(members)]], pooled[order[len(members) :]])
+    shuffled = membership_result(pooled[order[: len(members)]], pooled[order[len(members) :]])
     assert shuffled.auc_stderr == pytest.approx(
         null_stderr(len(members), len(non_members)), rel=0.1
     )
@@ -250,7 +250,7 @@ def test_an_upload_of_other_images_gives_chance() -> None:
     # the "members" are not in the upload (other images of their classes are): nothing to find,
     # even at T = 200 where the rows are mostly image
     members, non_members = run([0, 1, 2], timestep=200, draws=2, rows_of_members=False)
-    result = zT_membership(members, non_members)
+    result = membership_result(members, non_members)
     assert abs(result.auc - 0.5) < 3 * result.auc_stderr
 
 
@@ -275,7 +275,7 @@ def test_without_noise_the_attack_is_perfect(statistic: str) -> None:
     non_members = zT_membership_scores(
         w["non_members"], w["non_labels"], inst.zT, inst.zT_labels, **kwargs
     )
-    result = zT_membership(members, non_members)
+    result = membership_result(members, non_members)
     assert result.auc == 1.0 and result.tpr_at_max_fpr == 1.0
 
 
@@ -283,8 +283,8 @@ def test_oracle_grouping_beats_rows_as_given_at_k_above_one() -> None:
     # T = 999 with K = 10 rows per image: averaging an image's rows cuts their noise by sqrt(10),
     # where the best single row of the rows as given carries one row's worth
     seeds = range(4)
-    rows = zT_membership(*run(seeds, 999, draws=10, statistic="max-correlation"))
-    oracle = zT_membership(*run(seeds, 999, draws=10, oracle=True, statistic="max-correlation"))
+    rows = membership_result(*run(seeds, 999, draws=10, statistic="max-correlation"))
+    oracle = membership_result(*run(seeds, 999, draws=10, oracle=True, statistic="max-correlation"))
     assert rows.auc < 0.7  # not saturated: there is room to improve
     assert oracle.auc - rows.auc > 3 * math.hypot(rows.auc_stderr, oracle.auc_stderr)
 
@@ -295,17 +295,17 @@ def test_likelihood_ratio_uses_the_grouping() -> None:
     # K = 10); it must still add, and a wrong grouping (each group one row of each of K images
     # of the class) must take it away.
     seeds = range(12)
-    rows = zT_membership(*run(seeds, 999, draws=10))
-    oracle = zT_membership(*run(seeds, 999, draws=10, oracle=True))
-    wrong = zT_membership(*run(seeds, 999, draws=10, oracle="wrong"))
+    rows = membership_result(*run(seeds, 999, draws=10))
+    oracle = membership_result(*run(seeds, 999, draws=10, oracle=True))
+    wrong = membership_result(*run(seeds, 999, draws=10, oracle="wrong"))
     assert oracle.auc > rows.auc > wrong.auc
     assert oracle.auc - wrong.auc > 2 * math.hypot(oracle.auc_stderr, wrong.auc_stderr)
 
 
 def test_whitening_is_no_worse_and_scores_are_finite_at_the_default() -> None:
     seeds = range(4)
-    whitened = zT_membership(*run(seeds, 999, draws=2))
-    plain = zT_membership(*run(seeds, 999, draws=2, whiten=False))
+    whitened = membership_result(*run(seeds, 999, draws=2))
+    plain = membership_result(*run(seeds, 999, draws=2, whiten=False))
     for result in (whitened, plain):
         assert (
             torch.isfinite(result.member_scores).all()
@@ -374,12 +374,12 @@ def test_mixture_log_density_is_scikit_learns() -> None:
 def test_mixture_attack_finds_members_at_large_sqrt_abar(statistic: str) -> None:
     # T = 200: each component's mean is mostly its few rows' images
     members, non_members = run_mixture([0, 1], 200, statistic)
-    assert zT_membership(members, non_members).auc > 0.85
+    assert membership_result(members, non_members).auc > 0.85
 
 
 @pytest.mark.parametrize("statistic", ["likelihood-ratio", "mean-filter"])
 def test_mixture_of_other_images_gives_chance(statistic: str) -> None:
-    result = zT_membership(*run_mixture([0, 1, 2], 200, statistic, rows_of_members=False))
+    result = membership_result(*run_mixture([0, 1, 2], 200, statistic, rows_of_members=False))
     assert abs(result.auc - 0.5) < 3 * result.auc_stderr
 
 
