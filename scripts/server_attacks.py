@@ -299,6 +299,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
+    # taken now: the code that runs is the tree as it is at the start
+    made = provenance.record(ROOT, torch.get_num_threads(), [args.out])
 
     cfg = FedBiPConfig.from_flat(project_run_config())
     ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size)
@@ -466,7 +468,7 @@ def main() -> None:
         "members_per_domain": shots * len(shapes.CLASSES) * args.replicates,
         "reference_per_class": args.reference_per_class,
         "seconds": round(time.perf_counter() - started, 1),
-        "provenance": provenance.record(ROOT, torch.get_num_threads(), [args.out]),
+        "provenance": made,
         "results": results,
     }
     write_json(args.out, record)
