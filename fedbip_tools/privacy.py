@@ -728,3 +728,29 @@ def _losses(
     """Each example's diffusion loss under prompt ``rows`` of (S, V) (float64, on the CPU)."""
     cond = encode_prompts(ldm, layout, space, *embeddings, rows)
     return conditioned_loss(ldm, cond, z0, t, noise, per_example=True).double().cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# membership inference on per-class means (FedPFT's feature mixtures, OSCAR's conditioning)
+# --------------------------------------------------------------------------------------------
+
+
+def class_mean_scores(
+    candidates: torch.Tensor,
+    candidate_labels: torch.Tensor,
+    uploaded_means: torch.Tensor,
+    centres: dict[int, torch.Tensor],
+) -> torch.Tensor:
+    """Membership scores (higher = member) against an upload that holds a mean per class of
+    something the server can compute for any candidate (FedPFT: the public backbone's features,
+    whose class mixture's weighted mean is the class's feature mean; OSCAR: the text encoder's
+    states of captions the server's own copy of the captioner writes). A member is one of the
+    n_y images averaged, so it pulls its class's mean towards itself by 1 / n_y of its offset
+    from the class centre (``centres``: what the server computes from public images): the
+    matched filter ``<mean_y - r_y, x - r_y> / |x - r_y|`` (isotropic noise)."""
+    x = candidates.double().flatten(1)
+    means = uploaded_means.double().flatten(1)
+    r = torch.stack([centres[int(y)] for y in candidate_labels]).double().flatten(1)
+    offset = x - r
+    norm = offset.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    return ((means[candidate_labels] - r) * offset).sum(dim=1) / norm

@@ -43,10 +43,14 @@ from diffusers import PNDMScheduler, SchedulerMixin
 from tqdm import tqdm
 
 from fedbip_flwr import shapes
+from fedbip_flwr.captioner import load_captioner
+from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
 from fedbip_flwr.ldm import LDM, load_for_run
 from fedbip_flwr.methods.fedbip import personalize
+from fedbip_flwr.methods.fedpft import fit_class_mixtures
+from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
@@ -55,6 +59,7 @@ from fedbip_tools import provenance
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
+    class_mean_scores,
     concept_loss_ratio_scores,
     membership_result,
     mixture_membership_scores,
@@ -74,7 +79,9 @@ VARIANTS = ("rows", "oracle")
 MIXTURE_KINDS = ("fedbip-mixture", "fedld")
 MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
-KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS)
+MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
+KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS)
+LATENT_KINDS = ("zT", *MIXTURE_KINDS)
 
 
 def per_class_chunk(
@@ -261,6 +268,77 @@ def concept_attacks(
             }
 
 
+def per_image_and_class_means(
+    cfg: FedBiPConfig, ldm: LDM, kind: str, images: torch.Tensor, labels: torch.Tensor, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What method ``kind`` makes of each image (N, ...) and what it uploads: the class means
+    (C, ...), by the method's own functions and settings."""
+    own, classes, generator = cfg.settings_of(kind), len(shapes.CLASSES), torch.Generator()
+    generator.manual_seed(seed)
+    if kind == "fedpft":
+        features = public_encoder(cfg.model, cfg.classifier_image_size)(images)
+        mixture = fit_class_mixtures(features, labels, classes, own, generator)
+        return features, torch.einsum("ck,ckd->cd", mixture.weights, mixture.means)
+    captioner = load_captioner(own.captioner)
+    captions = caption_images(captioner, images, own.captions_per_image, generator)
+    repeated = labels.repeat(own.captions_per_image)
+    per_image = torch.stack(
+        [
+            class_conditioning(
+                ldm, captions[i :: len(images)], torch.zeros(own.captions_per_image).long(), 1
+            )[0]
+            for i in range(len(images))
+        ]
+    )
+    return per_image, class_conditioning(ldm, captions, repeated, classes)
+
+
+def class_mean_attacks(
+    args: argparse.Namespace,
+    cfg: FedBiPConfig,
+    ldm: LDM,
+    kind: str,
+    domains: list[str],
+    results: dict,
+) -> None:
+    """The class-mean test on ``kind``'s upload, ``replicates`` clients per domain, into
+    ``results[domain]["64px/<kind>"]``."""
+    shots, size = cfg.shots_per_class, cfg.image_size
+    for domain in domains:
+        reference = shapes.pretrain_set(domain, args.reference_per_class, seed=cfg.seed, size=size)
+        public, _ = per_image_and_class_means(
+            cfg, ldm, kind, reference.images, reference.labels, args.seed + 1
+        )
+        centres = LatentReference.of(public, reference.labels).centres
+        unseen = shapes.test_set(domain, shots * args.replicates, seed=cfg.seed, size=size)
+        members, non_members = [], []
+        for r in tqdm(range(args.replicates), desc=f"{kind} {domain}"):
+            client = shapes.client_train_set(
+                domain, shots, client_index=r, seed=cfg.seed, size=size
+            )
+            mine, means = per_image_and_class_means(
+                cfg, ldm, kind, client.images, client.labels, args.seed * 1_000_003 + r
+            )
+            others, other_labels = per_class_chunk(unseen, shots, r)
+            # the server's own view of a candidate: its own captions (another draw) or features
+            candidate, _ = per_image_and_class_means(
+                cfg, ldm, kind, client.images, client.labels, args.seed + 2 + r
+            )
+            theirs, _ = per_image_and_class_means(
+                cfg, ldm, kind, others, other_labels, args.seed + 2 + r
+            )
+            members.append(class_mean_scores(candidate, client.labels, means, centres))
+            non_members.append(class_mean_scores(theirs, other_labels, means, centres))
+        result = membership_result(
+            torch.cat(members), torch.cat(non_members), statistic="class-mean"
+        )
+        results.setdefault(domain, {})[f"{size}px/{kind}"] = {
+            "clients": args.replicates,
+            "reference_per_class": args.reference_per_class,
+            "attacks": {f"{kind}/class-mean": result.summary()},
+        }
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -325,13 +403,15 @@ def main() -> None:
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
     tasks = sum(len(ts) for *_, ts in settings) * len(draws) * len(domains) * args.replicates
-    tasks *= bool(set(args.kinds) - {CONCEPTS})
+    tasks *= bool(set(args.kinds) & set(LATENT_KINDS))
     bar = tqdm(total=tasks, desc="uploads attacked", unit="upload")
 
     results: dict = {}
     if CONCEPTS in args.kinds:
         concept_attacks(args, cfg, ldm, domains, results)
-    for domain in domains if set(args.kinds) - {CONCEPTS} else []:
+    for kind in set(args.kinds) & set(MEAN_KINDS):
+        class_mean_attacks(args, cfg, ldm, kind, domains, results)
+    for domain in domains if set(args.kinds) & set(LATENT_KINDS) else []:
         for size, schedule, schedule_name, timesteps in settings:
             encode = lambda images: encode_images(ldm.vae, images, cfg.vae_batch_size)  # noqa: E731
             reference = shapes.pretrain_set(domain, args.reference_per_class, seed=seed, size=size)
@@ -484,8 +564,9 @@ def print_table(record: dict) -> None:
     for domain, per_domain in record["results"].items():
         for key, entry in per_domain.items():
             cells = [
-                f"{entry['attacks'][c]['auc']:.3f}+-{entry['attacks'][c]['auc_stderr']:.3f} / "
-                f"{entry['attacks'][c]['tpr_at_max_fpr']:.3f}"
+                f"{a['auc']:.3f}+-{a['auc_stderr']:.3f} / {a['tpr_at_max_fpr']:.3f}"
+                if (a := entry["attacks"].get(c))
+                else "-"
                 for c in columns
             ]
             print(f"| {domain} | {key} | " + " | ".join(cells) + " |")

@@ -24,6 +24,7 @@ from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_tools.privacy import (
     LatentReference,
     _row_noise,
+    class_mean_scores,
     group_rows,
     membership_result,
     mixture_log_density,
@@ -390,3 +391,30 @@ def test_mixture_likelihood_ratio_needs_the_reference_mixture() -> None:
         mixture_membership_scores(
             w["members"], w["labels"], mixture, signal_scale=0.5, reference=w["reference"]
         )
+
+
+# --- per-class means (FedPFT, OSCAR) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_class_mean_test_finds_the_images_a_mean_was_taken_of(own: bool) -> None:
+    # 16 members per class in 256 values: each moves its class's mean by 1/16 of its offset
+    aucs = []
+    for seed in range(3):
+        w = world(seed)
+        averaged = w["members"] if own else w["others"]
+        means = torch.stack([averaged[w["labels"] == y].mean(0) for y in range(CLASSES)])
+        kwargs = {"uploaded_means": means, "centres": w["reference"].centres}
+        aucs.append(
+            membership_result(
+                class_mean_scores(w["members"], w["labels"], **kwargs),
+                class_mean_scores(w["non_members"], w["non_labels"], **kwargs),
+            )
+        )
+    pooled = membership_result(
+        torch.cat([a.member_scores for a in aucs]), torch.cat([a.non_member_scores for a in aucs])
+    )
+    if own:
+        assert pooled.auc > 0.9
+    else:
+        assert abs(pooled.auc - 0.5) < 3 * pooled.auc_stderr
