@@ -42,16 +42,18 @@ import torch
 from diffusers import PNDMScheduler, SchedulerMixin
 from tqdm import tqdm
 
-from fedbip_flwr import shapes
+from fedbip_flwr import methods, shapes
 from fedbip_flwr.captioner import load_captioner
 from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
 from fedbip_flwr.ldm import LDM, load_for_run
+from fedbip_flwr.methods.base import ClientJob, ServerJob
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.methods.fedpft import fit_class_mixtures
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
-from fedbip_flwr.mixture import LatentMixture, fit_mixture
+from fedbip_flwr.mixture import LatentMixture, fit_mixture, from_tensors
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
@@ -80,7 +82,8 @@ MIXTURE_KINDS = ("fedbip-mixture", "fedld")
 MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
-KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS)
+DP_MIXTURE = "fedbip-mixture-dp"
+KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE)
 LATENT_KINDS = ("zT", *MIXTURE_KINDS)
 
 
@@ -339,6 +342,72 @@ def class_mean_attacks(
         }
 
 
+def dp_mixture_attacks(
+    args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
+) -> None:
+    """The mixture tests on fedbip-mixture's DP upload, ``replicates`` clients per domain, into
+    ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
+    flat = {**project_run_config(), "method": "fedbip-mixture"}
+    run = FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": args.dp_epsilon})
+    method = methods.create_for(run)
+    server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
+    t = SynthesisSettings.from_config(run).sampler(ldm).first_timestep(run.start_timestep)
+    a = float(ldm.scheduler.alphas_cumprod[t].sqrt())
+    size, shots = run.image_size, run.shots_per_class
+    encode = lambda images: encode_images(ldm.vae, images, run.vae_batch_size)  # noqa: E731
+    for domain in domains:
+        reference = shapes.pretrain_set(domain, args.reference_per_class, seed=run.seed, size=size)
+        reference_z0 = encode(reference.images)
+        prior = LatentReference.of(reference_z0, reference.labels)
+        rows = noise_instances(
+            ldm.scheduler,
+            reference_z0,
+            reference.labels,
+            t,
+            gamma_mean=1.0,
+            gamma_std=0.0,
+            generator=torch.Generator().manual_seed(args.seed),
+        )
+        reference_mixture = fitted_mixture(run, "fedbip-mixture", rows, torch.Generator())
+        unseen = shapes.test_set(domain, shots * args.replicates, seed=run.seed, size=size)
+        pooled: dict[str, tuple[list, list]] = {}
+        for r in tqdm(range(args.replicates), desc=f"DP upload {domain}"):
+            client = shapes.client_train_set(
+                domain, shots, client_index=r, seed=run.seed, size=size
+            )
+            data = ClientSet(client.images, client.labels, client.classes, domain, f"{domain}-{r}")
+            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
+            blob, _ = method.upload(ClientJob(run, data, generator, lambda: ldm))
+            upload = method.accept(blob, server)
+            uploaded = from_tensors(upload.tensors, tuple(ldm.latent_shape()))
+            others, other_labels = per_class_chunk(unseen, shots, r)
+            scores = mixture_attack(
+                encode(client.images),
+                encode(others),
+                client.labels,
+                other_labels,
+                uploaded,
+                reference_mixture,
+                a,
+                (1.0, 0.0),
+                prior,
+            )
+            for name, (m, n) in scores.items():
+                pooled.setdefault(name, ([], []))
+                pooled[name][0].append(m)
+                pooled[name][1].append(n)
+        entry = {
+            "epsilon": args.dp_epsilon,
+            "clients": args.replicates,
+            "timestep": t,
+            "attacks": {},
+        }
+        for name, (m, n) in pooled.items():
+            result = membership_result(torch.cat(m), torch.cat(n), statistic=name)
+            entry["attacks"][f"{DP_MIXTURE}/{name}"] = result.summary()
+        results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={args.dp_epsilon:g}"] = entry
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -374,6 +443,7 @@ def main() -> None:
     parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
     parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
     parser.add_argument("--overfit-epochs", type=int, default=200)
+    parser.add_argument("--dp-epsilon", type=float, default=4.0, help="fedbip-mixture-dp's budget")
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -409,6 +479,8 @@ def main() -> None:
     results: dict = {}
     if CONCEPTS in args.kinds:
         concept_attacks(args, cfg, ldm, domains, results)
+    if DP_MIXTURE in args.kinds:
+        dp_mixture_attacks(args, cfg, ldm, domains, results)
     for kind in set(args.kinds) & set(MEAN_KINDS):
         class_mean_attacks(args, cfg, ldm, kind, domains, results)
     for domain in domains if set(args.kinds) & set(LATENT_KINDS) else []:
