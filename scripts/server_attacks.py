@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from fedbip_flwr import methods, shapes
 from fedbip_flwr.captioner import load_captioner
+from fedbip_flwr.classifier import evaluate
 from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.dataset import ClientSet
@@ -83,7 +84,8 @@ MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
-KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE)
+CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
+KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE, CLASSIFIER)
 LATENT_KINDS = ("zT", *MIXTURE_KINDS)
 
 
@@ -408,6 +410,51 @@ def dp_mixture_attacks(
         results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={args.dp_epsilon:g}"] = entry
 
 
+def classifier_attacks(
+    args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
+) -> None:
+    """The loss tests on FedLMG's uploaded classifiers, ``replicates`` clients per domain, into
+    ``results[domain]["64px/fedlmg"]``."""
+    run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER})
+    method = methods.create_for(run)
+    server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
+    size, shots = run.image_size, run.shots_per_class
+
+    def trained(images: shapes.ImageSet, name: str, seed: int) -> torch.nn.Module:
+        data = ClientSet(images.images, images.labels, images.classes, images.domain, name)
+        job = ClientJob(run, data, torch.Generator().manual_seed(seed), lambda: ldm)
+        return method.accept(method.upload(job)[0], server).content
+
+    def losses(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return evaluate(model, images, labels, run.classifier_image_size).losses
+
+    for domain in domains:
+        public = shapes.pretrain_set(domain, shots, seed=run.seed, size=size)
+        reference = trained(public, f"{domain}-reference", args.seed + 5)
+        unseen = shapes.test_set(domain, shots * args.replicates, seed=run.seed, size=size)
+        pooled: dict[str, tuple[list, list]] = {"loss": ([], []), "loss-ratio": ([], [])}
+        for r in tqdm(range(args.replicates), desc=f"classifiers {domain}"):
+            client = shapes.client_train_set(
+                domain, shots, client_index=r, seed=run.seed, size=size
+            )
+            uploaded = trained(client, f"{domain}-{r}", args.seed * 1_000_003 + r)
+            others = per_class_chunk(unseen, shots, r)
+            for side, (images, labels) in enumerate(((client.images, client.labels), others)):
+                own = losses(uploaded, images, labels)
+                pooled["loss"][side].append(-own)
+                pooled["loss-ratio"][side].append(losses(reference, images, labels) - own)
+        results.setdefault(domain, {})[f"{size}px/{CLASSIFIER}"] = {
+            "clients": args.replicates,
+            "local_epochs": run.settings_of(CLASSIFIER).local_epochs,
+            "attacks": {
+                f"{CLASSIFIER}/{name}": membership_result(
+                    torch.cat(m), torch.cat(n), statistic=name
+                ).summary()
+                for name, (m, n) in pooled.items()
+            },
+        }
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -481,6 +528,8 @@ def main() -> None:
         concept_attacks(args, cfg, ldm, domains, results)
     if DP_MIXTURE in args.kinds:
         dp_mixture_attacks(args, cfg, ldm, domains, results)
+    if CLASSIFIER in args.kinds:
+        classifier_attacks(args, cfg, ldm, domains, results)
     for kind in set(args.kinds) & set(MEAN_KINDS):
         class_mean_attacks(args, cfg, ldm, kind, domains, results)
     for domain in domains if set(args.kinds) & set(LATENT_KINDS) else []:
