@@ -1,6 +1,7 @@
 """What a finished run's synthetic sets give away about each client's private images, on the
 shapes world: distance-to-closest-record membership (pixels and the public backbone's
-features, members against as many unseen images of the same domain and classes) and, for
+features, members against as many unseen images of the same domain and classes), DOMIAS's
+density ratio against the base model's public images of the domain and, for
 FedBiP (whose synthetic image k is denoised from z(T) row k, and row k * N + i comes from
 private image i), the server's reconstruction of each private image scored by PSNR and SSIM
 against it and against an image of the same class no client holds.
@@ -21,6 +22,7 @@ from fedbip_flwr.classifier import ShardImages
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
+from fedbip_tools import provenance
 from fedbip_tools.benchmark import distance_membership, reconstruction, reconstructs_images
 from fedbip_tools.privacy import backbone_features
 
@@ -51,7 +53,9 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    record = check(args.run_dir)
+    root = Path(__file__).resolve().parents[1]
+    made = provenance.record(root, torch.get_num_threads(), [args.out] if args.out else [])
+    record = {**check(args.run_dir), "provenance": made}
     print(json.dumps(record, indent=1))
     if args.out:
         write_json(args.out, record)
