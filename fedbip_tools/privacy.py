@@ -692,7 +692,14 @@ def concept_loss_ratio_scores(
     """
     classes = len(dict.fromkeys(concepts.concept_names))
     per_class = len(concepts.concept_names) // classes
-    s0, v0 = initial_concepts(ldm, layout, concepts.space)
+    rows = torch.arange(len(concepts.concept_names))
+    # every prompt's conditioning once: it depends on the prompt row alone
+    plain_table = encode_prompts(
+        ldm, layout, concepts.space, *initial_concepts(ldm, layout, concepts.space), rows
+    )
+    learned_table = encode_prompts(
+        ldm, layout, concepts.space, concepts.domain, concepts.classes, rows
+    )
     z0 = candidate_latents.float()
     learned = torch.zeros(per_class, len(z0), dtype=torch.float64)
     plain = torch.zeros(len(z0), dtype=torch.float64)
@@ -702,31 +709,16 @@ def concept_loss_ratio_scores(
         for batch in torch.arange(len(z0)).split(batch_size):
             first_row = candidate_labels[batch] * per_class
             shared = (z0[batch], t[batch], noise[batch])
-            plain[batch] += _losses(ldm, layout, concepts.space, (s0, v0), first_row, *shared)
+            plain[batch] += _losses(ldm, plain_table[first_row], *shared)
             for j in range(per_class):
-                learned[j, batch] += _losses(
-                    ldm,
-                    layout,
-                    concepts.space,
-                    (concepts.domain, concepts.classes),
-                    first_row + j,
-                    *shared,
-                )
+                learned[j, batch] += _losses(ldm, learned_table[first_row + j], *shared)
     return (plain - learned.amin(dim=0)) / draws
 
 
 def _losses(
-    ldm: LDM,
-    layout: PromptLayout,
-    space: str,
-    embeddings: tuple[torch.Tensor, torch.Tensor],
-    rows: torch.Tensor,
-    z0: torch.Tensor,
-    t: torch.Tensor,
-    noise: torch.Tensor,
+    ldm: LDM, cond: torch.Tensor, z0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor
 ) -> torch.Tensor:
-    """Each example's diffusion loss under prompt ``rows`` of (S, V) (float64, on the CPU)."""
-    cond = encode_prompts(ldm, layout, space, *embeddings, rows)
+    """Each example's diffusion loss under its conditioning (float64, on the CPU)."""
     return conditioned_loss(ldm, cond, z0, t, noise, per_example=True).double().cpu()
 
 

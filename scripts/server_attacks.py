@@ -287,14 +287,9 @@ def per_image_and_class_means(
     captioner = load_captioner(own.captioner)
     captions = caption_images(captioner, images, own.captions_per_image, generator)
     repeated = labels.repeat(own.captions_per_image)
-    per_image = torch.stack(
-        [
-            class_conditioning(
-                ldm, captions[i :: len(images)], torch.zeros(own.captions_per_image).long(), 1
-            )[0]
-            for i in range(len(images))
-        ]
-    )
+    # an image's captions are every len(images)-th (pass-major): their mean is a "class" of one
+    own_image = torch.arange(len(images)).repeat(own.captions_per_image)
+    per_image = class_conditioning(ldm, captions, own_image, len(images))
     return per_image, class_conditioning(ldm, captions, repeated, classes)
 
 

@@ -31,17 +31,23 @@ def test_scores_are_the_plain_prompts_loss_less_the_learned_ones(tiny_ldm):
     s0, v0 = initial_concepts(tiny_ldm, layout, "token")
     s, v = s0 + 0.05 * torch.randn_like(s0), v0 + 0.05 * torch.randn_like(v0)
     z0, labels = latents(tiny_ldm, 3, 0)
-    scores = concept_loss_ratio_scores(
-        tiny_ldm,
-        concepts_of(tiny_ldm, s, v),
-        layout,
-        z0,
-        labels,
-        max_timestep=981,
-        draws=2,
-        generator=torch.Generator().manual_seed(1),
-        batch_size=2,
-    )
+
+    def scores_of(s_: torch.Tensor, v_: torch.Tensor, **options) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1)
+        concepts = concepts_of(tiny_ldm, s_, v_)
+        return concept_loss_ratio_scores(
+            tiny_ldm,
+            concepts,
+            layout,
+            z0,
+            labels,
+            max_timestep=981,
+            draws=2,
+            generator=generator,
+            **options,
+        )
+
+    scores = scores_of(s, v, batch_size=2)
     g = torch.Generator().manual_seed(1)  # the same draws, one example at a time
     expected = torch.zeros(3, dtype=torch.float64)
     for _ in range(2):
@@ -55,14 +61,5 @@ def test_scores_are_the_plain_prompts_loss_less_the_learned_ones(tiny_ldm):
                 expected[i] += float(plain - learned) / 2
     assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-6)
     # concepts that are the plain prompt give nothing to anyone
-    unchanged = concept_loss_ratio_scores(
-        tiny_ldm,
-        concepts_of(tiny_ldm, s0, v0),
-        layout,
-        z0,
-        labels,
-        max_timestep=981,
-        draws=2,
-        generator=torch.Generator().manual_seed(1),
-    )
+    unchanged = scores_of(s0, v0)
     assert torch.equal(unchanged, torch.zeros(3, dtype=torch.float64))
