@@ -1,8 +1,9 @@
 """One typed configuration for a FedBiP run, validated at the edge.
 
 Flower delivers the run config as a flat ``dict[str, bool | int | float | str]`` with
-kebab-case keys (``concept-lr``); :meth:`FedBiPConfig.from_flat` turns it into this model and
-rejects unknown keys and bad values with one readable message. Defaults are the paper's
+kebab-case keys (``classifier-lr``); a method's own keys come as its table's dotted keys
+(``fedbip.concept-lr``, :mod:`fedbip_flwr.method_settings`). :meth:`FedBiPConfig.from_flat`
+turns it into this model and rejects unknown keys and bad values with one readable message. Defaults are the paper's
 (FedBiP, ICLR'25 submission, Sec. 5 and App. A) unless a comment says otherwise, except the
 base model and image sizes: the shipped miniature LDM at 64 px (the paper: SD v1-4 at 512 px,
 which the conf/ files for a GPU set). The dataset-dependent ones (prompt template, n_s, n_v,
@@ -27,7 +28,7 @@ from pydantic import (
 
 from .flat import ConfigError as ConfigError  # what from_flat raises; callers catch it from here
 from .flat import FlatConfig, kebab, problems
-from .method_settings import METHOD_SETTINGS, MethodSettings
+from .method_settings import DEFAULT_METHOD, METHOD_SETTINGS, MethodSettings
 from .sampler import SchedulerName, TimestepSpacing
 from .specs import FEATURE, OWN_FOLDER, SPECS
 
@@ -82,8 +83,18 @@ def _split_tables(data: dict[str, Any], shared: set[str]) -> dict[str, MethodSet
                 raise ValueError(f"'{key}' belongs to method {home}: set '{home}.{name}'")
         tables[table][name] = data.pop(key)
     for key in [k for k in data if k not in shared]:
+        homes = [name for name, model in models.items() if key in model.keys()]
+        if homes:
+            method = data.get("method", DEFAULT_METHOD)
+            home = method if method in homes else homes[0]
+            also = [f"{name}'s" for name in homes if name != home]
+            raise ValueError(
+                f"'{key}' is method {home}'s setting"
+                + (f" (also {', '.join(also)})" if also else "")
+                + f": set '{home}.{key}' (TOML table [tool.flwr.app.config.{home}])"
+            )
         if home := _home_of(key, models):
-            short = key if key in models[home].keys() else key.removeprefix(f"{home}-")
+            short = key.removeprefix(f"{home}-")
             raise ValueError(
                 f"'{key}' is method {home}'s setting: set '{home}.{short}' "
                 f"(TOML table [tool.flwr.app.config.{home}])"
@@ -98,8 +109,6 @@ def _table(model: type[MethodSettings], method: str, values: dict[str, Any]) -> 
         raise ValueError(problems(err, f"{method}.")) from None
 
 
-# Class concepts per class at most: a sub-cluster per image of a 16-shot class.
-MAX_CLASS_CLUSTERS = 16
 DatasetName = Literal[
     "shapes", "domainnet", "pacs", "officehome", "dermamnist", "ucm", "imagefolder"
 ]
@@ -131,7 +140,7 @@ class FedBiPConfig(FlatConfig):
 
     # --- method (fedbip_flwr.methods) ----------------------------------------------------------
     method: str = Field(
-        "fedbip",
+        DEFAULT_METHOD,
         description=f"Which method the federation runs: {', '.join(METHOD_SETTINGS)} "
         "(fedbip_flwr.method_settings; docs/methods.md says what each uploads: central's "
         "clients upload their images, not private).",
@@ -165,18 +174,34 @@ class FedBiPConfig(FlatConfig):
         )
         return data
 
+    @classmethod
+    def from_recorded(cls, flat: Mapping[str, Any]) -> FedBiPConfig:
+        """A config a run folder recorded, also one written before FedBiP's keys moved into
+        the methods' tables: such a top-level key moves into the run's method's table where
+        that table has it, and is dropped where the method never read it."""
+        values, shared = dict(flat), cls.keys()
+        method = values.get("method", DEFAULT_METHOD)
+        own = (
+            METHOD_SETTINGS.get(method, MethodSettings).keys() if isinstance(method, str) else set()
+        )
+        tables = set().union(*(model.keys() for model in METHOD_SETTINGS.values()))
+        for key in [k for k in values if "." not in k and k not in shared and k in tables]:
+            value = values.pop(key)
+            if key in own:
+                values.setdefault(f"{method}.{key}", value)
+        return cls.from_flat(values)
+
     def settings_of(self, method: str) -> MethodSettings:
         """The run's settings of ``method`` (its table, defaults filled)."""
         return self.method_settings[method]
 
-    images_per_class: int = Field(
-        0,
-        ge=0,
-        description="Synthetic images per class per client for methods that sample from fresh "
-        "noise (oscar, fedlmg, prompts-only); 0 = as many as FedBiP makes from the same "
-        "client (its images of that class x latents-per-image x multiplier), so every "
-        "method trains on as much.",
-    )
+    def with_settings(self, method: str, **values: Any) -> FedBiPConfig:
+        """This config with ``method``'s table changed by ``values`` (field names), validated."""
+        table = self.method_settings[method]
+        changed = type(table).model_validate({**table.model_dump(), **values})
+        return self.model_copy(
+            update={"method_settings": {**self.method_settings, method: changed}}
+        )
 
     # --- base latent diffusion model -------------------------------------------------------
     model: str = Field(
@@ -233,21 +258,11 @@ class FedBiPConfig(FlatConfig):
     )
     image_size: int = Field(64, ge=8, description="Side of the images the LDM sees.")
 
-    # --- instance level (eq. 3) --------------------------------------------------------------
-    gamma_mean: float = Field(0.5, ge=0.0, le=1.0)
-    gamma_std: float = Field(0.1, ge=0.0)
+    # --- the noise level every z(T) method uploads at ----------------------------------------
     start_timestep: int = Field(
         0,
         ge=0,
         description="T for z(T); 0 = the first timestep of the synthesis schedule (paper).",
-    )
-    latent_dtype: Literal["float32", "float16"] = "float32"
-    latents_per_image: int = Field(
-        1,
-        ge=1,
-        description="Independent z(T) per private image (each its own partner, gamma and "
-        "noise). With k the upload is k times larger and the server's multiplier applies to "
-        "all k*N: FedBiP-M as k=5, multiplier=1 instead of k=1, multiplier=5.",
     )
     vae_batch_size: int = Field(
         8,
@@ -256,7 +271,7 @@ class FedBiPConfig(FlatConfig):
         "full-resolution activations are the memory peak at 512 px.",
     )
 
-    # --- concept level (eq. 4) ---------------------------------------------------------------
+    # --- the dataset's prompt (Table 5), from which concepts and plain prompts start --------
     prompt_template: str = Field(
         "",
         description='Must contain {S} (domain) and {V} (class); "" = the dataset\'s (Table 5).',
@@ -275,24 +290,6 @@ class FedBiPConfig(FlatConfig):
         description="Fewest vectors per V_y (one per token of the class name if more); "
         "0 = the dataset's (Table 5).",
     )
-    class_clusters: int = Field(
-        1,
-        ge=1,
-        le=MAX_CLASS_CLUSTERS,
-        description="Class concepts per class: >1 splits each class's images into this many "
-        "sub-clusters (a public encoder's features) and learns one V per sub-cluster (fedbip, "
-        "fedbip-mixture).",
-    )
-    concept_space: Literal["token", "hidden"] = Field(
-        "token",
-        description="token = input token embeddings (paper); "
-        "hidden = text-encoder output states (authors' code).",
-    )
-    concept_lr: float = Field(
-        0.1, gt=0.0, description="Adam lr, in units of the concept space's coordinate scale."
-    )
-    concept_epochs: int = Field(50, ge=0)
-    concept_batch_size: int = Field(8, ge=1)
 
     # --- payload -----------------------------------------------------------------------------
     max_payload_mb: float = Field(512.0, gt=0.0, description="Replies above this are refused.")
@@ -316,7 +313,6 @@ class FedBiPConfig(FlatConfig):
     )
 
     # --- server synthesis (eq. 5) ------------------------------------------------------------
-    multiplier: int = Field(2, ge=1, description="Images per z(T): FedBiP-S/M/L = 2/5/10.")
     scheduler: SchedulerName = Field(
         SchedulerName.PNDM,
         description="The sampler the server denoises with (diffusers' class, built from the "
@@ -330,18 +326,7 @@ class FedBiPConfig(FlatConfig):
         "noise level of z(T), drops with fewer steps; trailing: T = 999 at every step count.",
     )
     guidance_scale: float = Field(7.5, ge=1.0, description="1.0 disables guidance.")
-    eta_std: float = Field(
-        0.1,
-        ge=0.0,
-        description="sigma of the perturbation S + eta, in units of the concept space's "
-        "coordinate scale.",
-    )
     synthesis_batch_size: int = Field(32, ge=1)
-    synthesis_start: Literal["uploaded", "fresh-noise"] = Field(
-        "uploaded",
-        description="fedbip: denoise from each uploaded z(T) (the method), or from fresh noise "
-        "with the learned concepts only (the paper's concept-only ablation).",
-    )
     synthesis: Literal["server", "external"] = Field(
         "server",
         description="Who makes the training set after the round (one-shot methods): the "

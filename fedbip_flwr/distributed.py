@@ -92,7 +92,7 @@ def read_run_config(folder: RunFolder) -> FedBiPConfig:
         raise ConfigError(f"{folder.config} is not JSON: {err}") from err
     if not isinstance(values, dict):
         raise ConfigError(f"{folder.config} holds a {type(values).__name__}, not a run config")
-    return FedBiPConfig.from_flat(values)
+    return FedBiPConfig.from_recorded(values)
 
 
 def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunSynthesis:

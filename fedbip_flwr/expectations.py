@@ -15,13 +15,20 @@ import torch
 from .concepts import concept_scale, count_tokens, prompt_layout
 from .config import FedBiPConfig
 from .ldm import LDM
+from .method_settings import FedBiPFamily, FedBiPSettings
 from .payload import Expectations, Plausibility, adam_step_bound
 from .synthesis import SynthesisSettings
 
 
-def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expectations:
+def expectations(
+    cfg: FedBiPConfig, ldm: LDM, class_names: list[str], own: FedBiPFamily | None
+) -> Expectations:
     """What every payload must agree with: the server's config and its base model, including
-    the statistics an honest upload has under that model (:class:`Plausibility`)."""
+    the statistics an honest upload has under that model (:class:`Plausibility`). The concept
+    and z(T) row fields come from ``own``, the method's settings where its upload carries
+    FedBiP's concepts; None for an upload without them (FedLD, Espresso), never checked against
+    those fields, which then hold the defaults."""
+    own = own or FedBiPSettings()
     sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
     timestep = sampler.first_timestep(cfg.start_timestep)
     return Expectations(
@@ -34,28 +41,28 @@ def expectations(cfg: FedBiPConfig, ldm: LDM, class_names: list[str]) -> Expecta
         scheduler=sampler.name,
         n_s=cfg.n_s,
         n_v=cfg.n_v,
-        concept_space=cfg.concept_space,
+        concept_space=own.concept_space,
         class_names=tuple(class_names),
         prompt_template=cfg.prompt_template,
         domains=tuple(cfg.domain_list),
         phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
         layout=functools.partial(prompt_layout, ldm.tokenizer, warn=False),
-        plausibility=plausibility(cfg, ldm, timestep),
-        class_clusters=cfg.class_clusters,
+        plausibility=plausibility(own, ldm, timestep),
+        class_clusters=own.class_clusters,
     )
 
 
-def plausibility(cfg: FedBiPConfig, ldm: LDM, timestep: int) -> Plausibility:
+def plausibility(own: FedBiPFamily, ldm: LDM, timestep: int) -> Plausibility:
     """The noise level at T and the concept scale and learning budget, for the moment checks."""
-    scale = concept_scale(ldm, cfg.concept_space)
+    scale = concept_scale(ldm, own.concept_space)
     return Plausibility(
         alpha_bar=float(ldm.scheduler.alphas_cumprod[timestep]),
         concept_scale=scale,
-        concept_init_rms=concept_init_rms(ldm, cfg.concept_space) / scale,
-        concept_step=cfg.concept_lr * adam_step_bound(),
-        concept_epochs=cfg.concept_epochs,
-        concept_batch_size=cfg.concept_batch_size,
-        latents_per_image=cfg.latents_per_image,
+        concept_init_rms=concept_init_rms(ldm, own.concept_space) / scale,
+        concept_step=own.concept_lr * adam_step_bound(),
+        concept_epochs=own.concept_epochs,
+        concept_batch_size=own.concept_batch_size,
+        latents_per_image=own.latents_per_image,
     )
 
 

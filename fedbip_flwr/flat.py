@@ -1,7 +1,7 @@
 """Flower's flat configuration dicts as validated models: the base every config model shares.
 
 Flower hands a run config, a node config and a method's table over as flat
-``dict[str, bool | int | float | str]`` with kebab-case keys (``concept-lr``);
+``dict[str, bool | int | float | str]`` with kebab-case keys (``classifier-lr``);
 :meth:`FlatConfig.from_flat` turns one into its model and refuses unknown keys and bad values
 with one readable :class:`ConfigError`.
 """

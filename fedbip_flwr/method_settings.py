@@ -6,6 +6,12 @@ validates ``method`` and every table against :data:`METHOD_SETTINGS` here, below
 methods (:mod:`fedbip_flwr.methods`) sit above the config, and
 :func:`~fedbip_flwr.methods.base.register` refuses a method whose name this table lacks, so
 imports run one way and a config validates in a process that imported no method.
+
+FedBiP's table is built from the levels of its method, :class:`InstanceSettings` (z(T)),
+:class:`ConceptSettings` (S and V) and :class:`PassSettings` (synthesis), which
+``fedbip-mixture`` reuses (each method its own copy: its own table); Espresso reuses the pairs'
+:class:`PairSettings`, and every method that samples its images sizes them by
+:class:`FreshNoiseSettings`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing_extensions import Self
 from .flat import FlatConfig
 
 CLASS_SLOT = "{class}"  # where fedlmg's prompt takes the class name
+# Class concepts per class at most: a sub-cluster per image of a 16-shot class.
+MAX_CLASS_CLUSTERS = 16
 
 
 class MethodSettings(FlatConfig):
@@ -32,6 +40,91 @@ class MethodSettings(FlatConfig):
         """Whether the upload is differentially private: then nothing leaves the client that its
         guarantee does not cover, its evaluation reply included."""
         return False
+
+
+class FreshNoiseSettings(MethodSettings):
+    """How many images the server makes per client for a method that samples them (from fresh
+    noise, a mixture or conditions) rather than from one uploaded z(T) each."""
+
+    images_per_class: int = Field(
+        0,
+        ge=0,
+        description="Synthetic images per class per client; 0 = images-per-image x the "
+        "client's images of that class (clipped to max-images-per-class).",
+    )
+    images_per_image: int = Field(
+        2,
+        ge=1,
+        description="With images-per-class = 0: synthetic images per private image. 2 = what "
+        "FedBiP's defaults make (2 z(T) per image, 1 pass), so every method trains on as much.",
+    )
+
+
+class PairSettings(MethodSettings):
+    """FedBiP's pairs (eq. 3): each image's latent mixed with another of its class,
+    gamma ~ N(gamma-mean, gamma-std^2)."""
+
+    gamma_mean: float = Field(0.5, ge=0.0, le=1.0)
+    gamma_std: float = Field(0.1, ge=0.0)
+
+
+class InstanceSettings(PairSettings):
+    """FedBiP's instance level (eq. 3): z(T) of the pairs, uploaded one per row."""
+
+    latent_dtype: Literal["float32", "float16"] = "float32"
+    latents_per_image: int = Field(
+        1,
+        ge=1,
+        description="Independent z(T) per private image (each its own partner, gamma and "
+        "noise). With k the upload is k times larger and the server's multiplier applies to "
+        "all k*N: FedBiP-M as k=5, multiplier=1 instead of k=1, multiplier=5.",
+    )
+
+
+class ConceptSettings(MethodSettings):
+    """FedBiP's concept level (eq. 4): S and V learned with the diffusion loss, all else frozen."""
+
+    class_clusters: int = Field(
+        1,
+        ge=1,
+        le=MAX_CLASS_CLUSTERS,
+        description="Class concepts per class: >1 splits each class's images into this many "
+        "sub-clusters (a public encoder's features) and learns one V per sub-cluster.",
+    )
+    concept_space: Literal["token", "hidden"] = Field(
+        "token",
+        description="token = input token embeddings (paper); "
+        "hidden = text-encoder output states (authors' code).",
+    )
+    concept_lr: float = Field(
+        0.1, gt=0.0, description="Adam lr, in units of the concept space's coordinate scale."
+    )
+    concept_epochs: int = Field(50, ge=0)
+    concept_batch_size: int = Field(8, ge=1)
+
+
+class PassSettings(MethodSettings):
+    """FedBiP's synthesis (eq. 5): passes over every z(T), each with its own perturbed S."""
+
+    multiplier: int = Field(2, ge=1, description="Passes per z(T): FedBiP-S/M/L = 2/5/10.")
+    eta_std: float = Field(
+        0.1,
+        ge=0.0,
+        description="sigma of the perturbation S + eta, in units of the concept space's "
+        "coordinate scale.",
+    )
+
+
+class FedBiPSettings(InstanceSettings, ConceptSettings, PassSettings):
+    """FedBiP's own run-config keys (table ``fedbip``)."""
+
+    WHAT: ClassVar[str] = "fedbip settings"
+
+    synthesis_start: Literal["uploaded", "fresh-noise"] = Field(
+        "uploaded",
+        description="Denoise from each uploaded z(T) (the method), or from fresh noise with "
+        "the learned concepts only (the paper's concept-only ablation).",
+    )
 
 
 class MixtureSettings(MethodSettings):
@@ -73,7 +166,7 @@ class DPMixtureSettings(MixtureSettings):
         return self.dp_epsilon > 0
 
 
-class FedLDSettings(DPMixtureSettings):
+class FedLDSettings(DPMixtureSettings, FreshNoiseSettings):
     """FedLD's own run-config keys (table ``fedld``)."""
 
     WHAT: ClassVar[str] = "fedld settings"
@@ -81,7 +174,7 @@ class FedLDSettings(DPMixtureSettings):
     noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
 
 
-class FedBiPMixtureSettings(DPMixtureSettings):
+class FedBiPMixtureSettings(DPMixtureSettings, InstanceSettings, ConceptSettings, PassSettings):
     """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``). Its DP upload
     covers S and V too, learned by DP-SGD (the dp-grad-clip, dp-sample-rate and
     dp-concept-share below), and its mixture is fitted to one unmixed z(T) per image."""
@@ -114,7 +207,11 @@ class FedBiPMixtureSettings(DPMixtureSettings):
     )
 
 
-class EspressoSettings(MixtureSettings):
+# The settings FedBiP's client step (fedbip_flwr.methods.fedbip.personalize) runs under.
+FedBiPFamily = FedBiPSettings | FedBiPMixtureSettings
+
+
+class EspressoSettings(MixtureSettings, PairSettings, FreshNoiseSettings):
     """Espresso's own run-config keys (table ``espresso``)."""
 
     WHAT: ClassVar[str] = "espresso settings"
@@ -142,7 +239,7 @@ class EspressoSettings(MixtureSettings):
     )
 
 
-class FedLMGSettings(MethodSettings):
+class FedLMGSettings(FreshNoiseSettings):
     """FedLMG's own run-config keys (table ``fedlmg``)."""
 
     WHAT: ClassVar[str] = "fedlmg settings"
@@ -211,7 +308,7 @@ class FedLMGSettings(MethodSettings):
         return prompt
 
 
-class OSCARSettings(MethodSettings):
+class OSCARSettings(FreshNoiseSettings):
     """OSCAR's own run-config keys (table ``oscar``)."""
 
     WHAT: ClassVar[str] = "oscar settings"
@@ -335,18 +432,19 @@ class FedPFTSettings(MethodSettings):
         return self
 
 
+DEFAULT_METHOD = "fedbip"  # the run config's method when it names none
 # Every method by name, with the model of its table (the run config's ``method`` accepts
 # exactly these names; each has its class in fedbip_flwr.methods).
 METHOD_SETTINGS: dict[str, type[MethodSettings]] = {
     "central": MethodSettings,
     "espresso": EspressoSettings,
     "fedavg": FedAvgSettings,
-    "fedbip": MethodSettings,
+    "fedbip": FedBiPSettings,
     "fedbip-mixture": FedBiPMixtureSettings,
     "fedld": FedLDSettings,
     "fedpft": FedPFTSettings,
     "fedlmg": FedLMGSettings,
     "local": LocalSettings,
     "oscar": OSCARSettings,
-    "prompts-only": MethodSettings,
+    "prompts-only": FreshNoiseSettings,
 }

@@ -26,10 +26,12 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V, MAX_CLASS_CLUSTERS
+from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
+from fedbip_flwr.method_settings import MAX_CLASS_CLUSTERS
 from fedbip_flwr.shared_concepts import Concepts, check_concept_rows
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
+    Check,
     PayloadError,
     UploadMeta,
     check_dtype,
@@ -43,6 +45,7 @@ from fedbip_flwr.upload import (
     parse_meta,
     read_capped,
     read_tensors,
+    refuse_mismatch,
     tensor_summary,
 )
 
@@ -325,7 +328,7 @@ def decode_payload(
     The cap is ``expect.max_bytes`` when expectations are given, else ``max_bytes``.
     """
     limit = expect.max_bytes if expect is not None else max_bytes
-    tensors, metadata = read_tensors(blob, _tensor_names, limit, "fedbip")
+    tensors, metadata = read_tensors(blob, payload_tensor_names, limit, "fedbip")
     meta = parse_meta(metadata, PayloadMeta)
     payload = Payload(**tensors, meta=meta)
     check_payload(payload)
@@ -334,7 +337,7 @@ def decode_payload(
     return payload
 
 
-def _tensor_names(metadata: dict[str, str]) -> tuple[str, ...]:
+def payload_tensor_names(metadata: dict[str, str]) -> tuple[str, ...]:
     """The tensors a FedBiP payload must hold, as its metadata's class_clusters says (a bad
     value is refused with its reason when the metadata is parsed)."""
     try:
@@ -485,10 +488,6 @@ def check_prompts_fit(meta: Any, expect: Expectations) -> None:
         raise PayloadError(f"{err}: the server could not prompt with these concepts") from None
 
 
-# (what, the upload's value, the server's, why they must agree)
-Check = tuple[str, Any, Any, str]
-
-
 def sampling_checks(meta: Any, expect: Expectations) -> list[Check]:
     """What every upload of z(T), or of a distribution over z(T), must share with the server:
     the LDM, the latent shape and the sampler and its first timestep. ``meta`` has the fields
@@ -527,13 +526,6 @@ def sampling_checks(meta: Any, expect: Expectations) -> list[Check]:
             "server must share run config num-inference-steps, timestep-spacing and start-timestep",
         ),
     ]
-
-
-def refuse_mismatch(checks: Sequence[Check]) -> None:
-    """:class:`PayloadError` naming the first value that is not the server's, and why."""
-    for label, got, want, why in checks:
-        if got != want:
-            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
 
 
 def check_latent_moments(latents: torch.Tensor, timestep: int, plaus: Plausibility) -> None:

@@ -181,10 +181,10 @@ def decode_latents(ldm: LDM, z0: torch.Tensor, batch_size: int = 8) -> torch.Ten
 
 @dataclass(frozen=True)
 class SynthesisSettings:
-    multiplier: int
+    """The sampler's knobs, which clients (noising z(T) to its first timestep) and server share."""
+
     num_inference_steps: int
     guidance_scale: float
-    eta_std: float
     batch_size: int
     vae_batch_size: int = 8  # run config vae-batch-size: latents per VAE decode
     n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
@@ -195,12 +195,10 @@ class SynthesisSettings:
     def from_config(cls, cfg: FedBiPConfig) -> SynthesisSettings:
         """The run's synthesis knobs, which clients and server must share."""
         return cls(
-            multiplier=cfg.multiplier,
             num_inference_steps=cfg.num_inference_steps,
             scheduler=cfg.scheduler,
             timestep_spacing=cfg.timestep_spacing,
             guidance_scale=cfg.guidance_scale,
-            eta_std=cfg.eta_std,
             batch_size=cfg.synthesis_batch_size,
             vae_batch_size=cfg.vae_batch_size,
             n_v=cfg.n_v,
@@ -260,11 +258,12 @@ def pass_conditioning(
     return encode_prompts(ldm, layout, concepts.space, s_hat, concepts.classes, rows)
 
 
-def draw_etas(concepts: Concepts, settings: SynthesisSettings, seed: int) -> torch.Tensor:
-    """(m, n_s, d) perturbations in units of the concept scale, reproducible from the seed."""
+def draw_etas(concepts: Concepts, passes: int, eta_std: float, seed: int) -> torch.Tensor:
+    """(passes, n_s, d) perturbations of S in units of the concept scale, reproducible from
+    the seed."""
     generator = torch.Generator().manual_seed(seed)
-    shape = (settings.multiplier, *concepts.domain.shape)
-    return settings.eta_std * torch.randn(shape, generator=generator)
+    shape = (passes, *concepts.domain.shape)
+    return eta_std * torch.randn(shape, generator=generator)
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import math
 import os
 import struct
 import unicodedata
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import safetensors.torch
@@ -181,6 +181,17 @@ def read_tensors(
         if tensor.is_floating_point():
             check_finite(name, tensor)
     return tensors, metadata
+
+
+# (what, the upload's value, the server's, why they must agree)
+Check = tuple[str, Any, Any, str]
+
+
+def refuse_mismatch(checks: Sequence[Check]) -> None:
+    """:class:`PayloadError` naming the first value that is not the server's, and why."""
+    for label, got, want, why in checks:
+        if got != want:
+            raise PayloadError(f"{label} {got!r} does not match the server's {want!r} ({why})")
 
 
 def check_size(size: int, limit: int) -> None:

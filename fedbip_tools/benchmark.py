@@ -57,6 +57,7 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import upload_order
+from fedbip_flwr.method_settings import FedBiPSettings
 from fedbip_flwr.paths import project_dir, resolve
 from fedbip_flwr.results import SENT_SECONDS
 from fedbip_flwr.results import read as read_results
@@ -98,7 +99,8 @@ class Settings:
             "test-per-class": 50,
             "num-inference-steps": 25,
             "guidance-scale": 4.0,
-            "concept-epochs": 10,
+            "fedbip.concept-epochs": 10,
+            "fedbip-mixture.concept-epochs": 10,
             "classifier-init": "random",
         }
     )
@@ -158,25 +160,40 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("FedLMG-FT", {"method": "fedlmg", "fedlmg.global": "ft"}, sized=fedlmg_budget),
     Variant("FedLMG-MD", {"method": "fedlmg", "fedlmg.global": "md"}, "FedLMG-FT", fedlmg_budget),
     Variant("FedLMG-SD", {"method": "fedlmg", "fedlmg.global": "sd"}, "FedLMG-FT", fedlmg_budget),
-    Variant("concept-only", {"method": "fedbip", "synthesis-start": "fresh-noise"}),
-    Variant("instance-only", {"method": "fedbip", "concept-epochs": 0}),
-    Variant("FedBiP-L", {"method": "fedbip", "multiplier": 10}),
-    Variant("FedBiP-S", {"method": "fedbip", "multiplier": 2}, "FedBiP-L"),
-    Variant("FedBiP-M", {"method": "fedbip", "multiplier": 5}, "FedBiP-L"),
+    Variant("concept-only", {"method": "fedbip", "fedbip.synthesis-start": "fresh-noise"}),
+    Variant("instance-only", {"method": "fedbip", "fedbip.concept-epochs": 0}),
+    Variant("FedBiP-L", {"method": "fedbip", "fedbip.multiplier": 10}),
+    Variant("FedBiP-S", {"method": "fedbip", "fedbip.multiplier": 2}, "FedBiP-L"),
+    Variant("FedBiP-M", {"method": "fedbip", "fedbip.multiplier": 5}, "FedBiP-L"),
     Variant(
-        "FedBiP-S (2 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 2}
+        "FedBiP-S (2 z(T) per image)",
+        {"method": "fedbip", "fedbip.multiplier": 1, "fedbip.latents-per-image": 2},
     ),
     Variant(
         "FedBiP-mixture (2 z(T) per image)",
-        {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2},
+        {
+            "method": "fedbip-mixture",
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
+        },
     ),
     Variant(
         "FedBiP-S 4 concepts per class (2 z(T) per image)",
-        {"method": "fedbip", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4},
+        {
+            "method": "fedbip",
+            "fedbip.multiplier": 1,
+            "fedbip.latents-per-image": 2,
+            "fedbip.class-clusters": 4,
+        },
     ),
     Variant(
         "FedBiP-mixture 4 concepts per class (2 z(T) per image)",
-        {"method": "fedbip-mixture", "multiplier": 1, "latents-per-image": 2, "class-clusters": 4},
+        {
+            "method": "fedbip-mixture",
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
+            "fedbip-mixture.class-clusters": 4,
+        },
     ),
     Variant("FedLD", {"method": "fedld"}),
     Variant("Espresso", {"method": "espresso"}),
@@ -189,8 +206,8 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-mixture-DP epsilon 16",
         {
             "method": "fedbip-mixture",
-            "multiplier": 1,
-            "latents-per-image": 2,
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
             "fedbip-mixture.dp-epsilon": 16.0,
         },
     ),
@@ -198,8 +215,8 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-mixture-DP epsilon 4",
         {
             "method": "fedbip-mixture",
-            "multiplier": 1,
-            "latents-per-image": 2,
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
             "fedbip-mixture.dp-epsilon": 4.0,
         },
     ),
@@ -207,18 +224,19 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-mixture-DP epsilon 1",
         {
             "method": "fedbip-mixture",
-            "multiplier": 1,
-            "latents-per-image": 2,
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
             "fedbip-mixture.dp-epsilon": 1.0,
         },
     ),
     Variant(
-        "FedBiP-M (5 z(T) per image)", {"method": "fedbip", "multiplier": 1, "latents-per-image": 5}
+        "FedBiP-M (5 z(T) per image)",
+        {"method": "fedbip", "fedbip.multiplier": 1, "fedbip.latents-per-image": 5},
     ),
     # the paper's FedBiP-L as its authors make it: a fresh latent for every synthetic image
     Variant(
         "FedBiP-L (10 z(T) per image)",
-        {"method": "fedbip", "multiplier": 1, "latents-per-image": 10},
+        {"method": "fedbip", "fedbip.multiplier": 1, "fedbip.latents-per-image": 10},
     ),
     # the Flower user's first one-shot try: feature mixtures of the frozen shipped backbone, no LDM
     Variant("FedPFT", {"method": "fedpft"}),
@@ -228,8 +246,8 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-S public start (2 z(T) per image)",
         {
             "method": "fedbip",
-            "multiplier": 1,
-            "latents-per-image": 2,
+            "fedbip.multiplier": 1,
+            "fedbip.latents-per-image": 2,
             "classifier-init": "pretrained",
         },
     ),
@@ -240,8 +258,8 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-mixture public start (2 z(T) per image)",
         {
             "method": "fedbip-mixture",
-            "multiplier": 1,
-            "latents-per-image": 2,
+            "fedbip-mixture.multiplier": 1,
+            "fedbip-mixture.latents-per-image": 2,
             "classifier-init": "pretrained",
         },
     ),
@@ -249,8 +267,8 @@ VARIANTS: tuple[Variant, ...] = (
         "FedBiP-L public start (10 z(T) per image)",
         {
             "method": "fedbip",
-            "multiplier": 1,
-            "latents-per-image": 10,
+            "fedbip.multiplier": 1,
+            "fedbip.latents-per-image": 10,
             "classifier-init": "pretrained",
         },
     ),
@@ -333,6 +351,10 @@ DOMIAS_REFERENCE_PER_CLASS = 50
 NON_MEMBER_CLIENT = 1  # the shapes world's second client of a domain: images no client here holds
 
 
+FEDBIP_FAMILY = ("fedbip", "fedbip-mixture")  # the methods whose tables hold FedBiP's keys
+PASSES_OF_ONE_ZT = {"latents-per-image": 1, "multiplier": 2}
+
+
 def base_values(bench: Bench, seed: int) -> dict[str, Any]:
     """The run config every variant of a seed shares."""
     return {
@@ -345,11 +367,10 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
         # float32 classifiers: rows compare across machines and with seeds cached before the
         # half-precision default (the judges are float32 too)
         "classifier-precision": "float32",
-        # FedBiP-S / M / L are passes of one z(T) (rows set more), and the fresh-noise rows make
-        # as many images as FedBiP-S: pinned, so the default federation's own choice (2 z(T),
-        # 1 pass) leaves every row as cached
-        "latents-per-image": 1,
-        "multiplier": 2,
+        # FedBiP-S / M / L are passes of one z(T) (rows set more; the fresh-noise rows make as
+        # many images as FedBiP-S by their own default): pinned, so the default federation's
+        # own choice (2 z(T), 1 pass) leaves every row as cached
+        **{f"{m}.{k}": v for m in FEDBIP_FAMILY for k, v in PASSES_OF_ONE_ZT.items()},
         # the sampler every cached row was made with (PNDM on SD v1-x's leading grid): pinned, so
         # the default federation's own sampler leaves every row as cached
         "scheduler": "pndm",
@@ -410,7 +431,7 @@ def dataset_classes() -> list[str]:
 def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, Any]:
     """What one finished run shows: accuracy, bytes, seconds, fidelity, privacy."""
     record = read_results(folder.metrics)
-    cfg = FedBiPConfig.from_flat(record.config)
+    cfg = FedBiPConfig.from_recorded(record.config)
     result: dict[str, Any] = {
         "per_domain": record.accuracy.per_domain,
         "mean": record.accuracy.mean,
@@ -566,7 +587,8 @@ def membership_inference(
 def reconstructs_images(cfg: FedBiPConfig) -> bool:
     """Whether the server's synthetic rows are its reconstructions of given private images:
     FedBiP denoising uploaded z(T), each row from one private image."""
-    return cfg.method == "fedbip" and cfg.synthesis_start == "uploaded"
+    own = cfg.settings_of(cfg.method)
+    return isinstance(own, FedBiPSettings) and own.synthesis_start == "uploaded"
 
 
 def row_sources(client_id: str, n: int, cfg: FedBiPConfig, rows: int) -> torch.Tensor:
@@ -580,7 +602,7 @@ def row_sources(client_id: str, n: int, cfg: FedBiPConfig, rows: int) -> torch.T
             "the server's reconstructions are matched to their images by replaying the "
             "client's upload order: the run needs replayable-client-noise"
         )
-    uploaded = n * cfg.latents_per_image
+    uploaded = n * cfg.settings_of(cfg.method).latents_per_image
     if rows % uploaded:
         raise ValueError(
             f"{client_id}: {rows} synthetic images are not whole passes over {uploaded} z(T)"
@@ -1037,7 +1059,7 @@ is ResNet-18 ({cfg["classifier-init"]} init) trained for exactly {s.classifier_s
 runs as many rounds of {s.fedavg_local_epochs} local epochs as make {s.classifier_steps} steps
 summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
 {cfg["guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
-{cfg["concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
+{cfg["fedbip.concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
 Accuracy is mean ± sample std over seeds; seconds are means (client: one client's whole upload
 step; server: model load, synthesis, classifier), with the machine's mean load average while
 each ran (2 cores: above 2, the seconds are inflated by other work). Made with: the machine

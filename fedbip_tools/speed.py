@@ -320,23 +320,24 @@ def case_concept_project(args: argparse.Namespace, _name: str) -> dict:
 
     _torch_setup(args)
     torch, cfg, ldm, _data, _images, labels, z0, layout, t_max = concept_setup(args)
+    own = cfg.settings_of("fedbip")
 
     def one_epoch():
         return learn_concepts(
             ldm,
             layout,
-            cfg.concept_space,
+            own.concept_space,
             z0,
             labels,
             t_max,
             epochs=1,
-            batch_size=cfg.concept_batch_size,
-            lr=cfg.concept_lr,
+            batch_size=own.concept_batch_size,
+            lr=own.concept_lr,
             generator=torch.Generator().manual_seed(0),
         )
 
     seconds, _, _ = timed(one_epoch)
-    steps = -(-len(labels) // cfg.concept_batch_size)
+    steps = -(-len(labels) // own.concept_batch_size)
     return {
         "seconds_per_step": seconds / steps,
         "steps": steps,
@@ -350,6 +351,7 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
     AdamW, the VAE encoding the batch every step, every other row restored after each step."""
     _torch_setup(args)
     torch, cfg, ldm, data, images, labels, _z0, layout, t_max = concept_setup(args)
+    own = cfg.settings_of("fedbip")
     from fedbip_flwr.concepts import plain_prompt
 
     tokenizer, text, table = ldm.tokenizer, ldm.text_encoder, None
@@ -380,14 +382,14 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
         truncation=True,
         return_tensors="pt",
     ).input_ids
-    optimizer = torch.optim.AdamW([table.weight], lr=cfg.concept_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([table.weight], lr=own.concept_lr, weight_decay=0.0)
     scale = float(ldm.vae.config.scaling_factor)
     generator = torch.Generator().manual_seed(0)
     device, half = ldm.device, ldm.dtype == torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=half)
 
     def one_epoch():
-        for batch in torch.randperm(len(labels), generator=generator).split(cfg.concept_batch_size):
+        for batch in torch.randperm(len(labels), generator=generator).split(own.concept_batch_size):
             pixels = images[batch].to(device, ldm.dtype)
             z0 = ldm.vae.encode(pixels).latent_dist.sample(generator) * scale
             noise = torch.randn(z0.shape, generator=generator).to(device, z0.dtype)
@@ -405,7 +407,7 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
                 table.weight[keep] = original[keep]
 
     seconds, _, _ = timed(one_epoch)
-    steps = -(-len(labels) // cfg.concept_batch_size)
+    steps = -(-len(labels) // own.concept_batch_size)
     return {
         "seconds_per_step": seconds / steps,
         "steps": steps,

@@ -61,11 +61,11 @@ def child(args: argparse.Namespace) -> None:
     )
     flat.update(
         {
-            "concept-epochs": 0,
+            "fedbip.concept-epochs": 0,
             "num-inference-steps": args.steps,
             "guidance-scale": args.guidance,
             "classifier-epochs": args.epochs,
-            "multiplier": args.multiplier,
+            "fedbip.multiplier": args.multiplier,
             "replayable-client-noise": True,
         }
     )

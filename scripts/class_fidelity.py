@@ -55,7 +55,7 @@ def main() -> None:
     model = judge(args.seed)
     held_out = [shapes.test_set(d, 30, seed=args.seed) for d in JUDGE_DOMAINS]
     real_acc = {s.domain: evaluate(model, s.images, s.labels, 64).accuracy for s in held_out}
-    settings = SynthesisSettings(1, args.steps, args.guidance, 0.0, 48)
+    settings = SynthesisSettings(args.steps, args.guidance, 48)
     generator = torch.Generator().manual_seed(args.seed)
     results, rows = {}, []
     for domain in shapes.DOMAINS:

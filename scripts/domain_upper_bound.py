@@ -93,6 +93,7 @@ from fedbip_flwr.concepts import (
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import load_for_run
+from fedbip_flwr.methods.fedbip import fedbip_settings
 from fedbip_flwr.storage import read_tensors, write_tensors
 from fedbip_flwr.synthesis import SynthesisSettings, decode_latents, encode_texts, iter_from_noise
 from fedbip_flwr.viz import dequantize, image_grid, quantize
@@ -293,8 +294,8 @@ def write_grid(
     entry, cache = out["domains"][args.domain], args.cache / args.domain
     classes, steps = len(client.classes), entry["default_budget_steps"]
     best = best_snapshot(entry)
-    default_key = next((k for k, r in entry.get("runs", {}).items() if r["vectors"] == "S+V" and r["lr"] == cfg.concept_lr
-                        and r["space"] == cfg.concept_space and r["t_min"] == 1 and str(steps) in r["snapshots"]), None)  # fmt: skip
+    default_key = next((k for k, r in entry.get("runs", {}).items() if r["vectors"] == "S+V" and r["lr"] == fedbip_settings(cfg).concept_lr
+                        and r["space"] == fedbip_settings(cfg).concept_space and r["t_min"] == 1 and str(steps) in r["snapshots"]), None)  # fmt: skip
     chosen = pick(client.labels, classes, 8)
     syn_chosen = pick(
         torch.arange(classes).repeat_interleave(out["sampler"]["per_class"]), classes, 8
@@ -323,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = FedBiPConfig.from_flat(project_run_config())
-    space = args.space or cfg.concept_space
+    space = args.space or fedbip_settings(cfg).concept_space
     settings = SynthesisSettings.from_config(cfg)
     ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size,
                        channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)  # fmt: skip
@@ -340,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     classes, names = len(client.classes), list(client.classes)
     z0 = encode_images(ldm.vae, client.images, cfg.vae_batch_size)
     labels = client.labels
-    steps_per_epoch = math.ceil(len(z0) / cfg.concept_batch_size)
-    default_steps = cfg.concept_epochs * steps_per_epoch
+    steps_per_epoch = math.ceil(len(z0) / fedbip_settings(cfg).concept_batch_size)
+    default_steps = fedbip_settings(cfg).concept_epochs * steps_per_epoch
     draws = loss_draws(z0, timestep, args.loss_repeats, args.seed + 1)
     syn_labels = torch.arange(classes).repeat_interleave(args.per_class)
     cache = args.cache / args.domain
@@ -465,14 +466,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_before = os.getloadavg()[0]
             began = time.perf_counter()
             learned, curve = optimise_embeddings(
-                ldm, starts, snaps, z0.shape, timestep, scale, epochs=epochs, batch_size=cfg.concept_batch_size,
+                ldm, starts, snaps, z0.shape, timestep, scale, epochs=epochs, batch_size=fedbip_settings(cfg).concept_batch_size,
                 lr=lr, generator=torch.Generator().manual_seed(args.seed), on_epoch=progress,
             )  # fmt: skip
             seconds = time.perf_counter() - began
             snaps.taken[total] = (learned, seconds)
             run: dict[str, Any] = {
                 "vectors": VECTORS[vectors], "lr": lr, "space": space, "t_min": args.t_min, "t_max": timestep,
-                "steps": total, "epochs": epochs, "batch_size": cfg.concept_batch_size,
+                "steps": total, "epochs": epochs, "batch_size": fedbip_settings(cfg).concept_batch_size,
                 "seconds": round(seconds, 1), "steps_per_second": round(total / seconds, 2),
                 "load_average_before": round(load_before, 2), "load_average_after": round(os.getloadavg()[0], 2),
                 "loss_curve": [round(x, 5) for x in curve],

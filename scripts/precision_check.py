@@ -43,7 +43,7 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
     """First pass of every client in float32 and half precision: seconds, differences, judges."""
     made: dict[bool, dict[str, torch.Tensor]] = {}
     for half in (False, True):
-        cfg = FedBiPConfig.from_flat({**flat, "half-precision": half, "multiplier": 1})
+        cfg = FedBiPConfig.from_recorded({**flat, "half-precision": half, "fedbip.multiplier": 1})
         ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
         job = ServerJob(cfg, dataset.class_names(cfg.data), lambda ldm=ldm: ldm)
         method = methods.one_shot_for(cfg)

@@ -17,7 +17,7 @@ import torch
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods.fedbip import personalize, synthesize_client
+from fedbip_flwr.methods.fedbip import fedbip_settings, personalize, synthesize_client
 from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_flwr.viz import image_grid
 
@@ -35,8 +35,13 @@ def main() -> None:
         rows.append(data.images[picked])
         labels.append(f"{domain}: real")
         for template in TEMPLATES:
-            cfg = FedBiPConfig(
-                model=MODEL, concept_epochs=0, prompt_template=template, multiplier=1
+            cfg = FedBiPConfig.from_flat(
+                {
+                    "model": MODEL,
+                    "prompt-template": template,
+                    "fedbip.concept-epochs": 0,
+                    "fedbip.multiplier": 1,
+                }
             )
             payload, _ = personalize(
                 ldm,
@@ -49,7 +54,9 @@ def main() -> None:
                 torch.Generator().manual_seed(1),
             )
             rows.append(
-                synthesize_client(ldm, payload, SynthesisSettings.from_config(cfg), seed=1).images
+                synthesize_client(
+                    ldm, payload, SynthesisSettings.from_config(cfg), fedbip_settings(cfg), seed=1
+                ).images
             )
             labels.append(template.replace("{", "[").replace("}", "]"))
     out = image_grid(

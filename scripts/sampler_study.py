@@ -71,7 +71,7 @@ from fedbip_flwr.instance import personalize_instances
 from fedbip_flwr.ldm import LDM, load_for_run, select_device
 from fedbip_flwr.logs import setup_logging
 from fedbip_flwr.methods import ClientJob, ServerJob, Upload
-from fedbip_flwr.methods.fedbip import LATENT_DTYPES, personalize
+from fedbip_flwr.methods.fedbip import LATENT_DTYPES, fedbip_settings, personalize
 from fedbip_flwr.payload import Payload, encode_payload
 from fedbip_flwr.sampler import SchedulerName
 from fedbip_flwr.seeds import client_seed
@@ -147,7 +147,7 @@ def learn_payloads(
 
 def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Payload:
     """``base`` with its z(T) made again at ``cfg``'s sampler's T from the client's own draws."""
-    sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
+    sampler, own = SynthesisSettings.from_config(cfg).sampler(ldm), fedbip_settings(cfg)
     timestep = sampler.first_timestep(cfg.start_timestep)
     instances = personalize_instances(
         ldm.vae,
@@ -155,11 +155,11 @@ def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Pay
         data.images,
         data.labels,
         timestep,
-        gamma_mean=cfg.gamma_mean,
-        gamma_std=cfg.gamma_std,
+        gamma_mean=own.gamma_mean,
+        gamma_std=own.gamma_std,
         generator=client_noise(cfg, data.client_id),
         vae_batch_size=cfg.vae_batch_size,
-        draws=cfg.latents_per_image,
+        draws=own.latents_per_image,
     )
     meta = base.meta.model_copy(
         update={
@@ -170,7 +170,7 @@ def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Pay
     )
     return dataclasses.replace(
         base,
-        latents=instances.zT.to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
+        latents=instances.zT.to(LATENT_DTYPES[own.latent_dtype]).contiguous(),
         labels=instances.zT_labels.to(torch.int64),
         meta=meta,
     )

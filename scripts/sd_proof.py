@@ -61,11 +61,11 @@ RUN_CONFIG = {
     "n-s": "1",
     "n-v": "1",
     "image-size": "512",
-    "concept-epochs": "1",
-    "concept-batch-size": "2",
+    "fedbip.concept-epochs": "1",
+    "fedbip.concept-batch-size": "2",
     "num-inference-steps": "3",
     "guidance-scale": "7.5",
-    "multiplier": "1",
+    "fedbip.multiplier": "1",
     "vae-batch-size": "2",
     "synthesis-batch-size": "2",
     "classifier-init": '"random"',
@@ -256,7 +256,7 @@ def server_windows(seconds: Seconds) -> dict[str, float]:
 SIMULATION_CONF = ROOT / "conf" / "sd-v1-4-gpu.toml"
 SIMULATION_FEDERATION = "num-supernodes=3 client-resources-num-gpus=0.3"  # the README's
 SIMULATION_RUN_CONFIG = {  # over SIMULATION_CONF: a few minutes, random weights, offline
-    "concept-epochs": 1,
+    "fedbip.concept-epochs": 1,
     "num-inference-steps": 10,
     "classifier-init": "random",  # ImageNet's weights cannot be downloaded offline
     "classifier-epochs": 1,

@@ -51,7 +51,7 @@ from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
 from fedbip_flwr.ldm import LDM, load_for_run
 from fedbip_flwr.methods.base import ClientJob, ServerJob
-from fedbip_flwr.methods.fedbip import personalize
+from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
 from fedbip_flwr.methods.fedpft import fit_class_mixtures
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture, fit_mixture, from_tensors
@@ -214,13 +214,14 @@ def concept_attacks(
     """The loss-ratio test on each client's learned concepts at the run's budget (``replicates``
     clients per domain) and overfitted (the positive control, one client per domain), into
     ``results[domain]["64px/concepts/shots=S/epochs=E"]``."""
-    budgets = [(cfg.shots_per_class, cfg.concept_epochs, args.replicates)]
+    own = fedbip_settings(cfg)
+    budgets = [(cfg.shots_per_class, own.concept_epochs, args.replicates)]
     if args.overfit_shots:
         budgets.append((args.overfit_shots, args.overfit_epochs, 1))
     settings = SynthesisSettings.from_config(cfg)
     for domain in domains:
         for shots, epochs, replicates in budgets:
-            run = cfg.model_copy(update={"concept_epochs": epochs})
+            budget = own.model_copy(update={"concept_epochs": epochs})
             unseen = shapes.test_set(domain, shots * replicates, seed=cfg.seed, size=cfg.image_size)
             members, non_members, losses = [], [], []
             for r in tqdm(range(replicates), desc=f"concepts {domain} {shots}x{epochs}"):
@@ -235,8 +236,9 @@ def concept_attacks(
                     list(client.classes),
                     domain,
                     f"{domain}-{r}",
-                    run,
+                    cfg,
                     generator,
+                    budget,
                 )
                 concepts = payload.concepts
                 layout = concept_layout(ldm, concepts, settings)
@@ -500,11 +502,12 @@ def main() -> None:
     large_ts = args.large_timesteps or sorted(
         {999, Sampler.create("pndm", sd, 25, "leading").first_timestep()}, reverse=True
     )
-    draws = sorted({cfg.latents_per_image, *args.draws})
+    fedbip = fedbip_settings(cfg)
+    draws = sorted({fedbip.latents_per_image, *args.draws})
     mixture_kinds = [kind for kind in args.kinds if kind in MIXTURE_KINDS]
     # fedbip-mixture fits FedBiP's mixed pairs; FedLD plain z(T) of each image (no partner)
     mixing = {
-        "fedbip-mixture": {"gamma_mean": cfg.gamma_mean, "gamma_std": cfg.gamma_std},
+        "fedbip-mixture": {"gamma_mean": fedbip.gamma_mean, "gamma_std": fedbip.gamma_std},
         "fedld": {"gamma_mean": 1.0, "gamma_std": 0.0},
     }
     domains = args.domains or cfg.domain_list
@@ -590,7 +593,7 @@ def main() -> None:
                                 len(client),
                                 k,
                                 a,
-                                (cfg.gamma_mean, cfg.gamma_std),
+                                (fedbip.gamma_mean, fedbip.gamma_std),
                                 prior,
                                 generator,
                             )

@@ -27,6 +27,7 @@ from fedbip_flwr import dataset, shapes
 from fedbip_flwr.concepts import diffusion_loss, initial_concepts, loss_scaler, prompt_layout
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM
+from fedbip_flwr.method_settings import MethodSettings
 from fedbip_flwr.methods import ClientJob, ServerJob, create
 from fedbip_flwr.methods.base import decode_upload
 from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, Plausibility, encode_payload
@@ -174,9 +175,11 @@ SMALL = {
     "test-per-class": 4,
     "image-size": 32,
     "classifier-image-size": 32,
-    "concept-epochs": 2,
+    "fedbip.concept-epochs": 2,
+    "fedbip-mixture.concept-epochs": 2,
     "num-inference-steps": 4,
-    "multiplier": 1,
+    "fedbip.multiplier": 1,
+    "fedbip-mixture.multiplier": 1,
     "classifier-epochs": 2,
     "run-name": '"e2e"',
     "replayable-client-noise": "true",  # simulation opt-in: lets tests recompute payloads
@@ -199,13 +202,15 @@ METHOD_CFG = {
     "image-size": 32,
     "classifier-image-size": 32,
     "num-inference-steps": 4,
-    "multiplier": 2,
+    "fedbip.multiplier": 2,
+    "fedbip-mixture.multiplier": 2,
     "local.epochs": 1,
     "fedlmg.local-epochs": 1,
     "espresso.epochs": 1,
     "classifier-epochs": 1,
     "shots-per-class": 2,
-    "concept-epochs": 1,
+    "fedbip.concept-epochs": 1,
+    "fedbip-mixture.concept-epochs": 1,
     "replayable-client-noise": True,
     "classifier-init": "random",
 }
@@ -226,6 +231,11 @@ ONE_SHOT = (
 
 def method_config(method: str, **values) -> FedBiPConfig:
     return FedBiPConfig.from_flat({**METHOD_CFG, "method": method, **values})
+
+
+def own(cfg: FedBiPConfig) -> MethodSettings:
+    """The run's settings of its own method (its table)."""
+    return cfg.settings_of(cfg.method)
 
 
 def client_job(cfg: FedBiPConfig, ldm, partition: int = 0) -> ClientJob:

@@ -272,7 +272,7 @@ def one_seed(tmp_path_factory, tiny_model_dir):
             "test-per-class": 2,
             "num-inference-steps": 4,
             "guidance-scale": 2.0,
-            "concept-epochs": 1,
+            "fedbip.concept-epochs": 1,
             "classifier-init": "random",
             "synthesis-batch-size": 16,
         },

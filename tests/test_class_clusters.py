@@ -12,20 +12,20 @@ from fedbip_flwr.methods import audit_upload, create_for
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.upload import PayloadError
-from tests.helpers import client_job, method_config, server_job, tampered
+from tests.helpers import client_job, method_config, own, server_job, tampered
 
 J = 3
 
 
 def upload_of(method: str, ldm, **values):
-    cfg = method_config(method, **{"class-clusters": J, "shots-per-class": 4, **values})
+    cfg = method_config(method, **{f"{method}.class-clusters": J, "shots-per-class": 4, **values})
     job = client_job(cfg, ldm)
     blob, _ = create_for(cfg).upload(job)
     return cfg, job, blob
 
 
 def test_one_concept_per_sub_cluster_and_each_z_t_tagged_with_its_images(tiny_ldm):
-    cfg, job, blob = upload_of("fedbip", tiny_ldm, **{"latents-per-image": 2})
+    cfg, job, blob = upload_of("fedbip", tiny_ldm, **{"fedbip.latents-per-image": 2})
     upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     payload, classes = upload.content, len(job.data.classes)
     assert payload.meta.class_clusters == J and payload.class_concepts.shape[0] == classes * J
@@ -40,7 +40,7 @@ def test_one_concept_per_sub_cluster_and_each_z_t_tagged_with_its_images(tiny_ld
     layout = prompt_layout(
         tiny_ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, job.data.domain, names
     )
-    _, v0 = initial_concepts(tiny_ldm, layout, cfg.concept_space)
+    _, v0 = initial_concepts(tiny_ldm, layout, own(cfg).concept_space)
     assert ((payload.class_concepts - v0).flatten(1).abs().amax(1) > 0).all()
     assert "latent_clusters" in audit_upload(blob, 2**30).tensors
 
@@ -99,7 +99,7 @@ def test_the_mixture_mode_draws_among_the_learned_sub_cluster_concepts(tiny_ldm,
     labels = torch.cat([read_tensors(p)["labels"] for p in shards[upload.client_id]])
     assert torch.equal(
         torch.bincount(labels),
-        torch.bincount(job.data.labels) * cfg.latents_per_image * cfg.multiplier,
+        torch.bincount(job.data.labels) * own(cfg).latents_per_image * own(cfg).multiplier,
     )
     other = method_config("fedbip-mixture", **{"shots-per-class": 4})
     with pytest.raises(PayloadError, match="class_clusters 3 does not match the server's 1"):

@@ -236,7 +236,7 @@ def test_personalize_writes_what_inspect_and_the_server_accept(
     data = shapes.write_image_folder(tmp_path / "data", "quickdraw", 2, 1, size=32)
     run_config = (
         f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '
-        f'model="{tiny_model_dir}" image-size=32 concept-epochs=1 num-inference-steps=4'
+        f'model="{tiny_model_dir}" image-size=32 fedbip.concept-epochs=1 num-inference-steps=4'
     )
     out = tmp_path / "upload.safetensors"
     made = subprocess.run(
@@ -279,18 +279,18 @@ def test_personalize_writes_what_inspect_and_the_server_accept(
             "classes": ",".join(shapes.CLASSES),
             "model": str(tiny_model_dir),
             "image-size": 32,
-            "concept-epochs": 1,
+            "fedbip.concept-epochs": 1,
             "num-inference-steps": 4,
         }
     )
-    ldm = load_ldm(tiny_model_dir)
-    payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list))
+    ldm, fedbip = load_ldm(tiny_model_dir), cfg.settings_of("fedbip")
+    payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list, fedbip))
     # 12 images, each as the federation's latents-per-image independent z(T) (default 2)
     assert (payload.meta.domain, payload.meta.num_examples) == (
         "quickdraw",
-        12 * cfg.latents_per_image,
+        12 * fedbip.latents_per_image,
     )
-    assert cfg.latents_per_image == 2
+    assert fedbip.latents_per_image == 2
 
 
 def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> None:

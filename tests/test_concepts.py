@@ -224,11 +224,11 @@ def test_adapted_concepts_round_trip_through_server_checks(tiny_ldm):
         PayloadError, match="class concept of 'circle' does not use exactly its first 2"
     ):
         decode_payload(encode_payload(payload), expect(2))
-    settings = SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=1)
+    settings = SynthesisSettings(10, 1.0, 6, n_v=1)
     rebuilt = concept_layout(tiny_ldm, payload.concepts, settings)
     assert torch.equal(rebuilt.input_ids, layout.input_ids)
     with pytest.raises(PayloadError, match="'circle'"):
-        concept_layout(tiny_ldm, payload.concepts, SynthesisSettings(1, 10, 1.0, 0.0, 6, n_v=3))
+        concept_layout(tiny_ldm, payload.concepts, SynthesisSettings(10, 1.0, 6, n_v=3))
 
 
 def test_v_prediction_model_trains_against_the_velocity(tmp_path):

@@ -9,7 +9,7 @@ import tomllib
 from flwr.common.config import flatten_dict, parse_config_args
 
 from fedbip_flwr.config import SD_V1_4, ConfigError, FedBiPConfig
-from fedbip_flwr.method_settings import METHOD_SETTINGS
+from fedbip_flwr.method_settings import METHOD_SETTINGS, FedBiPSettings, FreshNoiseSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 # The app's run config as pyproject.toml lists it: what flwr merges every --run-config over.
@@ -72,7 +72,8 @@ def test_every_paper_setting_has_a_documented_conf_file():
         )
         if beta is not None:
             assert cfg.dirichlet_beta == beta
-        assert (cfg.model, cfg.image_size, cfg.concept_epochs, cfg.num_inference_steps) == (
+        fedbip = cfg.settings_of("fedbip")
+        assert (cfg.model, cfg.image_size, fedbip.concept_epochs, cfg.num_inference_steps) == (
             SD_V1_4,
             512,
             50,
@@ -104,24 +105,25 @@ def test_stable_diffusion_confs_run_the_peers_with_their_papers_settings():
 
 def test_paper_defaults():
     cfg = FedBiPConfig()
-    assert (cfg.gamma_mean, cfg.gamma_std, cfg.eta_std) == (0.5, 0.1, 0.1)
-    assert (cfg.concept_lr, cfg.concept_epochs, cfg.concept_batch_size) == (0.1, 50, 8)
+    fedbip = cfg.settings_of("fedbip")
+    assert (fedbip.gamma_mean, fedbip.gamma_std, fedbip.eta_std) == (0.5, 0.1, 0.1)
+    assert (fedbip.concept_lr, fedbip.concept_epochs, fedbip.concept_batch_size) == (0.1, 50, 8)
     assert (cfg.classifier_lr, cfg.classifier_momentum, cfg.classifier_batch_size) == (
         0.01,
         0.9,
         64,
     )
-    assert (cfg.num_inference_steps, cfg.guidance_scale, cfg.multiplier) == (50, 7.5, 2)
+    assert (cfg.num_inference_steps, cfg.guidance_scale, fedbip.multiplier) == (50, 7.5, 2)
 
 
 @pytest.mark.parametrize(
     ("flat", "needle"),
     [
         ({"concept-lrr": 0.1}, "'concept-lrr': Extra inputs are not permitted"),
-        ({"multiplier": 0}, "'multiplier'"),
-        ({"concept-space": "pixels"}, "'concept-space'"),
+        ({"fedbip.multiplier": 0}, "'fedbip.multiplier'"),
+        ({"fedbip.concept-space": "pixels"}, "'fedbip.concept-space'"),
         ({"prompt-template": "a {V}"}, "{S} exactly once"),
-        ({"gamma-mean": 1.5}, "'gamma-mean'"),
+        ({"fedbip.gamma-mean": 1.5}, "'fedbip.gamma-mean'"),
         (
             {"max-images-per-client": 0},
             "'max-images-per-client': Input should be greater than or equal to 1",
@@ -183,6 +185,26 @@ def test_every_method_has_its_own_table_in_pyproject_and_nowhere_else():
     assert shared == FedBiPConfig.keys() - {"method-settings"}
 
 
+def test_the_shared_keys_are_no_methods_and_fedbips_family_shares_its_defaults():
+    """A key is either the run's (data, model, sampler, classifier, federation) or a method's
+    own: no method's table repeats a top-level key but FedLMG's guidance scale, its paper's
+    own value for its classifier-guided sampler. fedbip-mixture runs FedBiP's client step
+    under the same shipped values as fedbip, and the sampling methods make by default as many
+    images per private image as the default FedBiP (2 z(T) x 1 pass)."""
+    method_keys = set().union(*(model.keys() for model in METHOD_SETTINGS.values()))
+    assert method_keys & FedBiPConfig.keys() == {"guidance-scale"}
+    assert METHOD_SETTINGS["fedlmg"].keys() & FedBiPConfig.keys() == {"guidance-scale"}
+    cfg = FedBiPConfig.from_flat(PYPROJECT_CONFIG)
+    fedbip, mixture = cfg.settings_of("fedbip"), cfg.settings_of("fedbip-mixture")
+    assert {
+        k: getattr(mixture, k) for k in FedBiPSettings.model_fields if k != "synthesis_start"
+    } == {k: getattr(fedbip, k) for k in FedBiPSettings.model_fields if k != "synthesis_start"}
+    for name, model in METHOD_SETTINGS.items():
+        if issubclass(model, FreshNoiseSettings):
+            own = cfg.settings_of(name)
+            assert own.images_per_image == fedbip.latents_per_image * fedbip.multiplier, name
+
+
 def test_a_method_table_reaches_that_method_and_round_trips():
     cfg = FedBiPConfig.from_flat(
         {**PYPROJECT_CONFIG, "method": "fedlmg", "fedlmg.batch-size": 4, "fedlmg.global": "sd"}
@@ -206,7 +228,21 @@ def test_a_method_table_reaches_that_method_and_round_trips():
             {"fedbip.captioner": "x"},
             "'fedbip.captioner' belongs to method oscar: set 'oscar.captioner'",
         ),
-        ({"oscar.concept-lr": 0.1}, "'concept-lr' is a shared key: set it without 'oscar.'"),
+        ({"oscar.image-size": 64}, "'image-size' is a shared key: set it without 'oscar.'"),
+        (
+            {"concept-epochs": 5},
+            "'concept-epochs' is method fedbip's setting (also fedbip-mixture's): set "
+            "'fedbip.concept-epochs' (TOML table [tool.flwr.app.config.fedbip])",
+        ),
+        (
+            {"method": "fedbip-mixture", "multiplier": 1},
+            "set 'fedbip-mixture.multiplier'",
+        ),
+        (
+            {"method": "oscar", "images-per-class": 3},
+            "set 'oscar.images-per-class'",
+        ),
+        ({"oscar.concept-lr": 0.1}, "'oscar.concept-lr' belongs to method fedbip"),
         ({"nope.x": 1}, "no method is named 'nope'"),
         ({"local.epochs": 0}, "'local.epochs': Input should be greater than or equal to 1"),
         ({"fedlmg.prompt": "a cat"}, "'fedlmg.prompt': must contain {class} exactly once"),

@@ -20,7 +20,7 @@ import torch
 from fedbip_flwr import dataset
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods import ClientJob, ServerJob, create
+from fedbip_flwr.methods import ClientJob, ServerJob, create_for
 from fedbip_flwr.server import RunFolder, evaluate_models, train_global
 
 pytestmark = pytest.mark.long(minutes=7)
@@ -35,20 +35,23 @@ BATCH = 32
 
 
 def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
-    cfg = FedBiPConfig(
-        method=method,
-        domains="sketch,quickdraw",
-        shots_per_class=8,
-        test_per_class=20,
-        num_inference_steps=10,
-        guidance_scale=4.0,
-        concept_epochs=2,
-        multiplier=1,
-        classifier_init="random",
-        classifier_steps=SGD_STEPS,
-        classifier_batch_size=BATCH,
-        seed=seed,
-        replayable_client_noise=True,
+    # one synthetic image per private image for both (FedBiP: 1 z(T), 1 pass)
+    own = {"fedbip.concept-epochs": 2, "fedbip.multiplier": 1, "prompts-only.images-per-image": 1}
+    cfg = FedBiPConfig.from_flat(
+        {
+            "method": method,
+            "domains": "sketch,quickdraw",
+            "shots-per-class": 8,
+            "test-per-class": 20,
+            "num-inference-steps": 10,
+            "guidance-scale": 4.0,
+            "classifier-init": "random",
+            "classifier-steps": SGD_STEPS,
+            "classifier-batch-size": BATCH,
+            "seed": seed,
+            "replayable-client-noise": True,
+            **own,
+        }
     )
     server = ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
     uploads = {}
@@ -57,10 +60,10 @@ def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
         job = ClientJob(
             cfg, data, torch.Generator().manual_seed(seed * 10 + partition), lambda: ldm
         )
-        upload = create(method).accept(create(method).upload(job)[0], server)
+        upload = create_for(cfg).accept(create_for(cfg).upload(job)[0], server)
         uploads[upload.client_id] = upload
     folder = RunFolder(out / f"{method}-{seed}")
-    shards = create(method).train_set(uploads, server, folder.shard_path)
+    shards = create_for(cfg).train_set(uploads, server, folder.shard_path)
     model, _ = train_global(cfg, shards, server.class_names, folder, "cpu")
     tests = {
         d: (s.images, s.labels)

@@ -49,7 +49,7 @@ CFG = {
     "replayable-client-noise": True,
     "classifier-init": "random",
     "method": "fedlmg",
-    "images-per-class": 1,
+    "fedlmg.images-per-class": 1,
     "fedlmg.noise-edits": 1,
 }
 
@@ -262,11 +262,11 @@ def test_guided_sampling_lowers_the_guidance_loss_of_the_images_it_makes(tiny_ld
 
 def test_train_set_is_one_keyed_resumable_shard_per_client(tiny_ldm, tmp_path):
     cfg = config()
-    server = server_job(cfg, tiny_ldm)
+    server, method = server_job(cfg, tiny_ldm), create_for(cfg)
     blob, _ = upload_of(cfg, tiny_ldm)
-    upload = create("fedlmg").accept(blob, server)
+    upload = method.accept(blob, server)
     shard_path = RunFolder(tmp_path).shard_path
-    (path,) = create("fedlmg").train_set({upload.client_id: upload}, server, shard_path)[
+    (path,) = method.train_set({upload.client_id: upload}, server, shard_path)[
         upload.client_id
     ]
     stored = ShardImages([path], 32)
@@ -276,10 +276,10 @@ def test_train_set_is_one_keyed_resumable_shard_per_client(tiny_ldm, tmp_path):
         == torch.repeat_interleave(torch.arange(6), (counts > 0).long()).tolist()
     )
     key, made = read_metadata(path)["fedbip.shard-key"], path.stat().st_mtime_ns
-    create("fedlmg").train_set({upload.client_id: upload}, server, shard_path)
+    method.train_set({upload.client_id: upload}, server, shard_path)
     assert path.stat().st_mtime_ns == made, "reused, not redone"
-    other = create("fedlmg").accept(upload_of(cfg, tiny_ldm, partition=2)[0], server)
-    moved = create("fedlmg").train_set(
+    other = method.accept(upload_of(cfg, tiny_ldm, partition=2)[0], server)
+    moved = method.train_set(
         {upload.client_id: dataclasses.replace(other, meta=upload.meta)}, server, shard_path
     )
     assert read_metadata(moved[upload.client_id][0])["fedbip.shard-key"] != key, (

@@ -87,7 +87,7 @@ def test_run_completes_and_writes_outputs(e2e_run):
     assert 0 < record.started_unix <= (folder / results.FILE_NAME).stat().st_mtime
     accepted = [c for c in record.clients if c.status == "accepted"]
     assert len(accepted) == 3 and all(c.payload_bytes > 0 for c in accepted)
-    assert record.config["concept-epochs"] == 2
+    assert record.config["fedbip.concept-epochs"] == 2
     assert results.read_clients(folder / "clients.json") == record.clients
     assert (folder / "classifier.safetensors").stat().st_size > 1_000_000
     assert sorted(p.name for p in folder.glob("grid-*.png")) == [
@@ -132,7 +132,7 @@ def test_institutions_score_the_classifier_they_get_back(e2e_run):
 def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_dir):
     """Plain safetensors reads them, and a local recomputation gives the same tensors."""
     cfg = FedBiPConfig.from_flat(results.read(e2e_run["folder"]).config)
-    assert cfg.latents_per_image == 2, "the default federation's"
+    assert cfg.settings_of("fedbip").latents_per_image == 2, "the default federation's"
     ldm = load_ldm(tiny_model_dir)
     for domain in ("sketch", "quickdraw", "painting"):
         path = e2e_run["folder"] / "payloads" / f"{domain}-0.safetensors"

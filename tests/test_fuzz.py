@@ -612,10 +612,10 @@ def test_bad_run_config_fails_the_run_with_one_sentence(tmp_path, foreign_app):
     out, home = tmp_path / "out", tmp_path / "home"
     out.mkdir()
     status, log = run_to_end(
-        home, as_run_config({"concept-lr": -1, "output-dir": f'"{out}"'}), foreign_app
+        home, as_run_config({"fedbip.concept-lr": -1, "output-dir": f'"{out}"'}), foreign_app
     )
     assert status == "finished:failed"
-    sentence = "Invalid FedBiP run config: 'concept-lr': Input should be greater than 0."
+    sentence = "Invalid FedBiP run config: 'fedbip.concept-lr': Input should be greater than 0."
     errors = [line for line in log.splitlines() if line.startswith("fedbip_flwr.flat.ConfigError")]
     assert errors == [f"fedbip_flwr.flat.ConfigError: {sentence}"], log[-4000:]
     assert received(out) == [], "no client is contacted under a bad config"

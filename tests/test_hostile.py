@@ -94,12 +94,12 @@ def test_more_components_than_stated_are_refused(tiny_ldm):
     assert "components need" in reason, reason
 
 
-@pytest.mark.parametrize("method", ["fedld", "fedbip-mixture"])
+@pytest.mark.parametrize("method", ["fedld", "espresso"])
 def test_classes_claimed_empty_are_checked_when_the_server_synthesizes_them(method, tiny_ldm):
     """With images-per-class > 0 the server draws every class, held or not: a class the upload
     says it holds no image of, with its means moved by +50, is refused; at images-per-class 0
     it is never drawn, so it costs nothing and is taken."""
-    cfg, blob = upload_of(method, tiny_ldm, **{"images-per-class": 2})
+    cfg, blob = upload_of(method, tiny_ldm, **{f"{method}.images-per-class": 2})
 
     def empty_and_shifted(tensors, _meta):
         counts = tensors["class_counts"].clone()
@@ -111,7 +111,7 @@ def test_classes_claimed_empty_are_checked_when_the_server_synthesizes_them(meth
 
     lie = tampered(blob, method, cfg, empty_and_shifted)
     assert "class 1, component 0" in refusal(cfg, lie, tiny_ldm)
-    unused = method_config(method, **{"images-per-class": 0})
+    unused = method_config(method, **{f"{method}.images-per-class": 0})
     create_for(unused).accept(lie, server_job(unused, tiny_ldm))
 
 

@@ -15,7 +15,7 @@ from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_TENSOR_NAMES, MIXTURE_VAR
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.upload import PayloadError
-from tests.helpers import client_job, method_config, server_job, tampered
+from tests.helpers import client_job, method_config, own, server_job, tampered
 
 METHODS = ("fedld", "fedbip-mixture", "espresso")
 
@@ -30,7 +30,9 @@ def upload_of(method: str, ldm, **values):
 def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(
     method, tiny_ldm, tmp_path
 ):
-    cfg, blob, metrics = upload_of(method, tiny_ldm, **{"latents-per-image": 2})
+    mixing = method == "fedbip-mixture"  # 2 z(T) per image; FedLD, Espresso: noisings = 2
+    values = {"fedbip-mixture.latents-per-image": 2} if mixing else {}
+    cfg, blob, metrics = upload_of(method, tiny_ldm, **values)
     audited = audit_upload(blob, 2**30)
     n = audited.meta.num_examples
     assert set(MIXTURE_TENSOR_NAMES) <= set(audited.tensors)
@@ -45,11 +47,13 @@ def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(
     )
     labels = torch.cat([read_tensors(p)["labels"] for p in shards[upload.client_id]])
     counts = upload.tensors["class_counts"]
-    # as many images per class as FedBiP makes from this client: count x z(T) per image x passes
-    assert (
-        torch.bincount(labels, minlength=len(counts)).tolist()
-        == (counts * 2 * cfg.multiplier).tolist()
+    # the mixture mode: as many images per class as FedBiP makes from this client (count x z(T)
+    # per image x passes); the others: their images-per-image x count
+    settings = own(cfg)
+    per_image = (
+        settings.latents_per_image * settings.multiplier if mixing else settings.images_per_image
     )
+    assert torch.bincount(labels, minlength=len(counts)).tolist() == (counts * per_image).tolist()
     again = create_for(cfg).train_set(
         {upload.client_id: upload}, server_job(cfg, tiny_ldm), folder.shard_path
     )
@@ -226,7 +230,7 @@ def test_a_private_fedbip_mixture_upload_states_one_guarantee_for_all_it_holds(p
         meta.class_names,
         warn=False,
     )
-    s0, v0 = initial_concepts(ldm, layout, cfg.concept_space)
+    s0, v0 = initial_concepts(ldm, layout, own(cfg).concept_space)
     assert not torch.equal(concepts.domain_concept, s0) and not torch.equal(
         concepts.class_concepts, v0
     )
@@ -337,7 +341,10 @@ def test_fedbip_inspect_and_report_show_the_mixture_guarantee(private_mixture, t
 
 
 def test_private_concepts_need_one_concept_per_class(tiny_ldm):
-    cfg = method_config("fedbip-mixture", **{"fedbip-mixture.dp-epsilon": 4.0, "class-clusters": 2})
+    cfg = method_config(
+        "fedbip-mixture",
+        **{"fedbip-mixture.dp-epsilon": 4.0, "fedbip-mixture.class-clusters": 2},
+    )
     with pytest.raises(ValueError, match="needs class-clusters = 1"):
         create_for(cfg).upload(client_job(cfg, tiny_ldm))
 

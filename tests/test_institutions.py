@@ -32,7 +32,7 @@ def run_config(**values) -> FedBiPConfig:
             "dataset": "imagefolder",
             "classes": ",".join(RUN_CLASSES),
             "image-size": 32,
-            "concept-epochs": 1,
+            "fedbip.concept-epochs": 1,
             "num-inference-steps": 4,
             **values,
         }

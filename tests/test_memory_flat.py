@@ -39,14 +39,16 @@ from fedbip_flwr.synthesis import SynthesisSettings, draw_etas
 from fedbip_flwr.viz import quantize
 
 CLASSES = ["circle", "square", "star"]
-CFG = FedBiPConfig(
-    concept_epochs=0,
-    num_inference_steps=4,
-    image_size=32,
-    multiplier=2,
-    synthesis_batch_size=4,
-    vae_batch_size=3,
-    classifier_image_size=16,
+CFG = FedBiPConfig.from_flat(
+    {
+        "fedbip.concept-epochs": 0,
+        "num-inference-steps": 4,
+        "image-size": 32,
+        "fedbip.multiplier": 2,
+        "synthesis-batch-size": 4,
+        "vae-batch-size": 3,
+        "classifier-image-size": 16,
+    }
 )
 
 
@@ -75,7 +77,10 @@ def test_streamed_shard_is_the_whole_pass_saved_at_once(synthesized):
     ldm, payloads, folder, shards = synthesized
     payload = payloads["sketch-0"]
     settings = SynthesisSettings.from_config(CFG)
-    eta = draw_etas(payload.concepts, settings, client_seed(CFG.seed, "sketch-0"))[1]
+    own = CFG.settings_of("fedbip")
+    eta = draw_etas(
+        payload.concepts, own.multiplier, own.eta_std, client_seed(CFG.seed, "sketch-0")
+    )[1]
     whole = quantize(synthesize_pass(ldm, payload, settings, eta))
     stored = shards["sketch-0"][1].read_bytes()
     meta = read_tensors(shards["sketch-0"][1])

@@ -16,7 +16,7 @@ from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.method_settings import METHOD_SETTINGS
-from fedbip_flwr.methods import base, create
+from fedbip_flwr.methods import base, create, create_for
 from fedbip_flwr.methods.base import (
     class_counts,
     common_meta,
@@ -27,6 +27,7 @@ from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.upload import PayloadError, UploadMeta
 from fedbip_tools import cli
+from fedbip_tools.cli import project_run_config
 from tests.helpers import (
     METHOD_CFG,
     ONE_SHOT,
@@ -34,6 +35,7 @@ from tests.helpers import (
     as_run_config,
     client_job,
     method_config,
+    own,
     run_simulation,
     run_status,
     server_job,
@@ -140,17 +142,17 @@ def test_prompts_only_tells_counts_and_samples_as_many_as_fedbip_per_class(tiny_
 
 def test_images_per_class_overrides_the_fedbip_equal_count():
     counts = torch.tensor([2, 0, 1])
-    assert fresh_noise_labels(counts, method_config("prompts-only")).tolist() == [0] * 4 + [2] * 2
+    cfg = method_config("prompts-only")
+    # by default 2 per image: what the default federation's FedBiP makes (2 z(T), 1 pass each)
+    fedbip = FedBiPConfig.from_flat(project_run_config()).settings_of("fedbip")
+    assert own(cfg).images_per_image == fedbip.latents_per_image * fedbip.multiplier == 2
+    assert fresh_noise_labels(counts, own(cfg), cfg).tolist() == [0] * 4 + [2] * 2
     claimed_more = torch.tensor([3, 0, 1])  # than max-images-per-class (here the run's 2 shots)
-    assert (
-        fresh_noise_labels(claimed_more, method_config("prompts-only")).tolist()
-        == [0] * 4 + [2] * 2
-    )
-    fixed = fresh_noise_labels(counts, method_config("prompts-only", **{"images-per-class": 2}))
-    assert fixed.tolist() == [0, 0, 1, 1, 2, 2]
-    # the default federation's FedBiP: 2 z(T) per image, 1 pass each; as many images again
-    independent = method_config("prompts-only", **{"latents-per-image": 2, "multiplier": 1})
-    assert fresh_noise_labels(counts, independent).tolist() == [0] * 4 + [2] * 2
+    assert fresh_noise_labels(claimed_more, own(cfg), cfg).tolist() == [0] * 4 + [2] * 2
+    fixed = method_config("prompts-only", **{"prompts-only.images-per-class": 2})
+    assert fresh_noise_labels(counts, own(fixed), fixed).tolist() == [0, 0, 1, 1, 2, 2]
+    one = method_config("prompts-only", **{"prompts-only.images-per-image": 1})
+    assert fresh_noise_labels(counts, own(one), one).tolist() == [0] * 2 + [2]
 
 
 def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):
@@ -198,7 +200,7 @@ _VALID: dict[str, bytes] = {}  # one honest upload per method, shared by the lie
 def valid_upload(method: str, ldm) -> tuple[bytes, FedBiPConfig]:
     cfg = method_config(method)
     if method not in _VALID:  # every tiny_ldm is the same saved model
-        _VALID[method], _ = create(method).upload(client_job(cfg, ldm))
+        _VALID[method], _ = create_for(cfg).upload(client_job(cfg, ldm))
     return _VALID[method], cfg
 
 
@@ -227,7 +229,7 @@ def test_malformed_uploads_are_refused_with_a_reason(method, lie, tiny_ldm):
     blob, cfg = valid_upload(method, tiny_ldm)
     bad = tampered(blob, method, cfg, LIES[lie])
     with pytest.raises(PayloadError):
-        create(method).accept(bad, server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(bad, server_job(cfg, tiny_ldm))
 
 
 @pytest.mark.parametrize("method", ONE_SHOT)
@@ -237,11 +239,11 @@ def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm)
         method_config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm
     )
     with pytest.raises(PayloadError, match="above the cap"):
-        create(method).accept(blob, server)
+        create_for(cfg).accept(blob, server)
     with pytest.raises(PayloadError):
-        create(method).accept(blob[:-3], server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(blob[:-3], server_job(cfg, tiny_ldm))
     with pytest.raises(PayloadError):
-        create(method).accept(struct.pack("<Q", 2**40) + blob[8:], server_job(cfg, tiny_ldm))
+        create_for(cfg).accept(struct.pack("<Q", 2**40) + blob[8:], server_job(cfg, tiny_ldm))
 
     def poison(tensors, _meta):
         name = next((n for n, t in sorted(tensors.items()) if t.is_floating_point()), None)
@@ -252,7 +254,7 @@ def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm)
 
     if method != "central":  # central's tensors are uint8 images and labels: nothing to poison
         with pytest.raises(PayloadError):
-            create(method).accept(tampered(blob, method, cfg, poison), server_job(cfg, tiny_ldm))
+            create_for(cfg).accept(tampered(blob, method, cfg, poison), server_job(cfg, tiny_ldm))
 
 
 @pytest.mark.parametrize("method", ["fedbip", "prompts-only", "oscar", "fedlmg"])
@@ -262,12 +264,12 @@ def test_every_claimed_image_count_is_held_to_max_images_per_client(method, tiny
     blob, _ = valid_upload(method, tiny_ldm)
     n = len(client_job(method_config(method), tiny_ldm).data.labels)
     at_cap = method_config(method, **{"max-images-per-client": n})
-    create(method).accept(blob, server_job(at_cap, tiny_ldm))
+    create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm))
     below = method_config(method, **{"max-images-per-client": n - 1})
     with pytest.raises(
         PayloadError, match=f"claims {n} images, above run config max-images-per-client {n - 1}"
     ):
-        create(method).accept(blob, server_job(below, tiny_ldm))
+        create_for(below).accept(blob, server_job(below, tiny_ldm))
 
 
 def test_a_fedbip_payload_names_its_method(tiny_ldm):
@@ -351,41 +353,43 @@ def test_the_node_config_cannot_change_the_method():
 
 
 def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
-    cfg = method_config("fedbip", **{"latents-per-image": 2})
+    cfg = method_config("fedbip", **{"fedbip.latents-per-image": 2})
     job = client_job(cfg, tiny_ldm)
-    blob, _ = create("fedbip").upload(job)
-    upload = create("fedbip").accept(blob, server_job(cfg, tiny_ldm))
+    blob, _ = create_for(cfg).upload(job)
+    upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     n = len(job.data.labels)
     assert upload.meta.num_examples == 2 * n and upload.tensors["latents"].shape[0] == 2 * n
     # the rows come in a random order (instance.upload_order): each image's class twice
     counts = torch.bincount(upload.tensors["labels"], minlength=len(job.data.classes))
     assert torch.equal(counts, 2 * torch.bincount(job.data.labels, minlength=len(job.data.classes)))
-    at_cap = method_config("fedbip", **{"latents-per-image": 2, "max-images-per-client": n})
-    create("fedbip").accept(blob, server_job(at_cap, tiny_ldm))  # 2n z(T) rows of n images
-    one, _ = create("fedbip").upload(client_job(method_config("fedbip"), tiny_ldm))
+    at_cap = method_config("fedbip", **{"fedbip.latents-per-image": 2, "max-images-per-client": n})
+    create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm))  # 2n z(T) rows of n images
+    one_cfg = method_config("fedbip")
+    one, _ = create_for(one_cfg).upload(client_job(one_cfg, tiny_ldm))
     assert len(blob) - len(one) >= upload.tensors["latents"][:n].numel() * 4 - 64, "k x the latents"
 
 
 def test_concept_only_samples_every_pass_from_fresh_noise_with_the_learned_concepts(
     tiny_ldm, tmp_path
 ):
-    cfg = method_config("fedbip", **{"synthesis-start": "fresh-noise"})
-    server = server_job(cfg, tiny_ldm)
-    upload = create("fedbip").accept(create("fedbip").upload(client_job(cfg, tiny_ldm))[0], server)
-    shards = create("fedbip").train_set(
+    cfg = method_config("fedbip", **{"fedbip.synthesis-start": "fresh-noise"})
+    server, method = server_job(cfg, tiny_ldm), create_for(cfg)
+    upload = method.accept(method.upload(client_job(cfg, tiny_ldm))[0], server)
+    shards = method.train_set(
         {upload.client_id: upload}, server, RunFolder(tmp_path / "a").shard_path
     )[upload.client_id]
     first, second = (read_tensors(p) for p in shards)
-    assert len(shards) == cfg.multiplier and torch.equal(first["labels"], upload.tensors["labels"])
+    assert len(shards) == method.settings.multiplier
+    assert torch.equal(first["labels"], upload.tensors["labels"])
     assert not torch.equal(first["images"], second["images"]), "every pass has noise of its own"
     # The uploaded z(T) play no part: other latents, the same images.
     payload = upload.content
     other = methods.fedbip.as_upload(replace(payload, latents=torch.randn_like(payload.latents)))
-    again = create("fedbip").train_set(
+    again = method.train_set(
         {upload.client_id: other}, server, RunFolder(tmp_path / "b").shard_path
     )[upload.client_id]
     assert torch.equal(read_tensors(again[0])["images"], first["images"])
-    from_latents = create("fedbip").train_set(
+    from_latents = create_for(method_config("fedbip")).train_set(
         {upload.client_id: upload},
         server_job(method_config("fedbip"), tiny_ldm),
         RunFolder(tmp_path / "c").shard_path,

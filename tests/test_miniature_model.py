@@ -65,9 +65,7 @@ def test_pretrained_model_draws_images_not_noise():
     Shapes images are smooth: neighbouring pixels are close. Noise is not.
     """
     ldm = load_ldm(FOLDER)
-    settings = SynthesisSettings(
-        multiplier=1, num_inference_steps=10, guidance_scale=4.0, eta_std=0.0, batch_size=6
-    )
+    settings = SynthesisSettings(num_inference_steps=10, guidance_scale=4.0, batch_size=6)
     prompts = [f"a photo of a {name}" for name in shapes.CLASSES]
     images = sample_from_prompts(ldm, prompts, settings, torch.Generator().manual_seed(0))
     neighbour_gap = (images[..., 1:] - images[..., :-1]).abs().mean()

@@ -60,12 +60,12 @@ pytestmark = pytest.mark.long(minutes=2.4)
 
 SHOTS = {"sketch": 2, "quickdraw": 3, "painting": 4}  # unequal clients: 12, 18, 24 images
 SMALL = {
-    "image_size": 32,
-    "concept_epochs": 0,
-    "num_inference_steps": 3,
-    "multiplier": 2,
-    "synthesis_batch_size": 4,
-    "eta_std": 0.5,
+    "image-size": 32,
+    "fedbip.concept-epochs": 0,
+    "num-inference-steps": 3,
+    "fedbip.multiplier": 2,
+    "synthesis-batch-size": 4,
+    "fedbip.eta-std": 0.5,
     "device": "cpu",
 }
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -116,7 +116,7 @@ def fedbip_synthesize(folder: RunFolder, processes: int = 1) -> subprocess.Compl
 def run(tmp_path_factory, tiny_model_dir) -> RunFolder:
     """A run folder as the ServerApp leaves it after its round: config, uploads, clients.json."""
     folder = RunFolder(tmp_path_factory.mktemp("multisynth") / "run")
-    cfg = FedBiPConfig(model=str(tiny_model_dir), **SMALL)
+    cfg = FedBiPConfig.from_flat({"model": str(tiny_model_dir), **SMALL})
     ldm = load_ldm(tiny_model_dir)
     for domain, shots in SHOTS.items():
         data = shapes.client_train_set(domain, shots, 0, seed=0, size=cfg.image_size)
@@ -217,8 +217,8 @@ def test_the_split_covers_every_unit_once_balanced_by_images(run):
 def test_another_method_splits_per_client_through_its_own_train_set(run, tmp_path, tiny_model_dir):
     """Prompts-only's default units: one per client, each its train_set on that upload alone,
     sized as the images it writes; the shards are the bytes of one train_set call."""
-    cfg = read_run_config(run).model_copy(update={"method": "prompts-only", "images_per_class": 1})
-    method = methods.create("prompts-only")
+    cfg = read_run_config(run).model_copy(update={"method": "prompts-only"})
+    method = methods.create("prompts-only", {"images-per-class": 1})
     job = ServerJob(cfg, cfg.class_list, functools.cache(lambda: load_ldm(tiny_model_dir)))
     uploads = {}
     for domain, shots in SHOTS.items():
@@ -270,7 +270,7 @@ def test_the_server_waits_for_the_shards_and_times_out_with_the_command(run, sin
 EXTERNAL = {
     **E2E_SMALL,
     "domains": '"sketch,quickdraw"',
-    "concept-epochs": 1,
+    "fedbip.concept-epochs": 1,
     "run-name": '"external"',
     "synthesis": '"external"',
     "evaluation": '"server"',

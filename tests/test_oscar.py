@@ -235,7 +235,7 @@ def without_class(job: ClientJob, label: int) -> ClientJob:
 
 @pytest.mark.parametrize("images_per_class", [0, 3])
 def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny_ldm, tmp_path):
-    cfg = method_config("oscar", **{"images-per-class": images_per_class})
+    cfg = method_config("oscar", **{"oscar.images-per-class": images_per_class})
     job = without_class(client_job(cfg, tiny_ldm), 2)
     blob, _ = create_for(cfg).upload(job)
     server = server_job(cfg, tiny_ldm)
@@ -247,7 +247,8 @@ def test_an_absent_class_is_a_zero_row_and_gets_no_images(images_per_class, tiny
         {upload.client_id: upload}, server, RunFolder(tmp_path).shard_path
     )[upload.client_id][0]
     stored = read_tensors(shard)
-    per_class = torch.full((6,), images_per_class) if images_per_class else counts * cfg.multiplier
+    per_image = cfg.settings_of("oscar").images_per_image
+    per_class = torch.full((6,), images_per_class) if images_per_class else counts * per_image
     per_class[2] = 0
     assert stored["labels"].tolist() == torch.repeat_interleave(torch.arange(6), per_class).tolist()
     assert stored["images"].dtype == torch.uint8 and stored["images"].shape[1:] == (3, 32, 32)

@@ -442,7 +442,7 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
             "data-root": str(tmp_path / "ucm"),
             "partitioning": "iid",
             "image-size": 32,
-            "concept-epochs": 1,
+            "fedbip.concept-epochs": 1,
             "num-inference-steps": 4,
         }
     )

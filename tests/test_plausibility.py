@@ -27,12 +27,14 @@ from fedbip_flwr.upload import PayloadError
 
 CLASSES = ["circle", "square", "star"]
 SIZE = 32  # the tiny model's 4 x 16 x 16 latent
-CFG = FedBiPConfig(concept_epochs=1, num_inference_steps=4, image_size=SIZE, shots_per_class=2)
+CFG = FedBiPConfig(num_inference_steps=4, image_size=SIZE, shots_per_class=2).with_settings(
+    "fedbip", concept_epochs=1
+)
 
 
 def honest(ldm: LDM, latent_dtype: str = "float32", domain: str = "sketch") -> Payload:
     """A payload computed by the real client code on real (generated) images."""
-    cfg = CFG.model_copy(update={"latent_dtype": latent_dtype})
+    cfg = CFG.with_settings("fedbip", latent_dtype=latent_dtype)
     data = shapes.client_train_set(
         domain, cfg.shots_per_class, 0, seed=0, size=SIZE, classes=CLASSES
     )
@@ -51,7 +53,8 @@ def honest(ldm: LDM, latent_dtype: str = "float32", domain: str = "sketch") -> P
 
 def accept(ldm: LDM, payload: Payload, cfg: FedBiPConfig = CFG) -> Payload:
     """What the server does with an upload: decode it under its own expectations."""
-    return decode_payload(encode_payload(payload), expectations(cfg, ldm, CLASSES))
+    expect = expectations(cfg, ldm, CLASSES, cfg.settings_of("fedbip"))
+    return decode_payload(encode_payload(payload), expect)
 
 
 def refusal(ldm: LDM, payload: Payload) -> str:
@@ -82,7 +85,9 @@ def scaled(payload: Payload, **factors: float | torch.Tensor) -> Payload:
 
 
 def test_an_honest_payload_is_accepted(ldm: LDM, payload: Payload) -> None:
-    assert payload.meta.num_examples == 2 * len(CLASSES) * CFG.latents_per_image
+    assert (
+        payload.meta.num_examples == 2 * len(CLASSES) * CFG.settings_of("fedbip").latents_per_image
+    )
     decoded = accept(ldm, payload)
     assert torch.equal(decoded.latents, payload.latents)
 
@@ -181,7 +186,7 @@ def test_one_class_concept_off_scale_is_refused_naming_its_class(
 def test_hidden_space_concepts_are_held_to_the_hidden_scale(ldm: LDM) -> None:
     """The scale is the run's concept space's: hidden states are ~50x token embeddings here, and
     one learning step allows 5x the scale to be refused."""
-    cfg = CFG.model_copy(update={"concept_space": "hidden"})
+    cfg = CFG.with_settings("fedbip", concept_space="hidden")
     data = shapes.client_train_set("sketch", 2, 0, seed=0, size=SIZE, classes=CLASSES)
     payload, _ = personalize(
         ldm,
@@ -243,7 +248,7 @@ def test_the_bounds_tighten_with_the_latent_size() -> None:
 
 def test_no_check_runs_on_odd_input_but_payload_error(ldm: LDM, payload: Payload) -> None:
     """Extreme but finite values, float16 or float32, and a one-image payload."""
-    expect = expectations(CFG, ldm, CLASSES)
+    expect = expectations(CFG, ldm, CLASSES, CFG.settings_of("fedbip"))
     g = torch.Generator().manual_seed(0)
     huge = torch.randn(payload.latents.shape, generator=g).clamp(-3, 3) * 1e38
     for latents in (huge, (huge / 1e34).to(torch.float16), torch.zeros_like(payload.latents)):

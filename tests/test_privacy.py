@@ -32,7 +32,8 @@ def replay_attack(
     labels, z_t = torch.empty_like(payload.labels), torch.empty_like(payload.latents.float())
     labels[order], z_t[order] = payload.labels, payload.latents.float()  # the rows as drawn
     partners = pick_partners(labels, generator)
-    gammas = sample_gammas(len(labels), cfg.gamma_mean, cfg.gamma_std, generator)
+    own = cfg.settings_of("fedbip")
+    gammas = sample_gammas(len(labels), own.gamma_mean, own.gamma_std, generator)
     noise = torch.randn(z_t.shape, generator=generator)
     abar = alphas_cumprod[payload.meta.timestep].double()
     zbar = (z_t.double() - (1 - abar).sqrt() * noise.double()) / abar.sqrt()
@@ -62,9 +63,9 @@ def upload(ldm, client_images, cfg: FedBiPConfig, node: NodeConfig) -> Payload:
     return payload
 
 
-def config(**values) -> FedBiPConfig:
-    return FedBiPConfig(
-        **{"concept_epochs": 0, "image_size": 32, "num_inference_steps": 4, **values}
+def config(latents_per_image: int = 1, **values) -> FedBiPConfig:
+    return FedBiPConfig(**{"image_size": 32, "num_inference_steps": 4, **values}).with_settings(
+        "fedbip", concept_epochs=0, latents_per_image=latents_per_image
     )
 
 

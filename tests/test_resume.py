@@ -41,7 +41,12 @@ pytestmark = pytest.mark.long(minutes=3.6)
 
 
 PASSES = 3  # shards per client: the kill lands after the first of nine
-RESUME = {**SMALL, "multiplier": PASSES, "latents-per-image": 1, "run-name": '"resume"'}
+RESUME = {
+    **SMALL,
+    "fedbip.multiplier": PASSES,
+    "fedbip.latents-per-image": 1,
+    "run-name": '"resume"',
+}
 
 
 def digests(folder: Path) -> dict[str, str]:
@@ -203,13 +208,8 @@ def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path)
 
 
 def test_shards_are_reused_under_the_same_settings_and_redone_under_others(tiny_ldm, tmp_path):
-    cfg = FedBiPConfig(
-        concept_epochs=1,
-        num_inference_steps=4,
-        image_size=32,
-        multiplier=2,
-        synthesis_batch_size=4,
-        eta_std=0.5,
+    cfg = FedBiPConfig(num_inference_steps=4, image_size=32, synthesis_batch_size=4).with_settings(
+        "fedbip", concept_epochs=1, multiplier=2, eta_std=0.5
     )
     images = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
     payload, _ = personalize(

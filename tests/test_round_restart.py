@@ -177,7 +177,7 @@ def restarted(tmp_path_factory, tiny_model_dir):
         "model": f'"{tiny_model_dir}"',
         "output-dir": f'"{out}"',
         "run-name": '"restart"',
-        "concept-epochs": 30,
+        "fedbip.concept-epochs": 30,
         "min-clients": 2,
     }
     values.pop("replayable-client-noise")  # institutions: the private default

@@ -181,8 +181,9 @@ def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm)
     """A client on DPM-Solver++ noises to its schedule's first timestep and says which sampler
     it noised for; a server on PNDM names the scheduler as the mismatch, not the timestep."""
     cfg = FedBiPConfig(
-        concept_epochs=1, num_inference_steps=10, image_size=32, scheduler="dpm-solver++"
-    )
+        num_inference_steps=10, image_size=32, scheduler="dpm-solver++"
+    ).with_settings("fedbip", concept_epochs=1)
+    fedbip = cfg.settings_of("fedbip")
     classes = cfg.class_list
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     payload, _ = personalize(
@@ -197,11 +198,11 @@ def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm)
     )
     assert (payload.meta.scheduler, payload.meta.timestep) == ("DPMSolverMultistepScheduler", 901)
     blob = encode_payload(payload)
-    assert decode_payload(blob, expectations(cfg, tiny_ldm, classes)).meta.timestep == 901
+    assert decode_payload(blob, expectations(cfg, tiny_ldm, classes, fedbip)).meta.timestep == 901
     on_pndm = cfg.model_copy(update={"scheduler": SchedulerName.PNDM})
     with pytest.raises(
         PayloadError,
         match="scheduler 'DPMSolverMultistepScheduler' does not match"
         ".*'PNDMScheduler'.*run config scheduler",
     ):
-        decode_payload(blob, expectations(on_pndm, tiny_ldm, classes))
+        decode_payload(blob, expectations(on_pndm, tiny_ldm, classes, fedbip))

@@ -35,6 +35,25 @@ def test_the_apps_name_no_method():
             assert module not in imports, f"{path.name} imports {module}"
 
 
+# The registry (method_settings.py, methods/) and FedBiP's own upload format may name methods.
+NAMING_METHODS = {"method_settings.py", "payload.py"}
+
+
+def test_no_shared_module_names_a_method():
+    """Outside the registry and the methods, no string names a method: the shared layer asks
+    the run's method (its settings, its hooks), never which one it is."""
+    for path in sorted((ROOT / "fedbip_flwr").glob("*.py")):
+        if path.name in NAMING_METHODS:
+            continue
+        strings = {
+            node.value
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        }
+        named = strings & set(names())
+        assert not named, f"{path.name} names method(s) {sorted(named)}"
+
+
 def test_the_apps_are_thin():
     for path in APPS:
         lines = len(path.read_text().splitlines())

@@ -13,6 +13,7 @@ from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
+from fedbip_flwr.method_settings import PassSettings
 from fedbip_flwr.methods.fedbip import personalize, synthesize_client, synthesize_pass
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.synthesis import (
@@ -28,7 +29,9 @@ CLASSES = ["circle", "square", "star"]
 
 @pytest.fixture()
 def payload(tiny_ldm):
-    cfg = FedBiPConfig(concept_epochs=1, num_inference_steps=10, image_size=32)
+    cfg = FedBiPConfig(num_inference_steps=10, image_size=32).with_settings(
+        "fedbip", concept_epochs=1
+    )
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
     payload, _ = personalize(
@@ -45,14 +48,11 @@ def payload(tiny_ldm):
 
 
 def settings(**kw) -> SynthesisSettings:
-    base = {
-        "multiplier": 2,
-        "num_inference_steps": 10,
-        "guidance_scale": 3.0,
-        "eta_std": 0.1,
-        "batch_size": 4,
-    }
+    base = {"num_inference_steps": 10, "guidance_scale": 3.0, "batch_size": 4}
     return SynthesisSettings(**{**base, **kw})
+
+
+TWO_PASSES = PassSettings(multiplier=2, eta_std=0.1)
 
 
 def test_first_denoising_timestep_is_payload_T(tiny_ldm, payload):
@@ -70,14 +70,15 @@ def test_first_denoising_timestep_is_payload_T(tiny_ldm, payload):
 
 
 def test_same_seed_same_images_and_eta_changes_them(tiny_ldm, payload):
-    a = synthesize_client(tiny_ldm, payload, settings(), seed=7)
-    b = synthesize_client(tiny_ldm, payload, settings(), seed=7)
+    a = synthesize_client(tiny_ldm, payload, settings(), TWO_PASSES, seed=7)
+    b = synthesize_client(tiny_ldm, payload, settings(), TWO_PASSES, seed=7)
     assert torch.equal(a.images, b.images)
     assert a.images.shape == (12, 3, 32, 32) and a.images.min() >= -1 and a.images.max() <= 1
     assert torch.equal(a.labels, payload.labels.repeat(2))
     first, second = a.images[:6], a.images[6:]  # two passes over the same z(T), two etas
     assert (first - second).abs().mean() > 1e-4
-    no_eta = synthesize_client(tiny_ldm, payload, settings(eta_std=0.0), seed=7)
+    no_eta_passes = TWO_PASSES.model_copy(update={"eta_std": 0.0})
+    no_eta = synthesize_client(tiny_ldm, payload, settings(), no_eta_passes, seed=7)
     assert torch.allclose(no_eta.images[:6], no_eta.images[6:])
 
 

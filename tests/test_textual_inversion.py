@@ -42,7 +42,7 @@ def ldm() -> LDM:
 
 def personalized(ldm: LDM, n_s: int, n_v: int) -> tuple[Payload, FedBiPConfig]:
     """Two sketch images per class, one concept epoch: real learned concepts, in seconds."""
-    cfg = FedBiPConfig(concept_epochs=1, n_s=n_s, n_v=n_v)
+    cfg = FedBiPConfig(n_s=n_s, n_v=n_v).with_settings("fedbip", concept_epochs=1)
     data = shapes.client_train_set("sketch", 2, classes=CLASSES)
     payload, _ = personalize(
         ldm,

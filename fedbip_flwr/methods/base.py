@@ -43,7 +43,7 @@ from ..classifier import Distillation, Teacher
 from ..config import FedBiPConfig, NodeConfig
 from ..dataset import ClientSet
 from ..ldm import LDM
-from ..method_settings import METHOD_SETTINGS, MethodSettings
+from ..method_settings import METHOD_SETTINGS, FreshNoiseSettings, MethodSettings
 from ..mixture import LatentMixture, draw
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
@@ -58,6 +58,7 @@ from ..upload import (
     check_index,
     meta_strings,
     parse_meta,
+    refuse_mismatch,
 )
 from ..upload import encode_tensors as _encode_tensors
 from ..upload import read_header as _read_header
@@ -151,28 +152,46 @@ class Method(Registered, ABC):
 
     def accept(self, blob: bytes, server: ServerJob) -> Upload:
         """Untrusted bytes -> a validated :class:`Upload`; :class:`PayloadError` and nothing
-        else otherwise. Subclasses add their own checks in :meth:`check`."""
-        names = self.expected_tensors(server)
+        else otherwise: the shared decode (size cap, header, exact tensor names, finite floats,
+        metadata schema), the server's class list, then the method's own :meth:`check_alone`
+        and :meth:`check`."""
+        names = functools.partial(self.tensor_names_of, server)
         upload = decode_upload(blob, self.meta_model, names, server.max_bytes)
-        if tuple(upload.meta.class_names) != tuple(server.class_names):
-            raise PayloadError(
-                f"class names {upload.meta.class_names} do not match the server's "
-                f"{server.class_names} (labels index the class list, so order matters)"
-            )
-        return self.check(upload, server)
+        refuse_mismatch(
+            [
+                (
+                    "class names",
+                    tuple(upload.meta.class_names),
+                    tuple(server.class_names),
+                    "labels index the class list, so order matters",
+                )
+            ]
+        )
+        return self.check(self.check_alone(upload), server)
 
     def audit(self, blob: bytes, max_bytes: int) -> Upload:
-        """The upload checked on its own, without a server's model or run config: its exact
-        tensor names (for the class list its header names), layout, finite floats and
-        metadata schema. What ``fedbip inspect`` shows."""
+        """The upload checked on its own, without a server's model or run config: the shared
+        decode for the class list its header names, then :meth:`check_alone`. What ``fedbip
+        inspect`` shows."""
         _, metadata = _read_header(bytes(blob))
         classes = parse_meta(metadata, self.meta_model).class_names
         server = ServerJob(FedBiPConfig(method=self.name), list(classes), _no_model)
-        return decode_upload(blob, self.meta_model, self.expected_tensors(server), max_bytes)
+        names = functools.partial(self.tensor_names_of, server)
+        return self.check_alone(decode_upload(blob, self.meta_model, names, max_bytes))
 
     def expected_tensors(self, server: ServerJob) -> tuple[str, ...]:
         """Exactly the tensor names an upload must hold under this server's run config."""
         return self.tensor_names
+
+    def tensor_names_of(self, server: ServerJob, metadata: Mapping[str, str]) -> tuple[str, ...]:
+        """The tensor names this upload must hold, read from its own metadata where the
+        method's layout depends on it (FedBiP's sub-clusters); by default
+        :meth:`expected_tensors`. A value the server refuses is refused by :meth:`check`."""
+        return self.expected_tensors(server)
+
+    def check_alone(self, upload: Upload) -> Upload:
+        """The method's checks that need no server: its tensors agree with its own metadata."""
+        return upload
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         """The method's own schema (shapes, dtypes, ranges); returns the upload to keep."""
@@ -191,16 +210,17 @@ class Method(Registered, ABC):
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """The pieces of :meth:`train_set` that processes can make independently (`fedbip
-        synthesize`). By default one per client, weighed as a fresh-noise method's set
-        (``images-per-class`` per class, else multiplier x the client's images): a weight
-        for balancing the split, which the shards' own keys never depend on."""
-        cfg = server.cfg
+        synthesize`). By default one per client, weighed by the images the method makes from
+        it (its images-per-class per class, else images-per-image x the client's images): a
+        weight for balancing the split, which the shards' own keys never depend on."""
+        own = self.settings
+        per_image = own.images_per_image if isinstance(own, FreshNoiseSettings) else 1
+        per_class = own.images_per_class if isinstance(own, FreshNoiseSettings) else 0
         return [
             WorkUnit(
                 client_id,
                 0,
-                cfg.images_per_class * len(server.class_names)
-                or cfg.multiplier * upload.meta.num_examples,
+                per_class * len(server.class_names) or per_image * upload.meta.num_examples,
             )
             for client_id, upload in sorted(uploads.items())
         ]
@@ -326,7 +346,10 @@ def encode_upload(meta: UploadMeta, tensors: Mapping[str, torch.Tensor]) -> byte
 
 
 def decode_upload(
-    blob: bytes, meta_model: type[M], tensor_names: tuple[str, ...], max_bytes: int
+    blob: bytes,
+    meta_model: type[M],
+    tensor_names: tuple[str, ...] | Callable[[dict[str, str]], tuple[str, ...]],
+    max_bytes: int,
 ) -> Upload:
     """Size cap, header, exact tensor names and layout, finite floats, metadata schema."""
     tensors, metadata = _read_tensors(
@@ -389,16 +412,19 @@ def check_image_count(images: int, cap: int, what: str) -> None:
         )
 
 
-def check_class_rows(labels: torch.Tensor, class_names: Sequence[str], cfg: FedBiPConfig) -> None:
-    """Refuse z(T) of one class beyond run config max-images-per-class x latents-per-image:
-    each row is synthesized from, so extra rows would buy their sender a larger share."""
-    cap = cfg.class_cap * cfg.latents_per_image
+def check_class_rows(
+    labels: torch.Tensor, class_names: Sequence[str], cfg: FedBiPConfig, per_image: int
+) -> None:
+    """Refuse z(T) of one class beyond run config max-images-per-class x ``per_image`` (the
+    method's latents-per-image): each row is synthesized from, so extra rows would buy their
+    sender a larger share."""
+    cap = cfg.class_cap * per_image
     rows = torch.bincount(labels.to(torch.int64), minlength=len(class_names)).tolist()
     for class_name, count in zip(class_names, rows, strict=True):
         if count > cap:
             raise PayloadError(
                 f"{count} z(T) of class {class_name!r}, above {cap} (run config "
-                f"max-images-per-class {cfg.class_cap} x latents-per-image {cfg.latents_per_image})"
+                f"max-images-per-class {cfg.class_cap} x latents-per-image {per_image})"
             )
 
 
@@ -407,15 +433,16 @@ def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     return torch.bincount(labels.to(torch.int64), minlength=num_classes)
 
 
-def fresh_noise_labels(counts: torch.Tensor, cfg: FedBiPConfig) -> torch.Tensor:
-    """Labels of a client's fresh-noise synthetic set, class by class: ``images-per-class``
-    each, or as many as FedBiP would make from the same client (its count, clipped to run
-    config max-images-per-class, x z(T) per image x passes): the server, not the claim,
-    bounds what a client's set holds."""
+def fresh_noise_labels(
+    counts: torch.Tensor, own: FreshNoiseSettings, cfg: FedBiPConfig
+) -> torch.Tensor:
+    """Labels of a client's sampled synthetic set, class by class: the method's
+    images-per-class each, or its images-per-image x the client's count clipped to run config
+    max-images-per-class: the server, not the claim, bounds what a client's set holds."""
     per_class = (
-        torch.full_like(counts, cfg.images_per_class)
-        if cfg.images_per_class
-        else counts.clamp(max=cfg.class_cap) * cfg.latents_per_image * cfg.multiplier
+        torch.full_like(counts, own.images_per_class)
+        if own.images_per_class
+        else counts.clamp(max=cfg.class_cap) * own.images_per_image
     )
     return torch.repeat_interleave(torch.arange(len(counts)), per_class)
 

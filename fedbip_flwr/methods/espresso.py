@@ -42,11 +42,11 @@ from ..expectations import expectations
 from ..instance import personalize_instances
 from ..method_settings import EspressoSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
-from ..payload import ROUNDING, adam_step_bound, refuse_mismatch
+from ..payload import ROUNDING, adam_step_bound
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..synthesis import ZSampling
-from ..upload import PayloadError
+from ..upload import PayloadError, refuse_mismatch
 from .base import (
     ClientJob,
     Method,
@@ -122,8 +122,8 @@ class Espresso(Method):
             data.images,
             data.labels,
             timestep,
-            gamma_mean=cfg.gamma_mean,
-            gamma_std=cfg.gamma_std,
+            gamma_mean=own.gamma_mean,
+            gamma_std=own.gamma_std,
             vae_batch_size=cfg.vae_batch_size,
             draws=own.noisings,
             generator=job.generator,
@@ -196,8 +196,8 @@ class Espresso(Method):
                 ),
             ]
         )
-        expect = expectations(server.cfg, server.ldm(), server.class_names)
-        mixture = check_mixture_upload(upload, server, own.components, expect)
+        expect = expectations(server.cfg, server.ldm(), server.class_names, None)
+        mixture = check_mixture_upload(upload, server, own, expect)
         conditions = check_conditions(upload, server, own)
         return dataclasses.replace(
             upload, content=EspressoUpload(conditions, mixture, upload.tensors["class_counts"])
@@ -212,7 +212,7 @@ class Espresso(Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             content: EspressoUpload = upload.content
-            labels = fresh_noise_labels(content.counts, server.cfg)
+            labels = fresh_noise_labels(content.counts, self.settings, server.cfg)
             clusters = content.conditions.shape[1]
             rows = condition_rows(
                 content.counts,

@@ -46,11 +46,10 @@ from ..client import score_classifier
 from ..clusters import public_encoder
 from ..config import FedBiPConfig, NodeConfig
 from ..method_settings import FedAvgSettings, FedPFTSettings
-from ..payload import refuse_mismatch
 from ..results import SENT_ACCURACY, SENT_IMAGES, Accuracy, Evaluation, RunResults, Seconds
 from ..seeds import client_generator
 from ..server import RunFolder, train_settings
-from ..upload import PayloadError, check_dtype_shape, check_finite
+from ..upload import PayloadError, check_dtype_shape, check_finite, refuse_mismatch
 from .base import MultiRound, register
 from .fedpft import encoder_identity, fit_head
 

@@ -34,16 +34,20 @@ from ..config import FedBiPConfig
 from ..expectations import expectations
 from ..instance import personalize_instances, upload_order
 from ..ldm import LDM
+from ..method_settings import FedBiPFamily, FedBiPSettings, PassSettings
 from ..payload import (
     TENSOR_NAMES,
     Payload,
     PayloadMeta,
-    decode_payload,
+    check_expectations,
+    check_payload,
     encode_payload,
+    payload_tensor_names,
 )
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
+from ..shared_concepts import Concepts
 from ..synthesis import (
     SynthesisSettings,
     decode_latents,
@@ -89,19 +93,22 @@ def personalize(
     client_id: str,
     cfg: FedBiPConfig,
     generator: torch.Generator,
+    own: FedBiPFamily | None = None,
 ) -> tuple[Payload, ClientReport]:
-    """Instance level (z(T)) then concept level (S, V); returns the payload to upload once.
+    """Instance level (z(T)) then concept level (S, V) under ``own`` (default: the run's
+    ``fedbip`` table); returns the payload to upload once.
 
     ``generator`` is all the randomness used: see :func:`fedbip_flwr.seeds.client_generator` for where it must
     come from to keep z(T) private.
     """
+    own = own or fedbip_settings(cfg)
     report = ClientReport()
     sampler = SynthesisSettings.from_config(cfg).sampler(
         ldm
     )  # the server's sampler: z(T) is noised for it
     timestep = sampler.first_timestep(cfg.start_timestep)
 
-    order = upload_order(len(labels) * cfg.latents_per_image, generator)
+    order = upload_order(len(labels) * own.latents_per_image, generator)
     started = time.perf_counter()
     instances = personalize_instances(
         ldm.vae,
@@ -109,17 +116,17 @@ def personalize(
         images,
         labels,
         timestep,
-        gamma_mean=cfg.gamma_mean,
-        gamma_std=cfg.gamma_std,
+        gamma_mean=own.gamma_mean,
+        gamma_std=own.gamma_std,
         generator=generator,
         vae_batch_size=cfg.vae_batch_size,
-        draws=cfg.latents_per_image,
+        draws=own.latents_per_image,
     )
     report.seconds["instance"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    clusters = cfg.class_clusters
-    sub = sub_clusters(images, labels, cfg, ldm.device)
+    clusters = own.class_clusters
+    sub = sub_clusters(images, labels, cfg, clusters, ldm.device)
     layout, concepts = client_concepts(
         ldm,
         instances.z0,
@@ -128,6 +135,7 @@ def personalize(
         domain,
         client_id,
         cfg,
+        own,
         timestep,
         generator,
     )
@@ -144,23 +152,23 @@ def personalize(
         num_inference_steps=cfg.num_inference_steps,
         n_s=layout.n_s,
         n_v=layout.n_v,
-        concept_space=cfg.concept_space,
+        concept_space=own.concept_space,
         class_names=list(class_names),
         prompt_template=cfg.prompt_template,
         base_model=ldm.fingerprint,
         latent_shape=list(instances.zT.shape[1:]),
-        latent_dtype=cfg.latent_dtype,
+        latent_dtype=own.latent_dtype,
         num_examples=len(instances.zT),
         class_clusters=clusters,
     )
     payload = Payload(
-        latents=instances.zT[order].to(LATENT_DTYPES[cfg.latent_dtype]).contiguous(),
+        latents=instances.zT[order].to(LATENT_DTYPES[own.latent_dtype]).contiguous(),
         labels=instances.zT_labels[order].to(torch.int64),
         domain_concept=concepts.domain,
         class_concepts=concepts.classes,
         meta=meta,
         # each z(T) is denoised with its own image's sub-cluster's concept
-        latent_clusters=sub.repeat(cfg.latents_per_image)[order] if clusters > 1 else None,
+        latent_clusters=sub.repeat(own.latents_per_image)[order] if clusters > 1 else None,
     )
     return payload, report
 
@@ -173,14 +181,15 @@ def client_concepts(
     domain: str,
     client_id: str,
     cfg: FedBiPConfig,
+    own: FedBiPFamily,
     timestep: int,
     generator: torch.Generator,
     privacy: DPSGD | None = None,
 ) -> tuple[PromptLayout, LearnedConcepts]:
     """FedBiP's concept level on the client's latents ``z0``: S and V (one V per class and
-    sub-cluster, ``concept_labels`` = label x class-clusters + sub-cluster) learned with the
-    run config's budget, by DP-SGD with ``privacy``."""
-    clusters = cfg.class_clusters
+    sub-cluster, ``concept_labels`` = label x class-clusters + sub-cluster) learned with
+    ``own``'s budget, by DP-SGD with ``privacy``."""
+    clusters = own.class_clusters
     concept_names = [name for name in class_names for _ in range(clusters)]
     layout = prompt_layout(
         ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
@@ -190,22 +199,22 @@ def client_concepts(
         bar.set_postfix(loss=f"{loss:.4f}")
         bar.update()
         log.info(
-            "[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, cfg.concept_epochs, loss
+            "[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, own.concept_epochs, loss
         )
 
     with tqdm(
-        total=cfg.concept_epochs, desc=f"concepts {client_id}", unit="epoch", mininterval=5
+        total=own.concept_epochs, desc=f"concepts {client_id}", unit="epoch", mininterval=5
     ) as bar:
         concepts = learn_concepts(
             ldm,
             layout,
-            cfg.concept_space,
+            own.concept_space,
             z0,
             concept_labels,
             timestep,
-            epochs=cfg.concept_epochs,
-            batch_size=cfg.concept_batch_size,
-            lr=cfg.concept_lr,
+            epochs=own.concept_epochs,
+            batch_size=own.concept_batch_size,
+            lr=own.concept_lr,
             generator=generator,
             on_epoch=on_epoch,
             privacy=privacy,
@@ -214,14 +223,26 @@ def client_concepts(
 
 
 def sub_clusters(
-    images: torch.Tensor, labels: torch.Tensor, cfg: FedBiPConfig, device: torch.device
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: FedBiPConfig,
+    clusters: int,
+    device: torch.device,
 ) -> torch.Tensor:
-    """Each image's sub-cluster within its class (run config class-clusters; all 0 for one
-    concept per class), from the public encoder shipped with the base model."""
-    if cfg.class_clusters == 1:
+    """Each image's sub-cluster within its class (``clusters`` per class, the method's
+    class-clusters; all 0 for one concept per class), from the public encoder shipped with the
+    base model."""
+    if clusters == 1:
         return torch.zeros_like(labels)
     encoder = public_encoder(cfg.model, cfg.classifier_image_size, device)
-    return cluster_images(images, labels, cfg.class_clusters, encoder)
+    return cluster_images(images, labels, clusters, encoder)
+
+
+def fedbip_settings(cfg: FedBiPConfig) -> FedBiPSettings:
+    """The run's ``fedbip`` table."""
+    settings = cfg.settings_of(FedBiP.name)
+    assert isinstance(settings, FedBiPSettings)
+    return settings
 
 
 # --- the method ------------------------------------------------------------------------------
@@ -230,6 +251,7 @@ def sub_clusters(
 @register
 class FedBiP(Method):
     name = "fedbip"
+    settings: FedBiPSettings
     meta_model = PayloadMeta
     tensor_names = TENSOR_NAMES
 
@@ -244,6 +266,7 @@ class FedBiP(Method):
             data.client_id,
             job.cfg,
             job.generator,
+            self.settings,
         )
         blob = encode_payload(payload)
         return blob, {
@@ -254,20 +277,29 @@ class FedBiP(Method):
             "concept-drift-v": report.concept_drift["v"],
         }
 
-    def audit(self, blob: bytes, max_bytes: int) -> Upload:
-        """The full payload contract that needs no model: schema, shapes, dtypes, labels."""
-        return as_upload(decode_payload(blob, max_bytes=max_bytes))
+    def tensor_names_of(self, server: ServerJob, metadata: Mapping[str, str]) -> tuple[str, ...]:
+        """With class-clusters > 1 a payload also holds each z(T)'s sub-cluster, as its
+        metadata says; :meth:`check` refuses a count other than the server's."""
+        return payload_tensor_names(dict(metadata))
 
-    def accept(self, blob: bytes, server: ServerJob) -> Upload:
-        """The full payload contract (docs/payload.md), against the server's model and config,
-        and the images its z(T) stand for within run config max-images-per-client, as every
-        upload's claimed images are."""
-        payload = decode_payload(blob, expectations(server.cfg, server.ldm(), server.class_names))
-        rows, per_image = payload.meta.num_examples, server.cfg.latents_per_image
+    def check_alone(self, upload: Upload) -> Upload:
+        """The payload contract that needs no model: shapes, dtypes and labels agree with the
+        metadata (docs/payload.md)."""
+        payload = Payload(**upload.tensors, meta=upload.meta)
+        check_payload(payload)
+        return as_upload(payload)
+
+    def check(self, upload: Upload, server: ServerJob) -> Upload:
+        """The payload against the server's model and config (docs/payload.md), and the images
+        its z(T) stand for within run config max-images-per-client, as every upload's claimed
+        images are."""
+        own, payload = self.settings, upload.content
+        check_expectations(payload, expectations(server.cfg, server.ldm(), server.class_names, own))
+        rows, per_image = payload.meta.num_examples, own.latents_per_image
         what = f"num_examples {rows} ({per_image} z(T) per image)"
         check_image_count(-(-rows // per_image), server.cfg.max_images_per_client, what)
-        check_class_rows(payload.labels, server.class_names, server.cfg)
-        return as_upload(payload)
+        check_class_rows(payload.labels, server.class_names, server.cfg, per_image)
+        return upload
 
     def train_set(
         self,
@@ -276,14 +308,16 @@ class FedBiP(Method):
         shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
-        if server.cfg.synthesis_start == "fresh-noise":
-            return concept_only(payloads, server, shard_path)
-        return synthesize_all(server.ldm(), payloads, server.cfg, shard_path, server.shard_mode)
+        if self.settings.synthesis_start == "fresh-noise":
+            return concept_only(payloads, server, self.settings, shard_path)
+        return synthesize_all(
+            server.ldm(), payloads, server.cfg, shard_path, server.shard_mode, self.settings
+        )
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """One per (client, pass): the shards :meth:`train_set` writes, one by one."""
         payloads = {client_id: upload.content for client_id, upload in uploads.items()}
-        return synthesis_units(payloads, server.cfg.multiplier)
+        return synthesis_units(payloads, self.settings.multiplier)
 
     def make_unit(
         self,
@@ -293,31 +327,38 @@ class FedBiP(Method):
         shard_path: Callable[[str, int], Path],
     ) -> list[Path]:
         payload = uploads[unit.client_id].content
-        if server.cfg.synthesis_start == "fresh-noise":
-            return [concept_only_unit(payload, server, unit, shard_path)]
-        mode = server.shard_mode
-        return [synthesize_unit(server.ldm(), payload, server.cfg, unit, shard_path, mode)]
+        if self.settings.synthesis_start == "fresh-noise":
+            return [concept_only_unit(payload, server, self.settings, unit, shard_path)]
+        mode, own = server.shard_mode, self.settings
+        return [synthesize_unit(server.ldm(), payload, server.cfg, own, unit, shard_path, mode)]
 
 
 def concept_only(
-    payloads: Mapping[str, Payload], server: ServerJob, shard_path: Callable[[str, int], Path]
+    payloads: Mapping[str, Payload],
+    server: ServerJob,
+    own: PassSettings,
+    shard_path: Callable[[str, int], Path],
 ) -> dict[str, list[Path]]:
     """The paper's concept-only ablation: each pass's images from fresh noise toward the
     client's learned concepts (S perturbed by that pass's eta, as in synthesis), never from
     its z(T); as many images as FedBiP makes, in the same (client, pass) units."""
     out: dict[str, list[Path]] = {}
-    for unit in synthesis_units(payloads, server.cfg.multiplier):
-        path = concept_only_unit(payloads[unit.client_id], server, unit, shard_path)
+    for unit in synthesis_units(payloads, own.multiplier):
+        path = concept_only_unit(payloads[unit.client_id], server, own, unit, shard_path)
         out.setdefault(unit.client_id, []).append(path)
     return out
 
 
 def concept_only_unit(
-    payload: Payload, server: ServerJob, unit: WorkUnit, shard_path: Callable[[str, int], Path]
+    payload: Payload,
+    server: ServerJob,
+    own: PassSettings,
+    unit: WorkUnit,
+    shard_path: Callable[[str, int], Path],
 ) -> Path:
     """One concept-only shard: pass ``unit.index``'s eta, noise of that pass's own."""
     settings, concepts = SynthesisSettings.from_config(server.cfg), payload.concepts
-    eta = draw_etas(concepts, settings, client_seed(server.cfg.seed, unit.client_id))[unit.index]
+    eta = pass_eta(concepts, own, server.cfg.seed, unit)
     return fresh_noise_set(
         server,
         f"{unit.client_id}/pass{unit.index}",
@@ -391,18 +432,26 @@ def synthesize_client(
     ldm: LDM,
     payload: Payload,
     settings: SynthesisSettings,
+    own: PassSettings,
     seed: int,
     on_batch: Callable[[int], None] | None = None,
 ) -> SyntheticImages:
-    """All m passes for one client; deterministic for a given payload and seed."""
-    etas = draw_etas(payload.concepts, settings, seed)
+    """All of ``own``'s passes for one client; deterministic for a given payload and seed."""
+    etas = draw_etas(payload.concepts, own.multiplier, own.eta_std, seed)
     images = [synthesize_pass(ldm, payload, settings, eta, on_batch) for eta in etas]
     n = len(payload.labels)
     return SyntheticImages(
         torch.cat(images),
-        payload.labels.repeat(settings.multiplier),
-        torch.arange(n).repeat(settings.multiplier),
+        payload.labels.repeat(own.multiplier),
+        torch.arange(n).repeat(own.multiplier),
     )
+
+
+def pass_eta(concepts: Concepts, own: PassSettings, seed: int, unit: WorkUnit) -> torch.Tensor:
+    """The perturbation of S of pass ``unit.index`` over ``unit.client_id``'s z(T)."""
+    return draw_etas(concepts, own.multiplier, own.eta_std, client_seed(seed, unit.client_id))[
+        unit.index
+    ]
 
 
 # --- the server's work units and shards -----------------------------------------------------------
@@ -431,8 +480,10 @@ def synthesize_all(
     cfg: FedBiPConfig,
     shard_path: Callable[[str, int], Path],
     mode: ShardMode = ShardMode.MAKE,
+    own: PassSettings | None = None,
 ) -> dict[str, list[Path]]:
-    """FedBiP's synthetic shards per client, in pass order; shards on disk are reused.
+    """FedBiP's synthetic shards per client, in pass order (``own``'s passes; default: the
+    run's ``fedbip`` table); shards on disk are reused.
 
     Each shard holds one pass over a client's z(T) as uint8 (what a PNG holds), written batch by
     batch as synthesis goes (a pass is never whole in memory) and atomically. The classifier
@@ -442,14 +493,15 @@ def synthesize_all(
     them in other processes (:func:`synthesis_units`). Under ``mode`` CHECK none is made
     (:class:`~fedbip_flwr.server.ShardMode`).
     """
-    units = synthesis_units(payloads, cfg.multiplier)
+    own = own or fedbip_settings(cfg)
+    units = synthesis_units(payloads, own.multiplier)
     out: dict[str, list[Path]] = {}
     with tqdm(
         total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5
     ) as bar:
         for unit in units:
             payload = payloads[unit.client_id]
-            path = synthesize_unit(ldm, payload, cfg, unit, shard_path, mode, bar.update)
+            path = synthesize_unit(ldm, payload, cfg, own, unit, shard_path, mode, bar.update)
             out.setdefault(unit.client_id, []).append(path)
     return out
 
@@ -458,6 +510,7 @@ def synthesize_unit(
     ldm: LDM,
     payload: Payload,
     cfg: FedBiPConfig,
+    own: PassSettings,
     unit: WorkUnit,
     shard_path: Callable[[str, int], Path],
     mode: ShardMode,
@@ -465,7 +518,7 @@ def synthesize_unit(
 ) -> Path:
     """One FedBiP shard: pass ``unit.index`` over the client's z(T), with that pass's eta."""
     settings = SynthesisSettings.from_config(cfg)
-    eta = draw_etas(payload.concepts, settings, client_seed(cfg.seed, unit.client_id))[unit.index]
+    eta = pass_eta(payload.concepts, own, cfg.seed, unit)
     return keyed_shard(
         shard_path(unit.client_id, unit.index),
         shard_key((payload_digest(payload), *settings.sampling_knobs()), eta),

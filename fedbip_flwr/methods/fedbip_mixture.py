@@ -36,7 +36,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..clusters import condition_rows
 from ..concepts import DPSGD
-from ..config import MAX_CLASS_CLUSTERS, FedBiPConfig
 from ..dp import (
     EPSILON_METRIC,
     composed_epsilon,
@@ -47,7 +46,7 @@ from ..dp import (
 )
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
-from ..method_settings import FedBiPMixtureSettings
+from ..method_settings import MAX_CLASS_CLUSTERS, FedBiPMixtureSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import (
     Expectations,
@@ -60,7 +59,7 @@ from ..payload import (
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import WorkUnit
-from ..synthesis import SynthesisSettings, draw_etas, pass_conditioning
+from ..synthesis import SynthesisSettings, pass_conditioning
 from .base import (
     ClientJob,
     Method,
@@ -72,7 +71,7 @@ from .base import (
     mixture_set,
     register,
 )
-from .fedbip import client_concepts, personalize
+from .fedbip import client_concepts, pass_eta, personalize
 from .fedld import (
     MIN_NOISE_MULTIPLIER,
     STATS_RELEASES,
@@ -153,6 +152,7 @@ class FedBiPMixture(Method):
             data.client_id,
             job.cfg,
             job.generator,
+            own,
         )
         mixture = fit_mixture(
             payload.latents.float(),
@@ -188,12 +188,12 @@ class FedBiPMixture(Method):
         unmixed z(T) per image, S and V by DP-SGD on the images' latents, both calibrated
         together (:func:`fedbip_flwr.dp.split_budget`). Its metrics say nothing about the images."""
         own, data, ldm, cfg, generator = self.settings, job.data, job.ldm(), job.cfg, job.generator
-        if cfg.class_clusters != 1:
+        if own.class_clusters != 1:
             raise ValueError(
                 "fedbip-mixture.dp-epsilon needs class-clusters = 1: sub-clusters come from all of a "
                 "class's images together, so one image can move every other image's sub-cluster"
             )
-        if cfg.concept_epochs < 1:
+        if own.concept_epochs < 1:
             raise ValueError(
                 "fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)"
             )
@@ -203,7 +203,7 @@ class FedBiPMixture(Method):
             own.dp_delta,
             own.dp_concept_share,
             own.dp_sample_rate,
-            cfg.concept_epochs * per_epoch,
+            own.concept_epochs * per_epoch,
             STATS_RELEASES,
         )
         timestep = first_timestep(cfg, ldm)
@@ -234,6 +234,7 @@ class FedBiPMixture(Method):
             data.domain,
             data.client_id,
             cfg,
+            own,
             timestep,
             generator,
             privacy,
@@ -255,7 +256,7 @@ class FedBiPMixture(Method):
             },
             n_s=layout.n_s,
             n_v=layout.n_v,
-            concept_space=cfg.concept_space,
+            concept_space=own.concept_space,
             prompt_template=cfg.prompt_template,
             class_clusters=1,
             dp=release,
@@ -269,21 +270,21 @@ class FedBiPMixture(Method):
         return encode_upload(meta, tensors), {EPSILON_METRIC: release.epsilon}
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        expect = expectations(server.cfg, server.ldm(), server.class_names)
-        mixture = check_mixture_upload(upload, server, self.settings.components, expect)
-        check_private_release(upload.meta, self.settings, server.cfg, mixture)
-        concepts = concept_payload(upload, server, expect)
+        expect = expectations(server.cfg, server.ldm(), server.class_names, self.settings)
+        mixture = check_mixture_upload(upload, server, self.settings, expect)
+        check_private_release(upload.meta, self.settings, mixture)
+        concepts = concept_payload(upload, server, self.settings, expect)
         return dataclasses.replace(
             upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"])
         )
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """One per (client, pass), as FedBiP's."""
-        per_pass = {cid: len(pass_labels(u.content, server)) for cid, u in uploads.items()}
+        per_pass = {cid: len(pass_labels(u.content, self.settings)) for cid, u in uploads.items()}
         return [
             WorkUnit(cid, k, per_pass[cid])
             for cid in sorted(uploads)
-            for k in range(server.cfg.multiplier)
+            for k in range(self.settings.multiplier)
         ]
 
     def train_set(
@@ -309,11 +310,9 @@ class FedBiPMixture(Method):
         content: MixtureUpload = uploads[unit.client_id].content
         settings = SynthesisSettings.from_config(server.cfg)
         concepts = content.concepts.concepts
-        eta = draw_etas(concepts, settings, client_seed(server.cfg.seed, unit.client_id))[
-            unit.index
-        ]
+        eta = pass_eta(concepts, self.settings, server.cfg.seed, unit)
         cond = pass_conditioning(server.ldm(), concepts, settings, eta)
-        stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, server)
+        stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, self.settings)
         clusters = content.concepts.meta.class_clusters
         rows = (
             None
@@ -336,14 +335,14 @@ class FedBiPMixture(Method):
         ]
 
 
-def pass_labels(content: MixtureUpload, server: ServerJob) -> torch.Tensor:
+def pass_labels(content: MixtureUpload, own: FedBiPMixtureSettings) -> torch.Tensor:
     """One pass's labels: as many per class as the client had z(T) (images x latents-per-image)."""
-    per_class = content.counts * server.cfg.latents_per_image
+    per_class = content.counts * own.latents_per_image
     return torch.repeat_interleave(torch.arange(len(per_class)), per_class)
 
 
 def check_private_release(
-    meta: FedBiPMixtureMeta, own: FedBiPMixtureSettings, cfg: FedBiPConfig, mixture: LatentMixture
+    meta: FedBiPMixtureMeta, own: FedBiPMixtureSettings, mixture: LatentMixture
 ) -> None:
     """The class statistics' release as FedLD's is checked (:func:`check_stats_release`), then
     that DP-SGD ran with the run's schedule (sample rate, and the steps concept-epochs make of
@@ -352,7 +351,7 @@ def check_private_release(
     if (release := meta.dp) is None:
         return
     sgd = release.concepts
-    q, steps = sgd.sample_rate, cfg.concept_epochs * dp_sgd_steps_per_epoch(sgd.sample_rate)
+    q, steps = sgd.sample_rate, own.concept_epochs * dp_sgd_steps_per_epoch(sgd.sample_rate)
     refuse_mismatch(
         [
             (
@@ -371,7 +370,7 @@ def check_private_release(
                 "DP-SGD steps",
                 sgd.steps,
                 steps,
-                f"concept-epochs {cfg.concept_epochs} x ceil(1 / sample rate)",
+                f"concept-epochs {own.concept_epochs} x ceil(1 / sample rate)",
             ),
         ]
     )
@@ -387,7 +386,9 @@ def check_private_release(
     check_claimed_epsilon(release.epsilon, epsilon, release.delta, noise)
 
 
-def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> Payload:
+def concept_payload(
+    upload: Upload, server: ServerJob, own: FedBiPMixtureSettings, expect: Expectations
+) -> Payload:
     """S and V checked by FedBiP's concept contract (``expect``), as a payload without latents;
     a DP upload's concepts within the reach of its DP-SGD's steps (checked before)."""
     meta, ldm = upload.meta, server.ldm()
@@ -405,9 +406,7 @@ def concept_payload(upload: Upload, server: ServerJob, expect: Expectations) -> 
         ),
     }
     fields = meta.model_dump(include=set(PayloadMeta.model_fields) - {"method"})
-    fields["num_examples"] = (
-        meta.num_examples * server.cfg.latents_per_image
-    )  # as FedBiP's z(T) rows
+    fields["num_examples"] = meta.num_examples * own.latents_per_image  # as FedBiP's z(T) rows
     payload = Payload(
         latents=torch.empty(0, *meta.latent_shape),
         labels=torch.empty(0, dtype=torch.int64),

@@ -45,7 +45,12 @@ from ..dp import (
 from ..expectations import expectations
 from ..instance import encode_images, forward_noise
 from ..ldm import LDM
-from ..method_settings import DPMixtureSettings, FedLDSettings
+from ..method_settings import (
+    DPMixtureSettings,
+    FedLDSettings,
+    FreshNoiseSettings,
+    MixtureSettings,
+)
 from ..mixture import (
     DEFAULT_REG_COVAR,
     MIXTURE_TENSOR_NAMES,
@@ -62,12 +67,11 @@ from ..payload import (
     check_latent_moments,
     coordinate_bound,
     latent_bounds,
-    refuse_mismatch,
     sampling_checks,
 )
 from ..seeds import client_seed
 from ..synthesis import SynthesisSettings, encode_texts
-from ..upload import PayloadError, UploadMeta
+from ..upload import PayloadError, UploadMeta, refuse_mismatch
 from .base import (
     ClientJob,
     Method,
@@ -145,7 +149,7 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
 
 
 def check_mixture_upload(
-    upload: Upload, server: ServerJob, components: int, expect: Expectations
+    upload: Upload, server: ServerJob, own: MixtureSettings, expect: Expectations
 ) -> LatentMixture:
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
     run config (``expect``, :func:`fedbip_flwr.expectations.expectations`), and for plausibility:
@@ -164,7 +168,7 @@ def check_mixture_upload(
             (
                 "components",
                 meta.components,
-                components,
+                own.components,
                 "clients and server must share the method's components",
             ),
         ]
@@ -174,16 +178,15 @@ def check_mixture_upload(
         mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
     except ValueError as err:
         raise PayloadError(str(err).rstrip(".")) from None
-    wanted = (len(server.class_names), components)
+    wanted = (len(server.class_names), own.components)
     if tuple(mixture.weights.shape) != wanted:
         raise PayloadError(
             f"the mixture has {tuple(mixture.weights.shape)} (classes, components); the server's "
-            f"{wanted[0]} classes and the method's {components} components need {wanted}"
+            f"{wanted[0]} classes and the method's {own.components} components need {wanted}"
         )
     # every class the server will draw from: the held ones, or all with images-per-class > 0
-    synthesized = (
-        counts > 0 if not server.cfg.images_per_class else torch.ones_like(counts, dtype=torch.bool)
-    )
+    every_class = isinstance(own, FreshNoiseSettings) and own.images_per_class > 0
+    synthesized = torch.ones_like(counts, dtype=torch.bool) if every_class else counts > 0
     check_mixture_moments(mixture, synthesized, meta.timestep, expect.plausibility)
     held = torch.arange(len(counts))[synthesized].repeat_interleave(PLAUSIBILITY_DRAWS)
     try:
@@ -249,8 +252,8 @@ class FedLD(Method):
         return encode_upload(FedLDMeta(**meta), tensors), mixture_metrics(mixture, len(z_t))
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        expect = expectations(server.cfg, server.ldm(), server.class_names)
-        mixture = check_mixture_upload(upload, server, self.settings.components, expect)
+        expect = expectations(server.cfg, server.ldm(), server.class_names, None)
+        mixture = check_mixture_upload(upload, server, self.settings, expect)
         check_stats_release(upload.meta.dp, self.settings, self.tensor_names, mixture)
         if upload.meta.dp is not None:
             release = upload.meta.dp
@@ -278,7 +281,7 @@ class FedLD(Method):
                 for c in server.class_names
             ]
             cond = encode_texts(server.ldm(), prompts)
-            labels = fresh_noise_labels(upload.tensors["class_counts"], server.cfg)
+            labels = fresh_noise_labels(upload.tensors["class_counts"], self.settings, server.cfg)
             out[client_id] = [
                 mixture_set(
                     server,

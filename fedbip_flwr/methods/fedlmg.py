@@ -389,7 +389,8 @@ class FedLMG(Method):
         prompts = class_prompts(self.settings, server.class_names)
         cond = encode_texts(ldm, prompts)
         labels = {
-            cid: fresh_noise_labels(u.tensors["class_counts"], cfg) for cid, u in uploads.items()
+            cid: fresh_noise_labels(u.tensors["class_counts"], self.settings, cfg)
+            for cid, u in uploads.items()
         }
         out = {}
         with tqdm(

@@ -58,10 +58,10 @@ from ..dp import (
 from ..ldm import fingerprint
 from ..method_settings import FedPFTSettings
 from ..mixture import WEIGHT_SUM_TOLERANCE
-from ..payload import ROUNDING, refuse_mismatch
+from ..payload import ROUNDING
 from ..seeds import client_seed
 from ..storage import read_tensors
-from ..upload import PayloadError, UploadMeta
+from ..upload import PayloadError, UploadMeta, refuse_mismatch
 from .base import (
     ClientJob,
     Method,

@@ -131,7 +131,7 @@ class OSCAR(Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             counts = upload.tensors["class_counts"]
-            labels = fresh_noise_labels(counts, server.cfg)
+            labels = fresh_noise_labels(counts, self.settings, server.cfg)
             labels = labels[counts[labels] > 0]  # a class the client lacks has no conditioning
             cond = upload.tensors["conditioning"]
             out[client_id] = [

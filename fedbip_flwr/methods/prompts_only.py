@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..concepts import plain_prompt
+from ..method_settings import FreshNoiseSettings
 from ..synthesis import encode_texts
 from ..upload import UploadMeta
 from .base import (
@@ -34,6 +35,7 @@ class PromptsOnlyMeta(UploadMeta):
 @register
 class PromptsOnly(Method):
     name = "prompts-only"
+    settings: FreshNoiseSettings
     meta_model = PromptsOnlyMeta
     tensor_names = ("class_counts",)
 
@@ -56,7 +58,7 @@ class PromptsOnly(Method):
         for client_id, upload in sorted(uploads.items()):
             prompts = [plain_prompt(template, upload.domain, name) for name in server.class_names]
             cond = encode_texts(server.ldm(), prompts)
-            labels = fresh_noise_labels(upload.tensors["class_counts"], server.cfg)
+            labels = fresh_noise_labels(upload.tensors["class_counts"], self.settings, server.cfg)
             out[client_id] = [
                 fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))
             ]
