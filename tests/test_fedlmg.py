@@ -266,9 +266,7 @@ def test_train_set_is_one_keyed_resumable_shard_per_client(tiny_ldm, tmp_path):
     blob, _ = upload_of(cfg, tiny_ldm)
     upload = method.accept(blob, server)
     shard_path = RunFolder(tmp_path).shard_path
-    (path,) = method.train_set({upload.client_id: upload}, server, shard_path)[
-        upload.client_id
-    ]
+    (path,) = method.train_set({upload.client_id: upload}, server, shard_path)[upload.client_id]
     stored = ShardImages([path], 32)
     counts = upload.tensors["class_counts"]
     assert (
