@@ -91,7 +91,7 @@ def test_the_mixture_mode_draws_among_the_learned_sub_cluster_concepts(tiny_ldm,
     cfg, job, blob = upload_of("fedbip-mixture", tiny_ldm)
     server = server_job(cfg, tiny_ldm)
     upload = create_for(cfg).accept(blob, server)
-    assert upload.content.concepts.class_concepts.shape[0] == len(job.data.classes) * J
+    assert upload.content.concepts.classes.shape[0] == len(job.data.classes) * J
     assert "latent_clusters" not in upload.tensors, "no per-image tensor leaves the client"
     shards = create_for(cfg).train_set(
         {upload.client_id: upload}, server, RunFolder(tmp_path).shard_path

@@ -220,7 +220,7 @@ def test_a_private_fedbip_mixture_upload_states_one_guarantee_for_all_it_holds(p
     mixture, concepts = upload.content.mixture, upload.content.concepts
     assert torch.equal(mixture.variances, torch.ones_like(mixture.variances))
     assert mixture.weights[:, 0].eq(1).all() and mixture.weights[:, 1:].eq(0).all()
-    meta = concepts.meta
+    meta = upload.meta
     layout = prompt_layout(
         ldm.tokenizer,
         meta.prompt_template,
@@ -231,9 +231,7 @@ def test_a_private_fedbip_mixture_upload_states_one_guarantee_for_all_it_holds(p
         warn=False,
     )
     s0, v0 = initial_concepts(ldm, layout, own(cfg).concept_space)
-    assert not torch.equal(concepts.domain_concept, s0) and not torch.equal(
-        concepts.class_concepts, v0
-    )
+    assert not torch.equal(concepts.domain, s0) and not torch.equal(concepts.classes, v0)
 
 
 def test_a_non_private_fedbip_mixture_header_is_as_before_and_a_dp_run_refuses_it(

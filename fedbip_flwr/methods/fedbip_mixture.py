@@ -59,6 +59,7 @@ from ..payload import (
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import WorkUnit
+from ..shared_concepts import Concepts
 from ..synthesis import SynthesisSettings, pass_conditioning
 from .base import (
     ClientJob,
@@ -124,10 +125,12 @@ class FedBiPMixtureMeta(MixtureMeta):
 
 @dataclasses.dataclass(frozen=True)
 class MixtureUpload:
-    """What the server keeps of an accepted upload: the client's concepts (as FedBiP's payload
-    without latents, which the conditioning code reads) and its mixture."""
+    """What the server keeps of an accepted upload: the client's concepts, what places them in
+    the prompt, and its mixture of z(T) at ``timestep``."""
 
-    concepts: Payload
+    concepts: Concepts
+    class_clusters: int  # V's rows per class
+    timestep: int
     mixture: LatentMixture
     counts: torch.Tensor  # (C,) private images per class
 
@@ -273,10 +276,10 @@ class FedBiPMixture(Method):
         expect = expectations(server.cfg, server.ldm(), server.class_names, self.settings)
         mixture = check_mixture_upload(upload, server, self.settings, expect)
         check_private_release(upload.meta, self.settings, mixture)
-        concepts = concept_payload(upload, server, self.settings, expect)
-        return dataclasses.replace(
-            upload, content=MixtureUpload(concepts, mixture, upload.tensors["class_counts"])
-        )
+        concepts = checked_concepts(upload, server, self.settings, expect)
+        meta, counts = upload.meta, upload.tensors["class_counts"]
+        content = MixtureUpload(concepts, meta.class_clusters, meta.timestep, mixture, counts)
+        return dataclasses.replace(upload, content=content)
 
     def work_units(self, uploads: Mapping[str, Upload], server: ServerJob) -> list[WorkUnit]:
         """One per (client, pass), as FedBiP's."""
@@ -309,11 +312,11 @@ class FedBiPMixture(Method):
     ) -> list[Path]:
         content: MixtureUpload = uploads[unit.client_id].content
         settings = SynthesisSettings.from_config(server.cfg)
-        concepts = content.concepts.concepts
+        concepts = content.concepts
         eta = pass_eta(concepts, self.settings, server.cfg.seed, unit)
         cond = pass_conditioning(server.ldm(), concepts, settings, eta)
         stream, labels = f"{unit.client_id}/pass{unit.index}", pass_labels(content, self.settings)
-        clusters = content.concepts.meta.class_clusters
+        clusters = content.class_clusters
         rows = (
             None
             if clusters == 1
@@ -328,7 +331,7 @@ class FedBiPMixture(Method):
                 cond,
                 labels,
                 content.mixture,
-                content.concepts.meta.timestep,
+                content.timestep,
                 shard_path(unit.client_id, unit.index),
                 rows,
             )
@@ -386,11 +389,11 @@ def check_private_release(
     check_claimed_epsilon(release.epsilon, epsilon, release.delta, noise)
 
 
-def concept_payload(
+def checked_concepts(
     upload: Upload, server: ServerJob, own: FedBiPMixtureSettings, expect: Expectations
-) -> Payload:
-    """S and V checked by FedBiP's concept contract (``expect``), as a payload without latents;
-    a DP upload's concepts within the reach of its DP-SGD's steps (checked before)."""
+) -> Concepts:
+    """S and V checked by FedBiP's concept contract (``expect``, on a payload without
+    latents); a DP upload's concepts within the reach of its DP-SGD's steps (checked before)."""
     meta, ldm = upload.meta, server.ldm()
     if meta.dp is not None and expect.plausibility is not None:
         plausibility = dataclasses.replace(
@@ -416,4 +419,4 @@ def concept_payload(
     )
     check_expectations(payload, dataclasses.replace(expect, plausibility=None))
     check_concept_scale(payload, payload.meta.per_concept(n_v), expect.plausibility)
-    return payload
+    return payload.concepts
