@@ -46,7 +46,6 @@ from fedbip_flwr.upload import (
     read_capped,
     read_tensors,
     refuse_mismatch,
-    tensor_summary,
 )
 
 TENSOR_NAMES = ("latents", "labels", "domain_concept", "class_concepts")
@@ -607,8 +606,3 @@ def check_concept_scale(p: Payload, lengths: Sequence[int], plaus: Plausibility)
 
 
 # --- reporting --------------------------------------------------------------------------------
-
-
-def summarize(p: Payload) -> list[dict[str, Any]]:
-    """Per-tensor name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
-    return [tensor_summary(name, t) for name, t in p.tensors().items()]

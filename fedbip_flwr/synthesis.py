@@ -345,20 +345,3 @@ def iter_denoised(
             zigzag,
         )
         yield decode_latents(ldm, z0, settings.vae_batch_size)
-
-
-def sample_from_prompts(
-    ldm: LDM,
-    prompts: list[str],
-    settings: SynthesisSettings,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """The Prompts-only baseline: plain text, fresh Gaussian noise, full schedule.
-
-    What a server could do with a pretrained LDM and no personalization at all; also how the
-    miniature model's class fidelity is measured.
-    """
-    cond = encode_texts(ldm, prompts)
-    return torch.cat(
-        list(iter_from_noise(ldm, cond, torch.arange(len(prompts)), settings, generator))
-    )

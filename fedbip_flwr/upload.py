@@ -420,17 +420,6 @@ def _load_tensors(blob: bytes) -> dict[str, torch.Tensor]:
         raise PayloadError(f"safetensors could not load it ({short_reason(err)})") from None
 
 
-def tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
-    values = tensor.detach().to("cpu", torch.float64)
-    return {
-        "name": name,
-        "shape": list(tensor.shape),
-        "dtype": dtype_name(tensor.dtype),
-        "mean": float(values.mean()),
-        "std": float(values.std(correction=0)),  # population std: defined for one element
-    }
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 from flwr.common.config import flatten_dict, get_project_config, parse_config_args
 from pydantic import BaseModel
 
@@ -33,15 +34,15 @@ from fedbip_flwr.report import write_report
 from fedbip_flwr.results import SENT_IMAGES, SENT_SKIPPED
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import atomic_write
-from fedbip_flwr.textual_inversion import ExportError, example_prompt, export_concepts
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
     PayloadTooLarge,
+    dtype_name,
     printable,
     read_capped,
-    tensor_summary,
 )
+from fedbip_tools.textual_inversion import ExportError, example_prompt, export_concepts
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
 
@@ -166,6 +167,18 @@ def _meta_lines(meta: BaseModel) -> list[str]:
         f"{key}: {printable(value) if isinstance(value, str) else json.dumps(value)}"
         for key, value in meta.model_dump().items()
     ]
+
+
+def tensor_summary(name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """Name, shape, dtype, mean and std: enough to eyeball an upload (z(T) ~ N(0, I))."""
+    values = tensor.detach().to("cpu", torch.float64)
+    return {
+        "name": name,
+        "shape": list(tensor.shape),
+        "dtype": dtype_name(tensor.dtype),
+        "mean": float(values.mean()),
+        "std": float(values.std(correction=0)),  # population std: defined for one element
+    }
 
 
 def _format_table(rows: list[dict[str, Any]]) -> str:

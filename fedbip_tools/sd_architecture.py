@@ -17,7 +17,7 @@ import torch
 from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from fedbip_flwr.ldm import LDM, _fingerprint_of
+from fedbip_flwr.ldm import LDM, fingerprint_of
 
 from .clip_bpe import clip_tokenizer
 
@@ -73,5 +73,5 @@ def build_random_sd(seed: int = 0, cfgs: dict[str, dict] | None = None) -> LDM:
     torch.manual_seed(seed)
     unet, vae, text, scheduler = build_modules(cfgs)
     tokenizer = clip_tokenizer()
-    ldm = LDM(vae, unet, text, tokenizer, scheduler, _fingerprint_of(vae, unet, text, scheduler))
+    ldm = LDM(vae, unet, text, tokenizer, scheduler, fingerprint_of(vae, unet, text, scheduler))
     return ldm.freeze()

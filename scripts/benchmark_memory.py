@@ -284,7 +284,7 @@ def build_tiny(folder: Path) -> Path:
     import dataclasses
 
     from fedbip_flwr import shapes
-    from fedbip_flwr.ldm import TINY, build_ldm
+    from fedbip_tools.build_ldm import TINY, build_ldm
 
     words = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
     build_ldm(dataclasses.replace(TINY, image_size=64), words, seed=0).save(folder)

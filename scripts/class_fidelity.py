@@ -25,8 +25,9 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.concepts import plain_prompt
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts
+from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_flwr.viz import image_grid
+from fedbip_tools.sampling import sample_from_prompts
 
 JUDGE_DOMAINS = shapes.COMMON_DOMAINS
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from fedbip_flwr import shapes
 from fedbip_flwr.instance import encode_images
-from fedbip_flwr.ldm import LDM, MINIATURE, build_ldm, load_ldm
+from fedbip_flwr.ldm import LDM, load_ldm
+from fedbip_tools.build_ldm import MINIATURE, build_ldm
 
 TEMPLATE_WORDS = ("a", "of", "style")
 

@@ -17,9 +17,10 @@ import torch
 from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods.fedbip import fedbip_settings, personalize, synthesize_client
+from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
 from fedbip_flwr.synthesis import SynthesisSettings
 from fedbip_flwr.viz import image_grid
+from fedbip_tools.sampling import synthesize_client
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "models/miniature-ldm"

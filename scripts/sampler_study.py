@@ -29,7 +29,7 @@ grid's other settings: the shared concepts saw a slightly wider range), which is
 grid of 20 settings cost 3 concept trainings instead of 60.
 
 FedBiP's training set is the server's :func:`fedbip_flwr.methods.fedbip.synthesize_all` (the images
-``synthesize_client`` makes with seed ``client_seed(seed, client_id)``); Prompts-only's
+``fedbip_tools.sampling.synthesize_client`` makes with seed ``client_seed(seed, client_id)``); Prompts-only's
 is its method's ``train_set`` ("a {domain} of a {class}" from fresh noise, as many images per
 client as FedBiP makes: images x latents-per-image x multiplier). Both are read back as the
 uint8 shards the server trains on.

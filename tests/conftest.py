@@ -11,7 +11,8 @@ import torch
 import torchvision
 
 from fedbip_flwr.classifier import BACKBONE_DIR, save_backbone
-from fedbip_flwr.ldm import LDM, TINY, build_ldm, load_ldm
+from fedbip_flwr.ldm import LDM, load_ldm
+from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import WORDS
 
 

@@ -22,10 +22,11 @@ from fedbip_flwr.concepts import (
     prompt_layout,
     velocity,
 )
-from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG, TINY, build_ldm, load_ldm
+from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG, load_ldm
 from fedbip_flwr.payload import Expectations, Payload, PayloadMeta, decode_payload, encode_payload
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_flwr.upload import SCHEMA_VERSION, PayloadError
+from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import WORDS
 
 CLASSES = ["circle", "square", "star"]

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, release_cached_memory
+from fedbip_flwr.ldm import load_for_run, release_cached_memory
 from fedbip_flwr.methods import create
 from fedbip_flwr.server import RunFolder, train_global
 from fedbip_flwr.storage import read_tensors
+from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import (
     ONE_SHOT,
     WORDS,

@@ -8,15 +8,8 @@ import pytest
 import torch
 from diffusers import StableDiffusionPipeline
 
-from fedbip_flwr.ldm import (
-    ALLOW_CPU_ENV,
-    TINY,
-    ModelLoadError,
-    build_ldm,
-    build_tokenizer,
-    load_for_run,
-    load_ldm,
-)
+from fedbip_flwr.ldm import ALLOW_CPU_ENV, ModelLoadError, load_for_run, load_ldm
+from fedbip_tools.build_ldm import TINY, build_ldm, build_tokenizer
 from tests.helpers import WORDS
 
 

@@ -31,12 +31,13 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
-from fedbip_flwr.methods.fedbip import personalize, synthesize_all, synthesize_pass
+from fedbip_flwr.methods.fedbip import personalize, synthesize_all
 from fedbip_flwr.seeds import client_seed
 from fedbip_flwr.server import RunFolder, first_images, synthetic_dataset, train_settings
 from fedbip_flwr.storage import read_tensors, write_tensors
 from fedbip_flwr.synthesis import SynthesisSettings, draw_etas
 from fedbip_flwr.viz import quantize
+from fedbip_tools.sampling import synthesize_pass
 
 CLASSES = ["circle", "square", "star"]
 CFG = FedBiPConfig.from_flat(

@@ -13,7 +13,8 @@ from fedbip_flwr import shapes
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.paths import resolve
-from fedbip_flwr.synthesis import SynthesisSettings, sample_from_prompts
+from fedbip_flwr.synthesis import SynthesisSettings
+from fedbip_tools.sampling import sample_from_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "models" / "miniature-ldm"

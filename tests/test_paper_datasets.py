@@ -17,12 +17,12 @@ from PIL import Image
 from fedbip_flwr import dataset, shapes
 from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.folders import TEST_FRACTION, medmnist_file
-from fedbip_flwr.ldm import TINY, build_ldm
 from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.partitions import DataError, label_partition
 from fedbip_flwr.payload import encode_payload
 from fedbip_flwr.specs import SPECS
+from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import WORDS
 
 STEP = 12  # colour quantum: channel value = STEP * code, decodable after JPEG and resizing

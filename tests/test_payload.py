@@ -25,7 +25,6 @@ from fedbip_flwr.payload import (
     decode_payload,
     encode_payload,
     load_payload,
-    summarize,
 )
 from fedbip_flwr.upload import (
     PayloadError,
@@ -34,6 +33,7 @@ from fedbip_flwr.upload import (
     read_header,
     read_tensors,
 )
+from fedbip_tools.cli import tensor_summary
 from tests.helpers import (
     LATENT_SHAPE,
     MALFORMED,
@@ -264,9 +264,9 @@ def test_load_checks_size_before_reading_and_reports_missing_file(tmp_path: Path
 # --- helpers ------------------------------------------------------------------------------------
 
 
-def test_summarize_reports_every_tensor() -> None:
+def test_inspect_summarizes_every_tensor() -> None:
     payload = make_payload()
-    rows = {row["name"]: row for row in summarize(payload)}
+    rows = {name: tensor_summary(name, t) for name, t in payload.tensors().items()}
     assert list(rows) == ["latents", "labels", "domain_concept", "class_concepts"]
     assert rows["latents"]["shape"] == [N, *LATENT_SHAPE]
     assert rows["labels"]["dtype"] == "int64"

@@ -16,7 +16,8 @@ from fedbip_flwr.concepts import (
     loss_scaler,
     prompt_layout,
 )
-from fedbip_flwr.ldm import LDM, TINY, build_ldm
+from fedbip_flwr.ldm import LDM
+from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import PRECISION_CLASSES, WORDS, relative_error, s_gradient
 
 

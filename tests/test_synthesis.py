@@ -12,16 +12,13 @@ from diffusers import PNDMScheduler
 from fedbip_flwr import ldm as ldm_module
 from fedbip_flwr.concepts import concept_scale, unconditional_embedding
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.ldm import TINY, build_ldm, load_for_run, load_ldm
+from fedbip_flwr.ldm import load_for_run, load_ldm
 from fedbip_flwr.method_settings import PassSettings
-from fedbip_flwr.methods.fedbip import personalize, synthesize_client, synthesize_pass
+from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.sampler import Sampler
-from fedbip_flwr.synthesis import (
-    SynthesisSettings,
-    decode_latents,
-    denoise,
-    sample_from_prompts,
-)
+from fedbip_flwr.synthesis import SynthesisSettings, decode_latents, denoise
+from fedbip_tools.build_ldm import TINY, build_ldm
+from fedbip_tools.sampling import sample_from_prompts, synthesize_client, synthesize_pass
 from tests.helpers import WORDS
 
 CLASSES = ["circle", "square", "star"]

@@ -22,7 +22,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import LDM, load_ldm
 from fedbip_flwr.methods.fedbip import personalize
 from fedbip_flwr.payload import Payload
-from fedbip_flwr.textual_inversion import (
+from fedbip_tools.textual_inversion import (
     ExportError,
     concept_embeddings,
     example_prompt,

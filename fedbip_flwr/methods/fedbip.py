@@ -377,24 +377,6 @@ def as_upload(payload: Payload) -> Upload:
 # --- denoising a client's z(T) (paper eq. 5) ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SyntheticImages:
-    images: torch.Tensor  # (N * m, 3, H, W) in [-1, 1]
-    labels: torch.Tensor  # (N * m,)
-    source: torch.Tensor  # (N * m,) index of the z(T) each image was denoised from
-
-
-def synthesize_pass(
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    eta: torch.Tensor,
-    on_batch: Callable[[int], None] | None = None,
-) -> torch.Tensor:
-    """One pass over a client's z(T) with the domain concept shifted by scale * ``eta`` (n_s, d)."""
-    return torch.cat(list(iter_pass(ldm, payload, settings, eta, on_batch)))
-
-
 def iter_pass(
     ldm: LDM,
     payload: Payload,
@@ -402,7 +384,8 @@ def iter_pass(
     eta: torch.Tensor,
     on_batch: Callable[[int], None] | None = None,
 ) -> Iterator[torch.Tensor]:
-    """:func:`synthesize_pass` one batch at a time (images in [-1, 1], float32, CPU), in order.
+    """One pass over a client's z(T) with the domain concept shifted by scale * ``eta``
+    (n_s, d), one batch at a time (images in [-1, 1], float32, CPU), in order.
 
     The server writes each batch to its shard as it comes, so a pass is never whole in memory.
     """
@@ -426,25 +409,6 @@ def iter_pass(
         if on_batch is not None:
             on_batch(len(batch))
         yield images
-
-
-def synthesize_client(
-    ldm: LDM,
-    payload: Payload,
-    settings: SynthesisSettings,
-    own: PassSettings,
-    seed: int,
-    on_batch: Callable[[int], None] | None = None,
-) -> SyntheticImages:
-    """All of ``own``'s passes for one client; deterministic for a given payload and seed."""
-    etas = draw_etas(payload.concepts, own.multiplier, own.eta_std, seed)
-    images = [synthesize_pass(ldm, payload, settings, eta, on_batch) for eta in etas]
-    n = len(payload.labels)
-    return SyntheticImages(
-        torch.cat(images),
-        payload.labels.repeat(own.multiplier),
-        torch.arange(n).repeat(own.multiplier),
-    )
 
 
 def pass_eta(concepts: Concepts, own: PassSettings, seed: int, unit: WorkUnit) -> torch.Tensor:

@@ -23,9 +23,9 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from .config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
-from .payload import Payload
-from .storage import atomic_write
+from fedbip_flwr.config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
+from fedbip_flwr.payload import Payload
+from fedbip_flwr.storage import atomic_write
 
 INDEX_FILE = "concepts.json"
 _UNSAFE = re.compile(r"[^\w.-]+")
