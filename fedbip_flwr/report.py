@@ -45,10 +45,10 @@ def write_report(run_dir: Path) -> Path:
     does not hold a run's results: a report without the run's numbers would mislead.
     """
     run_dir = Path(run_dir)
-    record = results.read(run_dir)
+    record, fidelity = results.read(run_dir), results.read_fidelity(run_dir)
     lines = [f"# FedBiP run `{run_dir.resolve().name}`", "", *_status(record)]
     for section in (
-        _accuracy_per_domain(record),
+        _accuracy_per_domain(record, fidelity),
         _accuracy_per_institution(record),
         _clients(record),
         _what_left(run_dir),
@@ -80,16 +80,37 @@ def _status(record: RunResults) -> list[str]:
     return [line, "", f"Raw numbers and the full run configuration: {raw}."]
 
 
-def _accuracy_per_domain(record: RunResults) -> list[str]:
+def _accuracy_per_domain(record: RunResults, fidelity: results.Fidelity | None) -> list[str]:
     accuracy = record.accuracy
     if accuracy is None or not accuracy.per_domain:
         return []
+    judged = fidelity.per_domain if fidelity is not None else {}
     rows = [
-        [_text(domain), _percent(value)] for domain, value in sorted(accuracy.per_domain.items())
+        [_text(domain), _percent(value), *_fidelity_cells(judged, domain)]
+        for domain, value in sorted(accuracy.per_domain.items())
     ]
-    rows.append(["**mean**", f"**{_percent(accuracy.mean)}**"])
+    rows.append(["**mean**", f"**{_percent(accuracy.mean)}**", *_fidelity_cells(judged, None)])
     intro = "The classifier, trained on synthetic images only, on each domain's real test images."
-    return ["## Accuracy per domain", "", intro, "", *_table(["domain", "accuracy"], rows, "lr")]
+    header, align = ["domain", "accuracy"], "lr"
+    if judged:
+        header, align = [*header, "class fidelity", "domain fidelity"], "lrrr"
+        intro += (
+            " Fidelity: the share of that domain's client's synthetic images that judges trained"
+            " on real images of every domain name as their class, and as the client's domain"
+            f" ([{results.FIDELITY_FILE}]({results.FIDELITY_FILE}); a low domain fidelity is a"
+            " synthetic set outside the client's domain)."
+        )
+    return ["## Accuracy per domain", "", intro, "", *_table(header, rows, align)]
+
+
+def _fidelity_cells(judged: dict[str, results.JudgedImages], domain: str | None) -> list[str]:
+    """A row's fidelity cells: none for a run never judged, blank on the mean's row."""
+    if not judged:
+        return []
+    images = judged.get(domain) if domain is not None else None
+    if images is None:
+        return ["", ""] if domain is None else ["not judged", ""]
+    return [_percent(images.class_fidelity), _percent(images.domain_fidelity)]
 
 
 def _accuracy_per_institution(record: RunResults) -> list[str]:

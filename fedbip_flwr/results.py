@@ -218,6 +218,31 @@ class RunResults(_Part):
         return "; ".join(parts)
 
 
+FIDELITY_FILE = "fidelity.json"
+
+
+class JudgedImages(_Part):
+    """One client's synthetic images as judges trained on real images of every domain see them."""
+
+    class_fidelity: float = Field(ge=0.0, le=1.0)  # share judged as the class they were made for
+    domain_fidelity: float = Field(ge=0.0, le=1.0)  # share judged as the client's domain
+    images: int = Field(ge=0)
+
+
+class Fidelity(_Part):
+    """``fidelity.json``: whether the synthetic set is in each client's domain, which accuracy
+    alone does not say (``fedbip report RUN_DIR --judges``; judges exist for the shapes world)."""
+
+    judges: str  # where the judges' weights are
+    per_domain: dict[str, JudgedImages]
+
+
+def read_fidelity(run_dir: str | Path) -> Fidelity | None:
+    """The run folder's judged fidelity, validated; None where it was never judged."""
+    path = Path(run_dir) / FIDELITY_FILE
+    return _validated(path, Fidelity.model_validate) if path.exists() else None
+
+
 def weighted_mean(per_client: Mapping[str, Scored | Unscored]) -> float:
     """Mean accuracy over the institutions that scored the classifier, weighted by their test
     images; the plain mean where one sent its accuracy alone (a DP run's institutions)."""

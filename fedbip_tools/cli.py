@@ -42,6 +42,7 @@ from fedbip_flwr.upload import (
     printable,
     read_capped,
 )
+from fedbip_tools.judges import judge_run, load_judges, write_fidelity
 from fedbip_tools.textual_inversion import ExportError, example_prompt, export_concepts
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
@@ -206,11 +207,23 @@ def _add_report(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]
         "linking the grids already there. Exit status 0: written; 1: no readable metrics.json.",
     )
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a run folder (outputs/...)")
+    report.add_argument(
+        "--judges",
+        type=Path,
+        metavar="PATH",
+        help="first judge the run's synthetic images with the shapes world's fidelity judges "
+        "saved at PATH (trained and saved there on first use, minutes on a CPU): class and "
+        "domain fidelity per domain go to RUN_DIR/fidelity.json and beside the accuracy",
+    )
     report.set_defaults(func=_run_report)
 
 
 def _run_report(args: argparse.Namespace) -> int:
     try:
+        if args.judges is not None:
+            folder = RunFolder(args.run_dir)
+            judged = judge_run(folder, load_judges(args.judges), args.judges)
+            print(f"wrote {write_fidelity(judged, args.run_dir)}")
         path = write_report(args.run_dir)
     except (OSError, ValueError) as err:
         print(f"fedbip report: no report for '{args.run_dir}': {err}", file=sys.stderr)

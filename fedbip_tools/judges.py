@@ -20,8 +20,16 @@ import torch
 from torch import nn
 
 from fedbip_flwr import shapes
-from fedbip_flwr.classifier import TrainSettings, build_classifier, evaluate, train_classifier
-from fedbip_flwr.storage import read_tensors, write_tensors
+from fedbip_flwr.classifier import (
+    ShardImages,
+    TrainSettings,
+    build_classifier,
+    evaluate,
+    train_classifier,
+)
+from fedbip_flwr.results import FIDELITY_FILE, Fidelity, JudgedImages, read_clients
+from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import read_tensors, write_json, write_tensors
 
 log = logging.getLogger(__name__)
 JUDGE_SEED = 1000  # the judges' own real images: no benchmark seed's client or test set
@@ -78,3 +86,36 @@ def load_judges(path: Path, size: int = 64, per_class: int = 40, epochs: int = 3
             path, {f"{k}.{n}": t for k, m in models.items() for n, t in m.state_dict().items()}
         )
     return Judges(models["classes"].eval(), models["domains"].eval(), size)
+
+
+def judge_run(folder: RunFolder, judges: Judges, judges_path: Path) -> Fidelity:
+    """Class and domain fidelity of a finished run's synthetic training set, per domain: each
+    client's shards under the domain ``clients.json`` records for it (clients of one domain
+    together). ValueError for a domain the judges do not know (they exist for the shapes world)."""
+    domains = {c.client_id: c.domain for c in read_clients(folder.clients)}
+    images: dict[str, list[torch.Tensor]] = {}
+    labels: dict[str, list[torch.Tensor]] = {}
+    for client_id, paths in sorted(folder.training_shards().items()):
+        domain = domains.get(client_id, "")
+        if domain not in shapes.DOMAINS:
+            raise ValueError(
+                f"client {client_id!r}'s domain {domain!r} is none of the shapes world's "
+                f"({', '.join(shapes.DOMAINS)}): the judges know those only"
+            )
+        data = ShardImages(paths, judges.size)
+        batch, batch_labels = data[torch.arange(len(data))]
+        images.setdefault(domain, []).append(batch)
+        labels.setdefault(domain, []).append(batch_labels)
+    per_domain = {}
+    for domain in sorted(images):
+        all_images, all_labels = torch.cat(images[domain]), torch.cat(labels[domain])
+        score = judges.fidelity(all_images, all_labels, domain)
+        per_domain[domain] = JudgedImages(
+            class_fidelity=score["class"], domain_fidelity=score["domain"], images=len(all_labels)
+        )
+    return Fidelity(judges=str(judges_path), per_domain=per_domain)
+
+
+def write_fidelity(fidelity: Fidelity, run_dir: str | Path) -> Path:
+    """``run_dir/fidelity.json``, which the run's report.md shows beside its accuracy."""
+    return write_json(Path(run_dir) / FIDELITY_FILE, fidelity.model_dump())

@@ -11,6 +11,8 @@ import pytest
 from PIL import Image
 
 from fedbip_flwr.report import CLASSIFIER_PNG, write_report
+from fedbip_flwr.results import FIDELITY_FILE, Fidelity, JudgedImages, ResultsError
+from fedbip_tools.judges import write_fidelity
 from tests.helpers import ACCEPTED, completed_metrics, reported_client, run_folder
 
 
@@ -94,3 +96,25 @@ def test_unreadable_metrics_raise_naming_the_file(
     with pytest.raises(error, match=re.escape(str(tmp_path / "metrics.json"))):
         write_report(tmp_path)
     assert not (tmp_path / "report.md").exists()
+
+
+def test_judged_fidelity_sits_beside_each_domains_accuracy(tmp_path: Path) -> None:
+    """A judged run (fidelity.json) shows class and domain fidelity in the accuracy table; a
+    domain the judges did not see says so; an unjudged run's table is as before."""
+    folder = run_folder(tmp_path / "run", completed_metrics(), grids=[])
+    plain = write_report(folder).read_text()
+    assert "fidelity" not in plain
+    judged = {
+        "sketch": JudgedImages(class_fidelity=0.91, domain_fidelity=0.45, images=96),
+        "quickdraw": JudgedImages(class_fidelity=0.9, domain_fidelity=0.07, images=96),
+    }
+    write_fidelity(Fidelity(judges="judges.safetensors", per_domain=judged), folder)
+    report = write_report(folder).read_text()
+    assert re.search(r"\| domain +\| +accuracy \| +class fidelity \| +domain fidelity \|", report)
+    assert re.search(r"\| quickdraw +\| +[\d.]+% +\| +90\.0% +\| +7\.0% +\|", report)
+    assert re.search(r"\| sketch +\| +69\.3% +\| +91\.0% +\| +45\.0% +\|", report)
+    assert re.search(r"\| painting +\| +[\d.]+% +\| +not judged +\| +\|", report)
+    assert f"]({FIDELITY_FILE})" in report
+    (folder / FIDELITY_FILE).write_text('{"judges": "x", "per_domain": {"sketch": {"images": 1}}}')
+    with pytest.raises(ResultsError, match=FIDELITY_FILE):
+        write_report(folder)
