@@ -214,8 +214,8 @@ class Method(Registered, ABC):
         it (its images-per-class per class, else images-per-image x the client's images): a
         weight for balancing the split, which the shards' own keys never depend on."""
         own = self.settings
-        per_image = own.images_per_image if isinstance(own, FreshNoiseSettings) else 1
-        per_class = own.images_per_class if isinstance(own, FreshNoiseSettings) else 0
+        sized = isinstance(own, FreshNoiseSettings)
+        per_class, per_image = (own.images_per_class, own.images_per_image) if sized else (0, 1)
         return [
             WorkUnit(
                 client_id,
