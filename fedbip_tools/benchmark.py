@@ -29,6 +29,7 @@ asked otherwise, and every comparison the docs draw is the paired per-seed diffe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -57,7 +58,9 @@ from fedbip_flwr.classifier import (
 )
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import upload_order
+from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.method_settings import FedBiPSettings
+from fedbip_flwr.methods.base import ServerJob
 from fedbip_flwr.paths import project_dir, resolve
 from fedbip_flwr.results import SENT_SECONDS
 from fedbip_flwr.results import read as read_results
@@ -79,6 +82,7 @@ from .privacy import (
     reconstruction_score,
 )
 from .simulation import SimulationError, run_simulation, run_status, stop_local_superlink
+from .upload_attacks import REFERENCE_PER_CLASS, Candidates, ServerView, attack_upload, upload_test
 
 log = logging.getLogger(__name__)
 MARKER = "methods"
@@ -348,6 +352,9 @@ class Bench:
 
 # DOMIAS's reference: the base model's public images of a client's domain (its pretraining split)
 DOMIAS_REFERENCE_PER_CLASS = 50
+# what a row records of its own run, kept when it is measured again from a folder
+RUN_RECORD = frozenset({"server_seconds", "client_seconds", "upload_bytes", "fedavg_rounds"})
+SERVER_ATTACK = "server_attack"  # a row's key for the server's test on its uploads
 NON_MEMBER_CLIENT = 1  # the shapes world's second client of a domain: images no client here holds
 
 
@@ -473,6 +480,8 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
                 )
                 for c, paths in sorted(shards.items())
             }
+    if upload_test(cfg.method) and folder.persisted_payloads():
+        result[SERVER_ATTACK] = server_attacks(folder, cfg, clients)
     if folder.classifier.exists():
         model = load_classifier(folder, cfg)
         result["mia_gap"], result["mia"] = membership_inference(
@@ -524,6 +533,38 @@ def distance_membership(
             members.images, non_members.images, synthetic, public.images, features
         )
         out.update(domias_auc=domias.auc, domias_tpr=domias.tpr_at_max_fpr)
+    return out
+
+
+def server_attacks(
+    folder: RunFolder, cfg: FedBiPConfig, clients: Mapping[str, dataset.ClientSet]
+) -> dict[str, dict[str, float]]:
+    """The server's membership test on each upload the run accepted, read back from the run
+    folder through the method's own acceptance (:mod:`fedbip_tools.upload_attacks`): the
+    client's private images against as many unseen images of its domain and classes (DCR's
+    non-members), referenced by public images of the domain. Per domain: AUC, its standard
+    error and TPR at 1% FPR."""
+    ldm = functools.cache(
+        lambda: load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size)
+    )
+    server = ServerJob(cfg, dataset.class_names(cfg.data), ldm)
+    method = methods.one_shot_for(cfg)
+    out = {}
+    for client_id, path in folder.persisted_payloads().items():
+        members = clients[client_id]
+        size = members.images.shape[-1]
+        public = shapes.pretrain_set(members.domain, REFERENCE_PER_CLASS, cfg.seed, size)
+        others = shapes.client_train_set(
+            members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
+        )
+        upload = method.accept(path.read_bytes(), server)
+        found = attack_upload(upload, Candidates(members, others), ServerView(cfg, ldm, public))
+        out[members.domain] = {
+            "auc": found.auc,
+            "auc_stderr": found.auc_stderr,
+            "tpr_at_low_fpr": found.tpr_at_max_fpr,
+            "members": len(found.member_scores),
+        }
     return out
 
 
@@ -706,7 +747,9 @@ def measure_again(
         return None
     measured = measure(folder, judges, bench.settings)
     log.info("seed %d: %s measured again from its run folder", seed, name)
-    return {**cached, **measured}
+    # the folder may hold a later run of the same settings (same accuracy): the seconds and
+    # bytes stay those of the run the row records
+    return {**cached, **{k: v for k, v in measured.items() if k not in RUN_RECORD}}
 
 
 def ordered(chosen: Sequence[Variant]) -> list[Variant]:
@@ -771,8 +814,12 @@ def summarize(
             "mean": statistics.fmean(means),
             "std": _std(means),
         }
-        for key in set().union(*rows) - entry.keys() - {"per_domain", "mean", "provenance"}:
+        for key in (
+            set().union(*rows) - entry.keys() - {"per_domain", "mean", "provenance", SERVER_ATTACK}
+        ):
             entry[key] = _average([r.get(key) for r in rows])
+        if attacked := {s: r[SERVER_ATTACK] for s, r in zip(seeds, rows) if SERVER_ATTACK in r}:
+            entry[SERVER_ATTACK] = server_attack_summary(attacked)
         if entry.get("mia_gap"):
             entry["mia_gap_std"] = {
                 k: _std([r["mia_gap"][k] for r in rows]) for k in entry["mia_gap"]
@@ -783,6 +830,27 @@ def summarize(
     if not mix_machine_kinds:
         provenance.refuse_mixed({name: e["made_with"] for name, e in out.items()})
     return out
+
+
+def server_attack_summary(per_seed: Mapping[int, Mapping[str, Mapping[str, float]]]) -> dict:
+    """The server's test on the uploads over the seeds whose run folders it was run on (not
+    every seed's may be: it needs the accepted uploads): per domain AUC mean and sample std,
+    TPR at 1% FPR mean, and which seeds."""
+    domains = set.intersection(*(set(d) for d in per_seed.values()))
+    return {
+        "seeds": sorted(per_seed),
+        "per_domain": {
+            d: {
+                "auc": statistics.fmean(r[d]["auc"] for r in per_seed.values()),
+                "auc_std": _std([r[d]["auc"] for r in per_seed.values()]),
+                "auc_stderr": statistics.fmean(r[d]["auc_stderr"] for r in per_seed.values()),
+                "tpr_at_low_fpr": statistics.fmean(
+                    r[d]["tpr_at_low_fpr"] for r in per_seed.values()
+                ),
+            }
+            for d in sorted(domains)
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -966,6 +1034,45 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> str:
+    """One line per row whose uploads were tested, then the rows that were not, by reason."""
+    lines = [
+        "| method | the server's test | "
+        + " | ".join(domains)
+        + " | seeds measured (of the row's) |",
+        "|---" * (len(domains) + 3) + "|",
+    ]
+    unkept, untestable = [], []
+    for name, e in summary.items():
+        test = upload_test(variant(name).method)
+        found = e.get(SERVER_ATTACK)
+        if test is None:
+            untestable.append(name)
+            continue
+        if not found:
+            unkept.append(name)
+            continue
+        spread = len(found["seeds"]) > 1
+        cells = [
+            f"{a['auc']:.3f}"
+            + (f" ± {a['auc_std']:.3f}" if spread else "")
+            + f" / {a['tpr_at_low_fpr']:.2f}"
+            if (a := found["per_domain"].get(d))
+            else "–"
+            for d in domains
+        ]
+        seeds = f"{', '.join(map(str, found['seeds']))} ({len(e['seeds'])})"
+        lines.append(f"| {name} | {test.statistic} | {' | '.join(cells)} | {seeds} |")
+    lines.append("")
+    if unkept:
+        lines.append(f"Not measured here, their run folders not kept: {', '.join(unkept)}.")
+    if untestable:
+        lines.append(
+            f"No test (class counts only, or per-round weights not kept): {', '.join(untestable)}."
+        )
+    return "\n".join(lines) + "\n"
+
+
 def dcr_cells(entry: Mapping[str, Any], control: Mapping[str, Any] | None) -> list[str]:
     """DCR membership AUC in pixels and features, the members' share nearer than every
     non-member, and DOMIAS's AUC, means over clients; each AUC with its difference from the no-data control's on
@@ -1115,6 +1222,24 @@ images of image i (every z(T) of it, every pass), which averages out what differ
 seed of that row (rows cached before the column existed), or no such thing to measure.
 
 {privacy_table(summary)}
+### The server's membership test on each upload it received
+
+What the party that receives the uploads can tell, before it synthesizes anything: each
+client's accepted upload, read back from the run folder through the method's own acceptance,
+tested by the server with the strongest test this project has for that kind of upload
+(`fedbip_tools.upload_attacks`; z(T) rows: the whitened likelihood ratio, rows in the order
+uploaded; mixtures: the matched filter on each class's mean; a mean per class of features or
+caption states: the class-mean test; a classifier: its loss; images: the nearest uploaded
+image). Members: the client's {cfg["shots-per-class"] * 6} private images; non-members: as many
+unseen images of its domain and classes; reference: {REFERENCE_PER_CLASS} public images per
+class of the domain. AUC (0.5: nothing told apart; standard error about 0.04 at 96 a side),
+mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR. At the
+run's own latents (4x16x16, T = the sampler's first step); Stable Diffusion's latent size is in
+"Privacy of the default federation" (`scripts/server_attacks.py`). Only seeds whose run
+folders are still here were measured (`--remeasure`): the last column says which, and of how
+many the row has.
+
+{server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
 
 ### Published figures (other data: not comparable cell by cell)

@@ -316,6 +316,11 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
         assert all(math.isfinite(v) for v in score.values())
         assert score["images_averaged"] == 2, "multiplier 2: two passes of each z(T)"
     assert all(s["images_averaged"] == 10 for s in large["reconstruction"].values())
+    # the server's own test on each accepted upload, read back from the run folder: members
+    # are the client's 12 images, one test per domain
+    attacked = small[benchmark.SERVER_ATTACK]
+    assert set(attacked) == {"sketch", "quickdraw"}
+    assert all(0 <= a["auc"] <= 1 and a["members"] == 12 for a in attacked.values())
     cached = json.loads(bench.cache(0).read_text())
     assert cached["settings"] == bench.settings.digest() and set(cached["results"]) == set(results)
 
@@ -377,6 +382,8 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     assert f"| 1 | {this_machine().kind}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
+    auc = summary["FedBiP-S"][benchmark.SERVER_ATTACK]["per_domain"]["sketch"]["auc"]
+    assert "| FedBiP-S | z(T) likelihood ratio | " in text and f"| {auc:.3f} / " in text
     assert (bench.results / "pictures" / "methods-sketch.png").exists()
     saved = json.loads((bench.results / "methods.json").read_text())
     assert set(saved["methods"]) == {"FedBiP-L", "FedBiP-S"}
