@@ -340,6 +340,34 @@ def loss_membership_inference(
     return LossAttackResult(auc, stderr, tpr_at_fpr(members, non_members, max_fpr), max_fpr)
 
 
+def confidence_logit(losses: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of the true class from cross-entropy losses (p = exp(-loss)): the
+    scale on which a model's confidence on one example is close to Gaussian over models
+    (LiRA, Carlini et al. 2022)."""
+    losses = losses.double()
+    return -losses - torch.log((-torch.expm1(-losses)).clamp_min(1e-300))
+
+
+def lira_offline_scores(
+    target_losses: torch.Tensor, reference_losses: torch.Tensor
+) -> torch.Tensor:
+    """Offline LiRA (higher = member): how far the target model's confidence on each candidate
+    lies above that of R reference models trained without it, ``(phi - mean_r) / sigma``.
+    ``target_losses`` (N,), ``reference_losses`` (R, N); with few references sigma is the
+    references' spread pooled over candidates (the paper's fixed-variance form), so one
+    candidate's R values set only its mean: what is hard or easy for any model of the
+    domain is taken away, what only training on the candidate gives is left."""
+    if reference_losses.dim() != 2 or reference_losses.shape[1] != len(target_losses):
+        raise ValueError(
+            f"reference losses {tuple(reference_losses.shape)} are not (R, {len(target_losses)})"
+        )
+    if len(reference_losses) < 2:
+        raise ValueError("LiRA needs at least two reference models for their spread")
+    phi = confidence_logit(reference_losses)
+    sigma = phi.std(dim=0).pow(2).mean().sqrt().clamp_min(1e-12)
+    return (confidence_logit(target_losses) - phi.mean(dim=0)) / sigma
+
+
 def tpr_at_fpr(
     member_scores: torch.Tensor | Sequence[float],
     non_member_scores: torch.Tensor | Sequence[float],

@@ -64,6 +64,7 @@ from fedbip_tools.privacy import (
     LatentReference,
     class_mean_scores,
     concept_loss_ratio_scores,
+    lira_offline_scores,
     membership_result,
     mixture_membership_scores,
     zT_membership_scores,
@@ -411,7 +412,8 @@ def classifier_attacks(
     args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
 ) -> None:
     """The loss tests on FedLMG's uploaded classifiers, ``replicates`` clients per domain, into
-    ``results[domain]["64px/fedlmg"]``."""
+    ``results[domain]["64px/fedlmg"]``: the loss itself and offline LiRA against
+    ``reference_models`` classifiers the server trains by the same recipe on public images."""
     run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER})
     method = methods.create_for(run)
     server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
@@ -426,10 +428,17 @@ def classifier_attacks(
         return evaluate(model, images, labels, run.classifier_image_size).losses
 
     for domain in domains:
-        public = shapes.pretrain_set(domain, shots, seed=run.seed, size=size)
-        reference = trained(public, f"{domain}-reference", args.seed + 5)
+        # R reference models, each trained by the client's recipe on its own public images
+        public = shapes.pretrain_set(
+            domain, shots * args.reference_models, seed=run.seed, size=size
+        )
+        references = []
+        for m in tqdm(range(args.reference_models), desc=f"reference models {domain}"):
+            images, labels = per_class_chunk(public, shots, m)
+            chunk = shapes.ImageSet(images, labels, public.classes, domain)
+            references.append(trained(chunk, f"{domain}-reference-{m}", args.seed + 5 + m))
         unseen = shapes.test_set(domain, shots * args.replicates, seed=run.seed, size=size)
-        pooled: dict[str, tuple[list, list]] = {"loss": ([], []), "loss-ratio": ([], [])}
+        pooled: dict[str, tuple[list, list]] = {"loss": ([], []), "lira-offline": ([], [])}
         for r in tqdm(range(args.replicates), desc=f"classifiers {domain}"):
             client = shapes.client_train_set(
                 domain, shots, client_index=r, seed=run.seed, size=size
@@ -439,9 +448,11 @@ def classifier_attacks(
             for side, (images, labels) in enumerate(((client.images, client.labels), others)):
                 own = losses(uploaded, images, labels)
                 pooled["loss"][side].append(-own)
-                pooled["loss-ratio"][side].append(losses(reference, images, labels) - own)
+                theirs = torch.stack([losses(m, images, labels) for m in references])
+                pooled["lira-offline"][side].append(lira_offline_scores(own, theirs))
         results.setdefault(domain, {})[f"{size}px/{CLASSIFIER}"] = {
             "clients": args.replicates,
+            "reference_models": args.reference_models,
             "local_epochs": run.settings_of(CLASSIFIER).local_epochs,
             "attacks": {
                 f"{CLASSIFIER}/{name}": membership_result(
@@ -487,6 +498,9 @@ def main() -> None:
     parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
     parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
     parser.add_argument("--overfit-epochs", type=int, default=200)
+    parser.add_argument(
+        "--reference-models", type=int, default=4, help="FedLMG: LiRA's reference classifiers"
+    )
     parser.add_argument("--dp-epsilon", type=float, default=4.0, help="fedbip-mixture-dp's budget")
     args = parser.parse_args()
     torch.set_num_threads(1)

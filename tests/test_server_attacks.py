@@ -26,6 +26,7 @@ from fedbip_tools.privacy import (
     _row_noise,
     class_mean_scores,
     group_rows,
+    lira_offline_scores,
     membership_result,
     mixture_log_density,
     mixture_membership_scores,
@@ -418,3 +419,31 @@ def test_class_mean_test_finds_the_images_a_mean_was_taken_of(own: bool) -> None
         assert pooled.auc > 0.9
     else:
         assert abs(pooled.auc - 0.5) < 3 * pooled.auc_stderr
+
+
+def test_offline_lira_takes_away_each_candidates_difficulty() -> None:
+    """Candidates differ in how hard any model of the domain finds them (a loss spread far
+    wider than what training on one changes): the plain loss test barely sees members, LiRA
+    against reference models that share the difficulty does; without a member effect it finds
+    nothing."""
+    g = torch.Generator().manual_seed(0)
+    n, references = 400, 4
+    member = torch.arange(n) < n // 2
+    difficulty = torch.rand(n, generator=g) * 4.0 + 0.05  # per-candidate loss any model gets
+
+    def losses(shift: torch.Tensor) -> torch.Tensor:
+        return (difficulty - shift + 0.1 * torch.randn(n, generator=g)).clamp_min(1e-3)
+
+    reference = torch.stack([losses(torch.zeros(n)) for _ in range(references)])
+    trained = losses(0.4 * member)
+    lira = lira_offline_scores(trained, reference)
+    plain = membership_result(-trained[member], -trained[~member]).auc
+    found = membership_result(lira[member], lira[~member]).auc
+    assert found > 0.95 and found > plain + 0.2, (found, plain)
+    untouched = lira_offline_scores(losses(torch.zeros(n)), reference)
+    result = membership_result(untouched[member], untouched[~member])
+    assert abs(result.auc - 0.5) < 4 * null_stderr(n // 2, n // 2)
+    with pytest.raises(ValueError, match="at least two"):
+        lira_offline_scores(trained, reference[:1])
+    with pytest.raises(ValueError, match="not"):
+        lira_offline_scores(trained[:10], reference)
