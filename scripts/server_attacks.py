@@ -28,6 +28,8 @@ convolutional, gives 4x64x64 latents, SD's latent size), noised with SD v1-4's o
 config (models/sd-v1-4-architecture) at T = 999 and at PNDM-25's first timestep (961).
 
     OMP_NUM_THREADS=1 python scripts/server_attacks.py [--out benchmarks/server_attacks.json]
+    python scripts/server_attacks.py --summarize benchmarks/server_attacks.json \
+        benchmarks/server_attacks_seed1.json benchmarks/server_attacks_seed2.json
 """
 
 from __future__ import annotations
@@ -478,8 +480,36 @@ def latent_stats(
     }
 
 
+def summarize_seeds(paths: list[Path]) -> None:
+    """Markdown: every (domain, setting, attack) the records share, AUC mean ± sample std over
+    them (one per ``--seed``) and TPR at 1% FPR's mean."""
+    records = [json.loads(p.read_text()) for p in paths]
+    first = records[0]["results"]
+    print(f"seeds {[r['command'].split('--seed ')[1].split()[0] for r in records]}")
+    print("| domain | setting | attack | AUC mean ± std | TPR at 1% FPR |\n|---|---|---|---|---|")
+    for domain, per_domain in first.items():
+        for key, entry in per_domain.items():
+            for name in entry["attacks"]:
+                found = [
+                    r["results"].get(domain, {}).get(key, {}).get("attacks", {}).get(name)
+                    for r in records
+                ]
+                if any(f is None for f in found):
+                    continue
+                aucs = torch.tensor([f["auc"] for f in found], dtype=torch.float64)
+                tpr = sum(f["tpr_at_max_fpr"] for f in found) / len(found)
+                spread = float(aucs.std()) if len(aucs) > 1 else 0.0
+                print(
+                    f"| {domain} | {key} | {name} | {float(aucs.mean()):.3f} ± {spread:.3f} "
+                    f"| {tpr:.2f} |"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--summarize", type=Path, nargs="+", help="only tabulate these records (one per seed)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "server_attacks.json")
     parser.add_argument("--domains", nargs="+", help="default: the run config's")
     parser.add_argument(
@@ -503,6 +533,9 @@ def main() -> None:
     )
     parser.add_argument("--dp-epsilon", type=float, default=4.0, help="fedbip-mixture-dp's budget")
     args = parser.parse_args()
+    if args.summarize:
+        summarize_seeds(args.summarize)
+        return
     torch.set_num_threads(1)
     started = time.perf_counter()
     # taken now: the code that runs is the tree as it is at the start
