@@ -947,21 +947,34 @@ def accuracy_table(summary: Mapping[str, Any], names: Sequence[str]) -> str:
     lines = [
         "| method | "
         + " | ".join(domains)
-        + " | mean | upload per client (kB) | client s | server s | load | seeds | made with |",
-        "|---|" + "---|" * (len(domains) + 7),
+        + " | mean | domain fidelity (%), "
+        + " / ".join(domains)
+        + " | upload per client (kB) | client s | server s | load | seeds | made with |",
+        "|---|" + "---|" * (len(domains) + 8),
     ]
     for name in (n for n in names if n in summary):
         e = summary[name]
         cells = [pct(e["per_domain"][d], e["per_domain_std"][d]) for d in domains]
+        judged = domain_fidelity_cell(e.get("fidelity"), domains)
         server = sum(v for v in (e.get("server_seconds") or {}).values() if v is not None)
         lines.append(
             f"| {name} | "
             + " | ".join(cells)
-            + f" | **{pct(e['mean'], e['std'])}** | {kilobytes(e)} "
+            + f" | **{pct(e['mean'], e['std'])}** | {judged} | {kilobytes(e)} "
             f"| {seconds(e.get('client_seconds'))} | {server:.0f} | {e.get('load_average', float('nan')):.1f} "
             f"| {len(e['seeds'])} | {provenance.cell(e['made_with'])} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def domain_fidelity_cell(
+    fidelity: Mapping[str, Mapping[str, float]] | None, domains: Sequence[str]
+) -> str:
+    """The share of each domain's synthetic images the judges place in it, beside accuracy:
+    a row can score well with images that are not in its clients' domains."""
+    if not fidelity or any(d not in fidelity for d in domains):
+        return "–"
+    return " / ".join(f"{100 * fidelity[d]['domain']:.0f}" for d in domains)
 
 
 def signed(points: float) -> str:
@@ -1167,7 +1180,9 @@ runs as many rounds of {s.fedavg_local_epochs} local epochs as make {s.classifie
 summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
 {cfg["guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
 {cfg["fedbip.concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
-Accuracy is mean ± sample std over seeds; seconds are means (client: one client's whole upload
+Accuracy is mean ± sample std over seeds; domain fidelity: the share of each domain's synthetic
+images the judges below place in that domain (100 for Central's real images; –: no synthetic
+set); seconds are means (client: one client's whole upload
 step; server: model load, synthesis, classifier), with the machine's mean load average while
 each ran (2 cores: above 2, the seconds are inflated by other work). Made with: the machine
 kind of the row's seeds (`unrecorded`: cached before results carried it), how many commits they

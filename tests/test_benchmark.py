@@ -367,6 +367,11 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
         benchmark.write_json(bench.cache(0), stored)
 
 
+def fidelity_order(summary):
+    """The domains in the accuracy table's order: its first row's."""
+    return next(iter(summary.values()))["per_domain"]
+
+
 def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     bench, _ = one_seed
     benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
@@ -379,6 +384,10 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
         and "reconstruction PSNR (dB), own / same-class" in text
     )
     assert "### Accuracy (%): sampler `pndm` (leading spacing), 4 steps, T = " in text
+    fidelity, domains = summary["FedBiP-S"]["fidelity"], list(fidelity_order(summary))
+    judged = " / ".join(f"{100 * fidelity[d]['domain']:.0f}" for d in domains)
+    header = f"| domain fidelity (%), {' / '.join(domains)} |"
+    assert header in text and f"** | {judged} |" in text
     assert f"| 1 | {this_machine().kind}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
