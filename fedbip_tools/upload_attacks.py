@@ -33,6 +33,7 @@ from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import LDM
+from fedbip_flwr.method_settings import PairSettings
 from fedbip_flwr.methods.base import Upload
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture
@@ -93,9 +94,10 @@ def _signal_scale(view: ServerView, timestep: int) -> float:
 
 
 def _mixing(view: ServerView) -> tuple[float, float]:
-    """The run method's pair mixing, gamma ~ N(mean, std^2); (1, 0) for a method with none."""
+    """The run method's pair mixing, gamma ~ N(mean, std^2); (1, 0) for one that mixes no
+    partner into an image (FedLD)."""
     own = view.cfg.settings_of(view.cfg.method)
-    return (getattr(own, "gamma_mean", 1.0), getattr(own, "gamma_std", 0.0))
+    return (own.gamma_mean, own.gamma_std) if isinstance(own, PairSettings) else (1.0, 0.0)
 
 
 def zT_rows_test(upload: Upload, c: Candidates, view: ServerView) -> Scores:
