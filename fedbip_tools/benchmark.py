@@ -500,6 +500,12 @@ def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
     return {s.client_id: s for s in sets}
 
 
+def unseen_images(domain: str, cfg: FedBiPConfig, size: int) -> shapes.ImageSet:
+    """As many images of ``domain`` as a client holds, of the same classes in the same order,
+    that no client of the run holds: every membership test's non-members."""
+    return shapes.client_train_set(domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+
+
 def distance_membership(
     synthetic: torch.Tensor,
     members: dataset.ClientSet,
@@ -520,9 +526,7 @@ def distance_membership(
     size = members.images.shape[-1]
     if synthetic.shape[-1] != size:
         synthetic = F.interpolate(synthetic, size=(size, size), mode="bilinear", antialias=True)
-    non_members = shapes.client_train_set(
-        members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
-    )
+    non_members = unseen_images(members.domain, cfg, size)
     pixels = dcr_membership(members.images, non_members.images, synthetic)
     out = {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer}
     if features is not None:
@@ -554,9 +558,7 @@ def server_attacks(
         members = clients[client_id]
         size = members.images.shape[-1]
         public = shapes.pretrain_set(members.domain, REFERENCE_PER_CLASS, cfg.seed, size)
-        others = shapes.client_train_set(
-            members.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
-        )
+        others = unseen_images(members.domain, cfg, size)
         upload = method.accept(path.read_bytes(), server)
         found = attack_upload(upload, Candidates(members, others), ServerView(cfg, ldm, public))
         out[members.domain] = {
@@ -663,9 +665,7 @@ def reconstruction(
     what a server that knew which rows come from one image could do (:func:`row_sources`)."""
     n = len(client.images)
     size = client.images.shape[-1]
-    unrelated = shapes.client_train_set(
-        client.domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size
-    )
+    unrelated = unseen_images(client.domain, cfg, size)
     if not torch.equal(unrelated.labels, client.labels):
         raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
     every = pixels_like(data[torch.arange(len(data))][0], client.images)

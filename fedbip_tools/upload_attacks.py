@@ -37,6 +37,7 @@ from fedbip_flwr.method_settings import PairSettings
 from fedbip_flwr.methods.base import Upload
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture
+from fedbip_flwr.viz import dequantize
 
 from .privacy import (
     AttackResult,
@@ -44,6 +45,7 @@ from .privacy import (
     class_mean_scores,
     membership_result,
     mixture_membership_scores,
+    nearest_distances,
     zT_membership_scores,
 )
 
@@ -143,36 +145,39 @@ def mixture_mean_test(upload: Upload, c: Candidates, view: ServerView) -> Scores
 
 
 def _class_mean_test(
-    features: Callable[[ServerView, torch.Tensor], torch.Tensor],
+    features: Callable[[ServerView], Callable[[torch.Tensor], torch.Tensor]],
     means: Callable[[Upload], torch.Tensor],
 ) -> Test:
-    """The class-mean test with the server's own ``features`` of an image and the upload's
-    per-class ``means`` of them."""
+    """The class-mean test with the server's own ``features`` of an image (made once per
+    upload: its models load once) and the upload's per-class ``means`` of them."""
 
     def run(upload: Upload, c: Candidates, view: ServerView) -> Scores:
-        public = view.public
-        centres = LatentReference.of(features(view, public.images), public.labels).centres
+        encode, public = features(view), view.public
+        centres = LatentReference.of(encode(public.images), public.labels).centres
         return tuple(
-            class_mean_scores(features(view, s.images), s.labels, means(upload), centres)
+            class_mean_scores(encode(s.images), s.labels, means(upload), centres)
             for s in (c.members, c.others)
         )
 
     return run
 
 
-def backbone_features(view: ServerView, images: torch.Tensor) -> torch.Tensor:
-    return public_encoder(view.cfg.model, view.cfg.classifier_image_size)(images)
+def backbone_features(view: ServerView) -> Callable[[torch.Tensor], torch.Tensor]:
+    return public_encoder(view.cfg.model, view.cfg.classifier_image_size)
 
 
-def caption_states(view: ServerView, images: torch.Tensor) -> torch.Tensor:
+def caption_states(view: ServerView) -> Callable[[torch.Tensor], torch.Tensor]:
     """Each image's mean text-encoder states over captions the server's copy of the captioner
     writes (its own draw, not the client's)."""
     own = view.cfg.settings_of("oscar")
-    captions = caption_images(
-        load_captioner(own.captioner), images, own.captions_per_image, torch.Generator()
-    )
-    per_image = torch.arange(len(images)).repeat(own.captions_per_image)  # pass-major
-    return class_conditioning(view.ldm(), captions, per_image, len(images))
+    captioner = load_captioner(own.captioner)
+
+    def states(images: torch.Tensor) -> torch.Tensor:
+        captions = caption_images(captioner, images, own.captions_per_image, torch.Generator())
+        per_image = torch.arange(len(images)).repeat(own.captions_per_image)  # pass-major
+        return class_conditioning(view.ldm(), captions, per_image, len(images))
+
+    return states
 
 
 def mixture_class_means(upload: Upload) -> torch.Tensor:
@@ -188,12 +193,12 @@ def classifier_loss_test(upload: Upload, c: Candidates, view: ServerView) -> Sco
 
 
 def nearest_upload_test(upload: Upload, c: Candidates, view: ServerView) -> Scores:
-    uploaded = upload.tensors["images"]
-    uploaded = uploaded.float() / 127.5 - 1.0 if uploaded.dtype == torch.uint8 else uploaded
-    flat = uploaded.flatten(1).float()
+    """Minus each candidate's RMS pixel distance to its nearest uploaded image (uint8, checked
+    at acceptance)."""
+    uploaded = dequantize(upload.tensors["images"]).flatten(1)
+    scale = math.sqrt(uploaded.shape[1])
     return tuple(
-        -torch.cdist(s.images.flatten(1).float(), flat).min(dim=1).values / math.sqrt(flat.shape[1])
-        for s in (c.members, c.others)
+        -nearest_distances(s.images.float(), uploaded) / scale for s in (c.members, c.others)
     )
 
 
