@@ -712,7 +712,9 @@ def run_seed(
                 results[v.name] = measured
                 write_json(cache, stored)
             continue
-        made = provenance.record(project_dir() or Path.cwd(), bench.threads, [bench.results])
+        root = project_dir() or Path.cwd()
+        made = provenance.record(root, bench.threads, [bench.results])
+        model = provenance.model_digest(root / FedBiPConfig().model)  # every row's model
         started, load = time.perf_counter(), os.getloadavg()[0]
         folder = run_variant(bench, v, seed)
         results[v.name] = {
@@ -720,6 +722,7 @@ def run_seed(
             "wall_seconds": time.perf_counter() - started,
             "load_average": (load + os.getloadavg()[0]) / 2,  # seconds mean little under load
             "provenance": made,  # as the run started: the code it ran
+            "model": model,
         }
         write_json(cache, stored)
         log.info("seed %d: %s mean accuracy %.3f", seed, v.name, results[v.name]["mean"])
@@ -815,7 +818,9 @@ def summarize(
             "std": _std(means),
         }
         for key in (
-            set().union(*rows) - entry.keys() - {"per_domain", "mean", "provenance", SERVER_ATTACK}
+            set().union(*rows)
+            - entry.keys()
+            - {"per_domain", "mean", "provenance", "model", SERVER_ATTACK}
         ):
             entry[key] = _average([r.get(key) for r in rows])
         if attacked := {s: r[SERVER_ATTACK] for s, r in zip(seeds, rows) if SERVER_ATTACK in r}:
@@ -827,6 +832,7 @@ def summarize(
         if all("mia" in r for r in rows):
             entry["mia_auc_std"] = _std([r["mia"]["auc"] for r in rows])
         out[v.name] = entry
+    provenance.refuse_mixed_models({name: e["made_with"] for name, e in out.items()})
     if not mix_machine_kinds:
         provenance.refuse_mixed({name: e["made_with"] for name, e in out.items()})
     return out
@@ -1185,8 +1191,9 @@ images the judges below place in that domain (100 for Central's real images; –
 set); seconds are means (client: one client's whole upload
 step; server: model load, synthesis, classifier), with the machine's mean load average while
 each ran (2 cores: above 2, the seconds are inflated by other work). Made with: the machine
-kind of the row's seeds (`unrecorded`: cached before results carried it), how many commits they
-span and their dates; a row of mixed kinds says so (`{provenance.MIX_FLAG}`).
+kind of the row's seeds (`unrecorded`: cached before results carried it), the digest of the
+LDM they ran (`provenance.model_digest`; seeds of two models are never averaged), how many
+commits they span and their dates; a row of mixed kinds says so (`{provenance.MIX_FLAG}`).
 
 {accuracy_heading(sampled)}
 {accuracy_table(summary, order)}

@@ -8,6 +8,8 @@ asked otherwise, and a result cached before results carried provenance is of the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -50,10 +52,27 @@ def commit(root: Path, outputs: Sequence[Path] = ()) -> str:
     return head + ("-dirty" if changed else "")
 
 
-def record(root: Path, threads: int, outputs: Sequence[Path] = ()) -> dict[str, Any]:
-    """This machine's provenance for a result made now by ``threads`` torch threads per run."""
+def model_digest(folder: Path) -> str:
+    """The latent diffusion model in ``folder`` (diffusers layout): 12 hex digits of the SHA-256
+    of its ``model_index.json`` and every file of the components it lists (weights, configs,
+    tokenizer), so two results share a digest exactly when they ran the same model."""
+    index = folder / "model_index.json"
+    parts = [name for name in json.loads(index.read_text()) if not name.startswith("_")]
+    files = [index, *sorted(p for name in parts for p in (folder / name).rglob("*") if p.is_file())]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def record(
+    root: Path, threads: int, outputs: Sequence[Path] = (), model: Path | None = None
+) -> dict[str, Any]:
+    """This machine's provenance for a result made now by ``threads`` torch threads per run
+    (and, given ``model``, the :func:`model_digest` of the model folder it ran)."""
     machine = this_machine()
     return {
+        **({"model": model_digest(model)} if model else {}),
         "commit": commit(root, outputs),
         "machine": {**machine.model_dump(), "threads": threads, "kind": machine.kind},
         **{name: metadata.version(name) for name in PACKAGES},
@@ -76,6 +95,7 @@ def made_with(rows: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     made = [r["provenance"] for r in rows.values() if r.get("provenance")]
     return {
         "kinds": kinds,
+        "models": sorted({r.get("model", UNRECORDED) for r in rows.values()}),
         "cpus": sorted({m["machine"]["cpu"] for m in made}),
         "software": sorted({", ".join(f"{p} {m[p]}" for p in PACKAGES) for m in made}),
         "commits": sorted({m["commit"] for m in made}),
@@ -85,6 +105,23 @@ def made_with(rows: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
 
 def mixed(made: Mapping[str, Any]) -> bool:
     return len(made["kinds"]) > 1
+
+
+def mixed_models(made: Mapping[str, Any]) -> bool:
+    return len(made.get("models", ())) > 1
+
+
+def refuse_mixed_models(by_row: Mapping[str, Mapping[str, Any]]) -> None:
+    """Raise ``ValueError`` naming every row whose seeds ran different models: never averaged,
+    whatever the flags (another model is another method, not another seed)."""
+    models = [
+        f"  {name}: {', '.join(m['models'])}" for name, m in by_row.items() if mixed_models(m)
+    ]
+    if models:
+        raise ValueError(
+            "these rows' seeds ran different models (model digests); remake them on one:\n"
+            + "\n".join(models)
+        )
 
 
 def refuse_mixed(by_row: Mapping[str, Mapping[str, Any]]) -> None:
@@ -111,6 +148,8 @@ def cell(made: Mapping[str, Any]) -> str:
     """The table's "made with": the kind (every kind, marked, where seeds were mixed), how
     many commits the seeds span and their dates."""
     kinds = f"mixed kinds, {kinds_text(made)}" if mixed(made) else next(iter(made["kinds"]))
+    models = [m for m in made.get("models", ()) if m != UNRECORDED]
+    kinds += "".join(f", model {m}" for m in models)
     if not made["commits"]:
         return kinds
     commits = len(made["commits"])

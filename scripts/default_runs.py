@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fedbip_flwr import results
+from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
 from fedbip_tools import provenance
@@ -103,7 +104,9 @@ def main() -> None:
     record = {
         "command": "python scripts/default_runs.py --runs " + str(args.runs),
         "readme_command": "flwr " + " ".join(COMMAND),
-        "provenance": provenance.record(root, torch.get_num_threads(), [root / "outputs"]),
+        "provenance": provenance.record(
+            root, torch.get_num_threads(), [root / "outputs"], model=root / FedBiPConfig().model
+        ),
         "runs": [],
     }
     for i in range(args.runs):

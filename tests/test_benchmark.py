@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 from datetime import datetime
@@ -135,6 +136,36 @@ def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
     }
     assert made_with["commit"] == provenance.commit(benchmark.project_dir(), [bench.results])
     assert datetime.fromisoformat(made_with["date"]).tzinfo is not None
+    model = json.loads(bench.cache(0).read_text())["results"]["Central"]["model"]
+    assert model == provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
+
+
+def test_the_model_digest_changes_with_any_weight_and_only_with_the_model(tiny_model_dir, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, copy)
+    before = provenance.model_digest(copy)
+    (copy / "README.md").write_text("a card")
+    assert provenance.model_digest(copy) == before, "the card is not the model"
+    weights = next((copy / "unet").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert provenance.model_digest(copy) != before
+
+
+def test_seeds_of_different_models_are_never_averaged():
+    runs = {
+        s: {"Central": {**row(0.9, made("AVX2")), "model": m}} for s, m in ((0, "m1"), (1, "m2"))
+    }
+    for flag in (False, True):
+        with pytest.raises(ValueError, match="Central: m1, m2"):
+            benchmark.summarize(runs, mix_machine_kinds=flag)
+    one = benchmark.summarize({0: runs[0]})
+    assert (
+        benchmark.accuracy_table(one, ["Central"])
+        .splitlines()[2]
+        .endswith("| AVX2, model m1, 1 commit, 2026-11-25 |")
+    )
 
 
 def test_the_commit_is_head_dirty_where_tracked_code_changed_and_unknown_outside_git(tmp_path):
