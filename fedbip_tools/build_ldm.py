@@ -5,6 +5,7 @@ weights from a spec: the tests' tiny model and the miniature's starting point
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -80,6 +81,41 @@ def build_tokenizer(words: Iterable[str], max_length: int) -> CLIPTokenizer:
 
 def _clip_tokenizer(vocab: dict[str, int], merges: list, max_length: int) -> CLIPTokenizer:
     return CLIPTokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=max_length)
+
+
+def grow_vocabulary(ldm: LDM, words: Iterable[str]) -> LDM:
+    """``ldm`` with a tokenizer for ``words`` as well as its own, for resuming pretraining on
+    captions with new words: every token it had keeps its learned embedding (matched by its
+    text, since ids move), a new token starts as the text encoder initialises one."""
+    old = ldm.tokenizer.get_vocab()
+    known = [token.removesuffix("</w>") for token in old if token.endswith("</w>")]
+    tokenizer = build_tokenizer([*known, *words], ldm.tokenizer.model_max_length)
+    if tokenizer.get_vocab() == old:
+        return ldm
+    text = copy.deepcopy(ldm.text_encoder)  # ``ldm`` stays as it was
+    table = text.get_input_embeddings().weight.detach().clone()
+    std = text.config.initializer_range * text.config.initializer_factor
+    grown = torch.randn(len(tokenizer), table.shape[1]) * std
+    for token, index in tokenizer.get_vocab().items():
+        if token in old:
+            grown[index] = table[old[token]]
+    text.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    text.get_input_embeddings().weight.data.copy_(grown)
+    text.config.update(
+        {
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+    )
+    return LDM(
+        ldm.vae,
+        ldm.unet,
+        text,
+        tokenizer,
+        ldm.scheduler,
+        fingerprint_of(ldm.vae, ldm.unet, text, ldm.scheduler),
+    ).freeze()
 
 
 def build_ldm(spec: LDMSpec, words: Iterable[str], seed: int = 0) -> LDM:

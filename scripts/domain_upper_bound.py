@@ -94,6 +94,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.methods.fedbip import fedbip_settings
+from fedbip_flwr.paths import resolve
 from fedbip_flwr.storage import read_tensors, write_tensors
 from fedbip_flwr.synthesis import SynthesisSettings, decode_latents, encode_texts, iter_from_noise
 from fedbip_flwr.viz import dequantize, image_grid, quantize
@@ -265,6 +266,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--loss-repeats", type=int, default=2, help="(t, noise) draws per image and range"
     )
+    parser.add_argument("--model", default="", help="the LDM ('' = the run config's model)")
     parser.add_argument("--seed", type=int, default=0, help="learning, synthesis and loss draws")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--judges", type=Path, default=DEFAULT_JUDGES)
@@ -323,7 +325,8 @@ def write_grid(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = FedBiPConfig.from_flat(project_run_config())
+    flat = project_run_config()
+    cfg = FedBiPConfig.from_flat({**flat, "model": args.model} if args.model else flat)
     space = args.space or fedbip_settings(cfg).concept_space
     settings = SynthesisSettings.from_config(cfg)
     ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size,
@@ -385,6 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         class_only = encode_texts(ldm, class_prompts)
         class_only_images, _ = synthesize(class_only)
         class_losses = t_losses(ldm, class_only, z0, labels, draws)
+        descriptor = shapes.RARE_DESCRIPTORS.get(args.domain, (args.domain,))[0]
+        described_prompts = [plain_prompt(cfg.prompt_template, descriptor, n) for n in names]
+        described = encode_texts(ldm, described_prompts)
+        described_images, _ = synthesize(described)
+        described_losses = t_losses(ldm, described, z0, labels, draws)
         write_tensors(cache / "prompts-only.safetensors", {"images": quantize(prompt_images)})
         references = {
             "real: the client's images": judge(judges, client.images, labels, args.domain),
@@ -401,6 +409,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "prompts": class_prompts,
                 "t_losses": class_losses,
                 "loss_ratio_vs_prompt": ratios(class_losses, base_losses),
+            },
+            "descriptor prompt (a word the domain's pretraining captions use; not its name)": {
+                **judge(judges, described_images, syn_labels, args.domain),
+                "prompts": described_prompts,
+                "t_losses": described_losses,
+                "loss_ratio_vs_prompt": ratios(described_losses, base_losses),
             },
             f"plain prompt via the concept layout (S0, V0, {space} space)": {
                 "t_losses": t_losses(ldm, concept_cond(s0, v0), z0, labels, draws),
@@ -441,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     })  # fmt: skip
 
     def save() -> None:
-        out["provenance"] = provenance.record(ROOT, args.threads, [args.out])
+        out["provenance"] = provenance.record(
+            ROOT, args.threads, [args.out], model=resolve(cfg.model)
+        )
         out["table"] = table(out)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -2,17 +2,20 @@
 
 The premise of FedBiP at CPU scale: a latent diffusion model pretrained on *common* domains
 (photo, clipart, painting: every class, captioned "a {domain} of a {class}" or "a {class}")
-that has seen the *rare* client domains (sketch, quickdraw) only as a 5% sliver captioned
-without their names ("a {class}"). They are kept rare rather than absent so that the VAE can
-still reconstruct them (as SD's VAE reconstructs any photo); text alone cannot ask for them
-because no caption ever names them. 10% of captions are empty for classifier-free guidance.
+that has seen the *rare* client domains (sketch, quickdraw) as a small share whose captions never
+name them: "a {descriptor} of a {class}" (``shapes.RARE_DESCRIPTORS``: "a doodle of a star", as
+web alt-text describes such a picture) or "a {class}". So the model can render every domain under
+some conditioning, as Stable Diffusion can, while the words a prompt would use ("a quickdraw of a
+star") stay untrained: text alone does not reach the rare domains, a learned concept can. 10% of
+captions are empty for classifier-free guidance.
 
 Two stages, seeded: (1) the VAE (AutoencoderKL) on the images; its scaling factor is set to
 1 / std of the latents, as SD's 0.18215 was. (2) the UNet and CLIP text encoder jointly on the
 frozen VAE's latents (encoded once), epsilon prediction, EMA of the UNet. Stage 2 runs for a
 wall-clock budget: class fidelity, the measured bottleneck, keeps improving with steps; the
 number of steps reached is in the log, so a run is reproducible up to that count. ``--resume``
-continues stage 2 from a saved model (fresh optimizer and EMA) and appends to its log.
+continues stage 2 from a saved model (fresh optimizer and EMA) and appends to its log; words the
+corpus uses that the model's tokenizer lacks are added first, every learned token kept.
 
     python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 60
     python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 20 --resume
@@ -32,9 +35,7 @@ import torch.nn.functional as F
 from fedbip_flwr import shapes
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import LDM, load_ldm
-from fedbip_tools.build_ldm import MINIATURE, build_ldm
-
-TEMPLATE_WORDS = ("a", "of", "style")
+from fedbip_tools.build_ldm import MINIATURE, build_ldm, grow_vocabulary
 
 
 def train_vae(ldm: LDM, images: torch.Tensor, steps: int, batch: int, log: list) -> None:
@@ -144,13 +145,11 @@ def main() -> None:
     print(f"corpus: {len(images)} images in {time.time() - started:.0f} s", flush=True)
     entry = {"args": {k: str(v) for k, v in vars(args).items()}, "images": len(images)}
     if args.resume:
-        ldm = load_ldm(args.out)
+        ldm = grow_vocabulary(load_ldm(args.out), shapes.pretraining_words())
         log: list[dict] = json.loads((args.out / "pretrain_log.json").read_text())
         log.append({**entry, "resumed": True})
     else:
-        ldm = build_ldm(
-            MINIATURE, [*shapes.CLASSES, *shapes.DOMAINS, *TEMPLATE_WORDS], seed=args.seed
-        )
+        ldm = build_ldm(MINIATURE, shapes.pretraining_words(), seed=args.seed)
         log = [entry]
         train_vae(ldm, images, args.vae_steps, 32, log)
         set_scaling_factor(ldm, images)

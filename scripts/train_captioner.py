@@ -2,10 +2,11 @@
 
 It learns from exactly the miniature LDM's pretraining corpus and captions
 (:func:`fedbip_flwr.shapes.pretraining_corpus`): common domains captioned "a {domain} of a
-{class}" or "a {class}", the rare domains sketch and quickdraw only "a {class}". So, like BLIP on
-DomainNet quickdraw, it can name a rare domain's classes but never its domain. Empty captions
-(kept in the LDM's corpus for classifier-free guidance) say nothing about an image and are
-left out. Teacher forcing, AdamW, a fixed number of epochs, one seed: deterministic on one core.
+{class}" or "a {class}", the rare domains sketch and quickdraw "a {descriptor} {class}" ("a
+doodle star") or "a {class}", never by name. So, like BLIP on DomainNet quickdraw, it can
+describe a rare domain's look but never name the domain. Empty captions (kept in the LDM's
+corpus for classifier-free guidance) say nothing about an image and are left out. Teacher
+forcing, AdamW, a fixed number of epochs, one seed: deterministic on one core.
 
 It then samples one caption per held-out image (the shapes test split, disjoint from the
 corpus and from every client) and prints and saves, per domain, the share of captions naming
@@ -60,12 +61,14 @@ def train(
 
 def figures(captioner: MiniatureCaptioner, per_class: int, seed: int) -> dict[str, dict]:
     """Per domain, on held-out images: how often a sampled caption names the right class (and
-    no other), the right domain word, or another domain's word; and a few examples."""
+    no other), the right domain word, a word describing its domain (its name or one of its
+    ``shapes.RARE_DESCRIPTORS``), or another domain's name; and a few examples."""
     out = {}
     for domain in shapes.DOMAINS:
         test = shapes.test_set(domain, per_class, seed=0)
         captions = captioner.caption(test.images, torch.Generator().manual_seed(seed))
         words = [set(c.split()) for c in captions]
+        look = {domain, *shapes.RARE_DESCRIPTORS.get(domain, ())}  # its name or a descriptor
         right_class = [
             shapes.CLASSES[y] in w and not (w & set(shapes.CLASSES)) - {shapes.CLASSES[y]}
             for w, y in zip(words, test.labels.tolist(), strict=True)
@@ -74,6 +77,7 @@ def figures(captioner: MiniatureCaptioner, per_class: int, seed: int) -> dict[st
             "images": len(captions),
             "right_class": sum(right_class) / len(captions),
             "right_domain_word": sum(domain in w for w in words) / len(captions),
+            "describes_its_domain": sum(bool(w & look) for w in words) / len(captions),
             "other_domain_word": sum(bool(w & (set(shapes.DOMAINS) - {domain})) for w in words)
             / len(captions),
             "examples": captions[:: max(1, len(captions) // 6)][:6],

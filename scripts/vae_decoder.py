@@ -1,10 +1,10 @@
 """Can the miniature VAE's decoder alone be taught to draw the rare domains' thin strokes?
 
-Issue 47's cap: real quickdraw images that only pass through the shipped miniature VAE are judged
-quickdraw 45% of the time (its decoder blurs thin strokes), so no method's synthetic quickdraw
+Issue 47's cap: real quickdraw images that passed through the miniature VAE as first trained were
+judged quickdraw 45% of the time (its decoder blurs thin strokes), so no method's synthetic quickdraw
 can score above that. This fine-tunes the **decoder only** on the miniature's own public
-pretraining corpus (the same images and loss it was trained on, the rare domains still a 5%
-sliver; no client or test image): the encoder is frozen, so every latent, the UNet trained on
+pretraining corpus (``shapes.pretraining_corpus``, the images and loss it was trained on; no
+client or test image): the encoder is frozen, so every latent, the UNet trained on
 them, every z(T) a client uploads and every payload digest stay exactly as they are; only
 what the server decodes changes. Before and after, real images of each domain (the default
 federation's clients' images) go through the VAE and back and are judged by the methods

@@ -9,7 +9,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from fedbip_flwr.ldm import ALLOW_CPU_ENV, ModelLoadError, load_for_run, load_ldm
-from fedbip_tools.build_ldm import TINY, build_ldm, build_tokenizer
+from fedbip_tools.build_ldm import TINY, build_ldm, build_tokenizer, grow_vocabulary
 from tests.helpers import WORDS
 
 
@@ -74,3 +74,25 @@ def test_unknown_prediction_type_is_refused_at_load(tmp_path):
     build_ldm(replace(TINY, prediction_type="sample"), WORDS, seed=0).save(folder)
     with pytest.raises(ModelLoadError, match="predicts 'sample' .* only epsilon or v_prediction"):
         load_ldm(folder)
+
+
+def test_grown_vocabulary_keeps_every_learned_token(tmp_path):
+    ldm = build_ldm(TINY, WORDS, seed=0)
+    prompt = "a painting of a star"
+
+    def encode(model, text: str) -> torch.Tensor:
+        ids = model.tokenizer([text], padding="max_length", return_tensors="pt").input_ids
+        return model.text_encoder(ids).last_hidden_state
+
+    grown = grow_vocabulary(ldm, ["doodle", "scribble"])
+    assert len(grown.tokenizer) > len(ldm.tokenizer)
+    assert grown.tokenizer.tokenize("a doodle of a star") == [
+        "a</w>", "doodle</w>", "of</w>", "a</w>", "star</w>"
+    ]  # fmt: skip
+    assert torch.equal(encode(grown, prompt), encode(ldm, prompt))  # ids moved, meaning did not
+    assert grown.fingerprint != ldm.fingerprint
+    grown.save(tmp_path / "grown")
+    loaded = load_ldm(tmp_path / "grown")
+    assert loaded.fingerprint == grown.fingerprint
+    assert torch.equal(encode(loaded, "a doodle of a star"), encode(grown, "a doodle of a star"))
+    assert grow_vocabulary(grown, ["doodle"]) is grown

@@ -311,3 +311,24 @@ def test_every_domain_is_learnable_from_one_client(domain: str) -> None:
     print(f"{domain}: oracle accuracy {acc:.3f} in {elapsed:.1f} s")
     assert torch.unique(preds).numel() == len(CLASSES), "collapsed: some class is never predicted"
     assert acc >= 0.80, f"{domain}: oracle accuracy {acc:.3f} < 0.80"
+
+
+def test_pretraining_captions_never_name_a_rare_domain_but_describe_it() -> None:
+    images, captions = ds.pretraining_corpus(per_class=20)
+    rare_n = round(20 * ds.PRETRAIN_RARE_SHARE) * len(ds.CLASSES)
+    assert len(images) == len(captions) == 20 * len(ds.CLASSES) * 3 + rare_n * 2
+    words = {w for c in captions for w in c.split()}
+    assert not words & set(ds.RARE_DOMAINS), "a prompt's domain word must stay untrained"
+    assert words <= set(ds.pretraining_words())
+    common = 20 * len(ds.CLASSES) * 3
+    for d, domain in enumerate(ds.RARE_DOMAINS):
+        own = captions[common + d * rare_n : common + (d + 1) * rare_n]
+        assert not any(" of " in c for c in own), "the prompt's domain slot holds common words only"
+        described = [
+            c for c in own if c.split()[1:2] and c.split()[1] in ds.RARE_DESCRIPTORS[domain]
+        ]
+        assert len(described) >= len(own) // 2, domain  # the model can be asked for the look
+        others = {
+            w for other in ds.RARE_DOMAINS if other != domain for w in ds.RARE_DESCRIPTORS[other]
+        }
+        assert not {w for c in own for w in c.split()} & others
