@@ -696,7 +696,8 @@ def pixels_like(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def run_seed(
     bench: Bench, seed: int, names: Sequence[str], judges: Judges, *, remeasure: bool = False
 ) -> dict[str, Any]:
-    """Every named variant for one seed (reused ones after their source), cached as it goes.
+    """Every named variant for one seed (reused ones after their source), cached as it goes;
+    a cached row made on another model than the project's is made again on it.
     ``remeasure``: a cached row whose run folder is still here is measured again from it (new
     columns without a new run); a row whose folder is gone stays as cached."""
     cache = bench.cache(seed)
@@ -704,17 +705,20 @@ def run_seed(
     if stored.get("settings") != bench.settings.digest():
         stored = {"settings": bench.settings.digest(), "results": {}}
     results = stored["results"]
+    root = project_dir() or Path.cwd()
+    model = provenance.model_digest(root / FedBiPConfig().model)  # the LDM every run loads
     for v in ordered(available(names)):
-        if v.name in results:
+        if v.name in results and results[v.name].get("model") == model:
             if remeasure and (
                 measured := measure_again(bench, seed, v.name, results[v.name], judges)
             ):
                 results[v.name] = measured
                 write_json(cache, stored)
             continue
-        root = project_dir() or Path.cwd()
+        if v.name in results:
+            log.info("seed %d: %s was made on model %s; remaking it on %s", seed, v.name,
+                     results[v.name].get("model", provenance.UNRECORDED), model)  # fmt: skip
         made = provenance.record(root, bench.threads, [bench.results])
-        model = provenance.model_digest(root / FedBiPConfig().model)  # every row's model
         started, load = time.perf_counter(), os.getloadavg()[0]
         folder = run_variant(bench, v, seed)
         results[v.name] = {

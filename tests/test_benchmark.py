@@ -140,6 +140,23 @@ def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
     assert model == provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
 
 
+def test_a_row_cached_on_another_model_is_made_again_and_one_on_this_model_is_kept(
+    tmp_path, monkeypatch
+):
+    bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results", threads=1)
+    ran: list[str] = []
+    monkeypatch.setattr(benchmark, "run_variant", lambda _b, v, _s: ran.append(v.name))
+    monkeypatch.setattr(benchmark, "measure", lambda *_: row(0.5))
+    benchmark.run_seed(bench, 0, ["Central", "Prompts-only"], judges=None)
+    assert ran == ["Central", "Prompts-only"]
+    stored = json.loads(bench.cache(0).read_text())
+    stored["results"]["Central"]["model"] = "another"
+    bench.cache(0).write_text(json.dumps(stored))
+    results = benchmark.run_seed(bench, 0, ["Central", "Prompts-only"], judges=None)
+    assert ran == ["Central", "Prompts-only", "Central"]
+    assert results["Central"]["model"] == results["Prompts-only"]["model"] != "another"
+
+
 def test_the_model_digest_changes_with_any_weight_and_only_with_the_model(tiny_model_dir, tmp_path):
     copy = tmp_path / "model"
     shutil.copytree(tiny_model_dir, copy)
