@@ -436,7 +436,8 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     judged = " / ".join(f"{100 * fidelity[d]['domain']:.0f}" for d in domains)
     header = f"| domain fidelity (%), {' / '.join(domains)} |"
     assert header in text and f"** | {judged} |" in text
-    assert f"| 1 | {this_machine().kind}, 1 commit, " in text, "the made-with column"
+    model = provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
+    assert f"| 1 | {this_machine().kind}, model {model}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
     auc = summary["FedBiP-S"][benchmark.SERVER_ATTACK]["per_domain"]["sketch"]["auc"]

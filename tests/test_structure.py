@@ -98,7 +98,12 @@ def test_what_nodes_run_never_imports_the_tools():
 SHIPPED_FOR_THE_TOOLS = {
     # the built-in world's splits stay with its one generator (their disjointness is its), and
     # the shipped models' training records name them
-    "fedbip_flwr/shapes.py": {"public_corpus", "pretraining_corpus", "write_image_folder"},
+    "fedbip_flwr/shapes.py": {
+        "public_corpus",
+        "pretraining_corpus",
+        "pretraining_words",
+        "write_image_folder",
+    },
     # `fedbip synthesize`: the external-synthesis workers beside the ServerApp, on its machines
     "fedbip_flwr/distributed.py": {"read_run_config", "open_run", "process_state"},
     # the payload file's reader, beside the format's decoder
