@@ -93,21 +93,14 @@ def grow_vocabulary(ldm: LDM, words: Iterable[str]) -> LDM:
     if tokenizer.get_vocab() == old:
         return ldm
     text = copy.deepcopy(ldm.text_encoder)  # ``ldm`` stays as it was
-    table = text.get_input_embeddings().weight.detach().clone()
+    table = text.get_input_embeddings().weight.detach()
     std = text.config.initializer_range * text.config.initializer_factor
     grown = torch.randn(len(tokenizer), table.shape[1]) * std
     for token, index in tokenizer.get_vocab().items():
         if token in old:
             grown[index] = table[old[token]]
-    text.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    text.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # special ids stay first
     text.get_input_embeddings().weight.data.copy_(grown)
-    text.config.update(
-        {
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-    )
     return LDM(
         ldm.vae,
         ldm.unet,
