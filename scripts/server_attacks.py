@@ -35,6 +35,7 @@ config (models/sd-v1-4-architecture) at T = 999 and at PNDM-25's first timestep 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -215,67 +216,66 @@ def concept_attacks(
     results: dict,
 ) -> None:
     """The loss-ratio test on each client's learned concepts at the run's budget (``replicates``
-    clients per domain) and overfitted (the positive control, one client per domain), into
-    ``results[domain]["64px/concepts/shots=S/epochs=E"]``."""
+    clients per domain) and overfitted (the positive control, one client per domain), at the
+    run's image size and at ``--large-size`` (concepts learned on 4x64x64 latents at 256 px),
+    into ``results[domain]["SIZEpx/concepts/shots=S/epochs=E"]``."""
     own = fedbip_settings(cfg)
     budgets = [(cfg.shots_per_class, own.concept_epochs, args.replicates)]
     if args.overfit_shots:
         budgets.append((args.overfit_shots, args.overfit_epochs, 1))
     settings = SynthesisSettings.from_config(cfg)
-    for domain in domains:
-        for shots, epochs, replicates in budgets:
-            budget = own.model_copy(update={"concept_epochs": epochs})
-            unseen = shapes.test_set(domain, shots * replicates, seed=cfg.seed, size=cfg.image_size)
-            members, non_members, losses = [], [], []
-            for r in tqdm(range(replicates), desc=f"concepts {domain} {shots}x{epochs}"):
-                client = shapes.client_train_set(
-                    domain, shots, client_index=r, seed=cfg.seed, size=cfg.image_size
-                )
-                generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
-                payload, report = personalize(
-                    ldm,
-                    client.images,
-                    client.labels,
-                    list(client.classes),
-                    domain,
-                    f"{domain}-{r}",
-                    cfg,
-                    generator,
-                    budget,
-                )
-                concepts = payload.concepts
-                layout = concept_layout(ldm, concepts, settings)
-                others, other_labels = per_class_chunk(unseen, shots, r)
-                for images, labels, out in (
-                    (client.images, client.labels, members),
-                    (others, other_labels, non_members),
-                ):
-                    out.append(
-                        concept_loss_ratio_scores(
-                            ldm,
-                            concepts,
-                            layout,
-                            encode_images(ldm.vae, images, cfg.vae_batch_size),
-                            labels,
-                            max_timestep=payload.meta.timestep,
-                            draws=args.concept_draws,
-                            generator=torch.Generator().manual_seed(args.seed + 17),
-                        )
-                    )
-                losses.append([report.concept_losses[0], report.concept_losses[-1]])
-            result = membership_result(
-                torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
+    sizes = [cfg.image_size, *([args.large_size] if args.large_size else [])]
+    for domain, size, (shots, epochs, replicates) in itertools.product(domains, sizes, budgets):
+        budget = own.model_copy(update={"concept_epochs": epochs})
+        unseen = shapes.test_set(domain, shots * replicates, seed=cfg.seed, size=size)
+        members, non_members, losses = [], [], []
+        for r in tqdm(range(replicates), desc=f"concepts {domain} {size}px {shots}x{epochs}"):
+            client = shapes.client_train_set(
+                domain, shots, client_index=r, seed=cfg.seed, size=size
             )
-            results.setdefault(domain, {})[
-                f"{cfg.image_size}px/concepts/shots={shots}/epochs={epochs}"
-            ] = {
-                "shots_per_class": shots,
-                "concept_epochs": epochs,
-                "clients": replicates,
-                "draws": args.concept_draws,
-                "concept_loss_first_last_epoch": losses,
-                "attacks": {"concepts/loss-ratio": result.summary()},
-            }
+            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
+            payload, report = personalize(
+                ldm,
+                client.images,
+                client.labels,
+                list(client.classes),
+                domain,
+                f"{domain}-{r}",
+                cfg,
+                generator,
+                budget,
+            )
+            concepts = payload.concepts
+            layout = concept_layout(ldm, concepts, settings)
+            others, other_labels = per_class_chunk(unseen, shots, r)
+            for images, labels, out in (
+                (client.images, client.labels, members),
+                (others, other_labels, non_members),
+            ):
+                out.append(
+                    concept_loss_ratio_scores(
+                        ldm,
+                        concepts,
+                        layout,
+                        encode_images(ldm.vae, images, cfg.vae_batch_size),
+                        labels,
+                        max_timestep=payload.meta.timestep,
+                        draws=args.concept_draws,
+                        generator=torch.Generator().manual_seed(args.seed + 17),
+                    )
+                )
+            losses.append([report.concept_losses[0], report.concept_losses[-1]])
+        result = membership_result(
+            torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
+        )
+        results.setdefault(domain, {})[f"{size}px/concepts/shots={shots}/epochs={epochs}"] = {
+            "shots_per_class": shots,
+            "concept_epochs": epochs,
+            "clients": replicates,
+            "draws": args.concept_draws,
+            "concept_loss_first_last_epoch": losses,
+            "attacks": {"concepts/loss-ratio": result.summary()},
+        }
 
 
 def per_image_and_class_means(
@@ -524,6 +524,9 @@ def main() -> None:
         "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", default="cpu", help="where the LDM runs (cuda: fp16, as a GPU run config)"
+    )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
     parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
@@ -539,10 +542,9 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     # taken now: the code that runs is the tree as it is at the start
-    made = provenance.record(ROOT, torch.get_num_threads(), [args.out])
-
     cfg = FedBiPConfig.from_flat(project_run_config())
-    ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size)
+    made = provenance.record(ROOT, torch.get_num_threads(), [args.out], model=ROOT / cfg.model)
+    ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
     default_t = SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
     sd = PNDMScheduler.from_pretrained(SD_SCHEDULER, subfolder="scheduler")
     same_schedule = bool(torch.equal(sd.alphas_cumprod, ldm.scheduler.alphas_cumprod))
@@ -714,6 +716,7 @@ def main() -> None:
         "members_per_domain": shots * len(shapes.CLASSES) * args.replicates,
         "reference_per_class": args.reference_per_class,
         "seconds": round(time.perf_counter() - started, 1),
+        "device": torch.cuda.get_device_name(ldm.device) if ldm.device.type == "cuda" else "cpu",
         "provenance": made,
         "results": results,
     }
