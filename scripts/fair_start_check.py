@@ -25,6 +25,7 @@ import torch
 from scipy import stats
 
 from fedbip_flwr import results
+from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
 from fedbip_tools import provenance
@@ -134,7 +135,12 @@ def main() -> None:
         + " ".join(
             [f"--seeds {' '.join(map(str, args.seeds))}", f"--inits {' '.join(args.inits)}"]
         ),
-        "provenance": provenance.record(project_dir(), torch.get_num_threads(), [args.work]),
+        "provenance": provenance.record(
+            project_dir(),
+            torch.get_num_threads(),
+            [args.work],
+            model=project_dir() / FedBiPConfig().model,
+        ),
         "seconds": time.time() - started,
         "runs": rows,
         "rare_margins": margins,
