@@ -525,6 +525,13 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--timesteps",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the miniature's T (default: the run's)",
+    )
+    parser.add_argument(
         "--device", default="cpu", help="where the LDM runs (cuda: fp16, as a GPU run config)"
     )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
@@ -562,7 +569,7 @@ def main() -> None:
     domains = args.domains or cfg.domain_list
     shots, seed = cfg.shots_per_class, cfg.seed
     settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [
-        (cfg.image_size, ldm.scheduler, "miniature", [default_t])
+        (cfg.image_size, ldm.scheduler, "miniature", args.timesteps or [default_t])
     ]
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
