@@ -23,7 +23,6 @@ from .machine import this_machine
 UNRECORDED = "unrecorded"
 PACKAGES = ("torch", "diffusers", "flwr")
 MIX_FLAG = "--mix-machine-kinds"
-SOURCE_COMMIT_ENV = "FEDBIP_SOURCE_COMMIT"  # the commit a copy outside git was made from
 
 
 class MixedMachineKinds(ValueError):
@@ -42,17 +41,14 @@ def _git(root: Path, *args: str) -> str:
 
 def commit(root: Path, outputs: Sequence[Path] = ()) -> str:
     """HEAD of the checkout at ``root``, with ``-dirty`` where a tracked file differs from it
-    (``outputs``, which the benchmark writes itself, left out). Outside git (a copy of a
-    checkout sent to a GPU machine), the commit ``FEDBIP_SOURCE_COMMIT`` names, marked
-    ``-copy``, else ``unknown``."""
+    (``outputs``, which the benchmark writes itself, left out); ``unknown`` outside git."""
     inside = [Path(os.path.relpath(p.resolve(), root.resolve())) for p in outputs]
     excluded = [f":(exclude){p}" for p in inside if ".." not in p.parts]
     try:
         head = _git(root, "rev-parse", "HEAD")
         changed = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded)
     except (OSError, subprocess.CalledProcessError):
-        source = os.environ.get(SOURCE_COMMIT_ENV)
-        return f"{source}-copy" if source else "unknown"
+        return "unknown"
     return head + ("-dirty" if changed else "")
 
 
