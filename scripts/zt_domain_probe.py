@@ -38,12 +38,12 @@ from fedbip_flwr.concepts import plain_prompt
 from fedbip_flwr.config import FedBiPConfig, NodeConfig
 from fedbip_flwr.instance import encode_images, noise_instances
 from fedbip_flwr.ldm import load_for_run
-from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
-from fedbip_flwr.seeds import client_generator, client_seed
+from fedbip_flwr.methods.fedbip import fedbip_settings, pass_eta, personalize
+from fedbip_flwr.seeds import client_generator
+from fedbip_flwr.server import WorkUnit
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import (
     SynthesisSettings,
-    draw_etas,
     encode_texts,
     iter_denoised,
     pass_conditioning,
@@ -80,6 +80,8 @@ def main() -> None:
     ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
     own = fedbip_settings(cfg)
     settings = SynthesisSettings.from_config(cfg)
+    if own.class_clusters != 1:
+        raise SystemExit("the probe conditions each image on its class's V: class-clusters = 1")
     client = next(c for c in client_sets(cfg).values() if c.domain == args.domain)
     generator = client_generator(cfg, NodeConfig(), client.client_id)
     payload, report = personalize(
@@ -92,13 +94,10 @@ def main() -> None:
         cfg,
         generator,
     )
-    if own.class_clusters != 1:
-        raise SystemExit("the probe conditions each image on its class's V: class-clusters = 1")
     concepts, labels, rows = payload.concepts, payload.labels, payload.concept_rows
     timestep = payload.meta.timestep
-    eta = draw_etas(concepts, own.multiplier, own.eta_std, client_seed(cfg.seed, client.client_id))[
-        0
-    ]
+    pass0 = WorkUnit(client.client_id, 0, len(payload.labels))
+    eta = pass_eta(concepts, own, cfg.seed, pass0)  # the eta of the run's first pass
     learned = pass_conditioning(ldm, concepts, settings, eta)
     z0 = encode_images(ldm.vae, client.images, cfg.vae_batch_size)
     noise = torch.Generator().manual_seed(args.seed + 1)  # each variant's own fresh draws
