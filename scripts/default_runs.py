@@ -8,6 +8,13 @@ first row quotes ``benchmarks/default_run.json``.
 
     python scripts/default_runs.py --runs 5 --out benchmarks/default_run.json
 
+A change to the default is weighed with the same runs: ``--seeds`` replays each seed's client
+noise (``seed=N replayable-client-noise=true``, one run per seed), ``--run-config`` adds the
+change, and ``--judges`` records each run's judged class and domain fidelity per domain:
+
+    python scripts/default_runs.py --seeds 0 1 2 --run-config "start-timestep=799" \
+        --judges outputs/benchmark/judges.safetensors --out /tmp/t799.json
+
 Run it on an idle machine: the wall times are the figures. Each run leaves its run folder
 under outputs/ as the command always does.
 """
@@ -20,6 +27,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,12 +39,21 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
 from fedbip_tools import provenance
+from fedbip_tools.judges import judge_run, load_judges, write_fidelity
 from fedbip_tools.simulation import flwr_tool, stop_local_superlink
 
 COMMAND = ["run", ".", "--stream", "--federation-config", "num-supernodes=3"]
 
 
-def one_run(root: Path, timeout: float) -> dict:
+def run_config(seed: int | None, extra: str) -> list[str]:
+    """The ``--run-config`` the command gets: none for the README's own runs."""
+    pairs = ([f"seed={seed}", "replayable-client-noise=true"] if seed is not None else []) + (
+        extra.split() if extra else []
+    )
+    return ["--run-config", " ".join(pairs)] if pairs else []
+
+
+def one_run(root: Path, timeout: float, config: list[str], judges: Path | None) -> dict:
     """The README's first command from a fresh FLWR_HOME; what it wrote and how long it took."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
@@ -44,7 +61,7 @@ def one_run(root: Path, timeout: float) -> dict:
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [flwr_tool("flwr"), *COMMAND],
+                [flwr_tool("flwr"), *COMMAND, *config],
                 cwd=root,
                 env=env,
                 capture_output=True,
@@ -69,8 +86,15 @@ def one_run(root: Path, timeout: float) -> dict:
         or record.accuracy.per_domain is None
     ):
         raise SystemExit(f"{folder.root}: the run did not complete ({record.status})")
+    fidelity = None
+    if judges is not None:
+        judged = judge_run(folder, load_judges(judges), judges)
+        write_fidelity(judged, folder.root)
+        fidelity = {d: j.model_dump() for d, j in judged.per_domain.items()}
     return {
         "run": str(folder.root.relative_to(root)),
+        "run_config": " ".join(config[1:]),
+        "fidelity": fidelity,
         "wall_seconds": wall,
         "load_before": load,
         "per_domain": record.accuracy.per_domain,
@@ -99,26 +123,42 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/default_run.json"))
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="one run per seed, its client noise replayed"
+    )
+    parser.add_argument("--run-config", default="", help="run config added to every run")
+    parser.add_argument("--judges", type=Path, help="judge each run's synthetic set with these")
     args = parser.parse_args()
     root = project_dir() or Path.cwd()
+    seeds: list[int | None] = args.seeds if args.seeds else [None] * args.runs
     record = {
-        "command": "python scripts/default_runs.py --runs " + str(args.runs),
+        "command": "python " + " ".join(sys.argv),
         "readme_command": "flwr " + " ".join(COMMAND),
         "provenance": provenance.record(
             root, torch.get_num_threads(), [root / "outputs"], model=root / FedBiPConfig().model
         ),
         "runs": [],
     }
-    for i in range(args.runs):
-        record["runs"].append(one_run(root, args.timeout))
+    for i, seed in enumerate(seeds):
+        config = run_config(seed, args.run_config)
+        record["runs"].append(one_run(root, args.timeout, config, args.judges))
         r = record["runs"][-1]
         print(
-            f"run {i + 1}/{args.runs}: {100 * r['mean']:.1f}% ("
+            f"run {i + 1}/{len(seeds)} {' '.join(config[1:])}: {100 * r['mean']:.1f}% ("
             + ", ".join(f"{d} {100 * a:.1f}" for d, a in r["per_domain"].items())
             + f") in {r['wall_seconds']:.0f} s, classifier {r['seconds'].get('classifier', 0):.0f} s, "
             f"load before {r['load_before']:.2f}",
             flush=True,
         )
+        if r["fidelity"]:
+            print(
+                "  judged class / domain fidelity: "
+                + ", ".join(
+                    f"{d} {100 * j['class_fidelity']:.1f} / {100 * j['domain_fidelity']:.1f}"
+                    for d, j in r["fidelity"].items()
+                ),
+                flush=True,
+            )
     record["summary"] = s = summary(record["runs"])
     args.out.write_text(json.dumps(record, indent=1))
     print(
