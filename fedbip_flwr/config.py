@@ -370,6 +370,12 @@ class FedBiPConfig(FlatConfig):
         "channels-last on a CPU with bf16 instructions (faster; its accuracy is not yet "
         "measured against float32: scripts/precision_check.py), float32 elsewhere.",
     )
+    classifier_precise_bn: bool = Field(
+        True,
+        description="After training, re-estimate every BatchNorm's statistics over the whole "
+        "training set, unaugmented, with the final weights (precise BN): the running averages "
+        "left by training lag the weights and put some default runs' rare domains at chance.",
+    )
 
     # --- federation --------------------------------------------------------------------------
     min_clients: int = Field(2, ge=1, description="Fewer valid payloads than this fail the run.")

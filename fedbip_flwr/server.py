@@ -263,6 +263,7 @@ def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSetting
         image_size=cfg.classifier_image_size,
         steps=cfg.classifier_steps if epochs is None else 0,
         precision=cfg.classifier_precision,
+        precise_bn=cfg.classifier_precise_bn,
     )
 
 

@@ -1,4 +1,5 @@
-"""The shared classifier recipe's SGD-step budget (run config classifier-steps)."""
+"""The shared classifier recipe: its SGD-step budget (run config classifier-steps) and its
+BatchNorm statistics after training (classifier-precise-bn)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fedbip_flwr.classifier import (
     TrainSettings,
+    _prepare,
     batches_per_epoch,
     build_classifier,
     train_classifier,
 )
+from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.server import train_settings
 
 
 @pytest.mark.parametrize(("n", "steps"), [(20, 7), (33, 3), (9, 4)])
@@ -35,3 +39,30 @@ def test_a_step_budget_makes_exactly_that_many_sgd_steps(n, steps):
 
 def test_batches_per_epoch_drops_a_last_batch_of_one():
     assert [batches_per_epoch(n, 8) for n in (8, 9, 10, 16, 17, 3)] == [1, 1, 2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("precise", [True, False])
+def test_precise_bn_leaves_the_statistics_of_the_whole_unaugmented_set_under_the_final_weights(
+    precise,
+):
+    """With it, the stem's BatchNorm holds exactly the mean of conv1's outputs on the training
+    images as they are (equal batches: the mean of the batch means is the set's mean) and their
+    variance up to the batches' draw; without it, the running average of augmented batches
+    under moving weights holds neither."""
+    n, size = 48, 24
+    images, labels = torch.rand(n, 3, size, size) * 2 - 1, torch.arange(n) % 3
+    settings = TrainSettings(
+        epochs=2, lr=0.05, momentum=0.9, batch_size=16, image_size=size, precise_bn=precise
+    )
+    model = train_classifier(build_classifier(3, "random"), images, labels, settings, seed=0)
+    with torch.no_grad():
+        stem = model.conv1(_prepare(images, size))
+    bn = model.bn1
+    assert torch.allclose(bn.running_mean, stem.mean((0, 2, 3)), atol=1e-6) == precise
+    assert torch.allclose(bn.running_var, stem.var((0, 2, 3)), rtol=0.05) == precise
+    assert not model.training and bn.momentum == 0.1, "update_bn restores eval mode and momentum"
+
+
+def test_the_run_config_turns_precise_bn_on_by_default_and_off_by_key():
+    assert train_settings(FedBiPConfig()).precise_bn
+    assert not train_settings(FedBiPConfig(classifier_precise_bn=False)).precise_bn
