@@ -9,8 +9,10 @@ from which the seeds' mean accuracy stays within one point of its final value.
 
     python scripts/backbone_check.py outputs/<run> --seeds 0 1 2 3 4
 
-The scoring between epochs draws no random numbers and puts the model back in training mode,
-so each curve's last point is exactly what the server's classifier scores.
+The scoring between epochs draws no random numbers and puts the model back in training mode;
+each curve's last point is the trained classifier as the server scores it (with
+``classifier-precise-bn``, after its BatchNorm statistics are re-estimated), the earlier points
+with the running statistics training keeps.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def curve(cfg: FedBiPConfig, data, classes: list[str], tests: dict) -> list[floa
         model.train()
 
     train_classifier(model, data, None, train_settings(cfg), seed=cfg.seed, on_epoch=on_epoch)
+    scores[-1] = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")["mean"]
     return scores
 
 
