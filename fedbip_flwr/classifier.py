@@ -146,9 +146,8 @@ class TrainSettings:
     num_workers: int = 0  # DataLoader processes reading batches (0: in the training process)
     steps: int = 0  # > 0: exactly this many SGD steps, epochs as many as they take
     precision: PrecisionMode = "float32"  # "auto": half precision where the device has it
-    precise_bn: bool = (
-        False  # BatchNorm's statistics re-estimated after training: recalibrate_batchnorm
-    )
+    # BatchNorm's statistics re-estimated after training (recalibrate_batchnorm)
+    precise_bn: bool = False
 
     def epochs_for(self, n: int) -> int:
         """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""
@@ -480,6 +479,8 @@ def recalibrate_batchnorm(
     classifier's BatchNorm statistics")."""
     order = torch.randperm(len(data), generator=generator)
     batches = [batch for batch in order.split(settings.batch_size) if len(batch) >= 2]
+    if not batches:  # nothing to estimate from: update_bn would leave the reset statistics
+        return
     loader = DataLoader(data, sampler=batches, batch_size=None, num_workers=settings.num_workers)
     inputs = (
         _prepare(x.to(device), settings.image_size).contiguous(
