@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,10 +40,18 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
 from fedbip_tools import provenance
-from fedbip_tools.judges import judge_run, load_judges, write_fidelity
+from fedbip_tools.judges import Judges, judge_run, load_judges, write_fidelity
 from fedbip_tools.simulation import flwr_tool, stop_local_superlink
 
 COMMAND = ["run", ".", "--stream", "--federation-config", "num-supernodes=3"]
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The judges every run is scored by, loaded once, and where they were read from."""
+
+    judges: Judges
+    path: Path
 
 
 def run_config(seed: int | None, extra: str) -> list[str]:
@@ -53,7 +62,7 @@ def run_config(seed: int | None, extra: str) -> list[str]:
     return ["--run-config", " ".join(pairs)] if pairs else []
 
 
-def one_run(root: Path, timeout: float, config: list[str], judges: Path | None) -> dict:
+def one_run(root: Path, timeout: float, config: list[str], judges: Judged | None) -> dict:
     """The README's first command from a fresh FLWR_HOME; what it wrote and how long it took."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
@@ -88,7 +97,7 @@ def one_run(root: Path, timeout: float, config: list[str], judges: Path | None) 
         raise SystemExit(f"{folder.root}: the run did not complete ({record.status})")
     fidelity = None
     if judges is not None:
-        judged = judge_run(folder, load_judges(judges), judges)
+        judged = judge_run(folder, judges.judges, judges.path)
         write_fidelity(judged, folder.root)
         fidelity = {d: j.model_dump() for d, j in judged.per_domain.items()}
     return {
@@ -139,9 +148,10 @@ def main() -> None:
         ),
         "runs": [],
     }
+    judges = Judged(load_judges(args.judges), args.judges) if args.judges else None
     for i, seed in enumerate(seeds):
         config = run_config(seed, args.run_config)
-        record["runs"].append(one_run(root, args.timeout, config, args.judges))
+        record["runs"].append(one_run(root, args.timeout, config, judges))
         r = record["runs"][-1]
         print(
             f"run {i + 1}/{len(seeds)} {' '.join(config[1:])}: {100 * r['mean']:.1f}% ("

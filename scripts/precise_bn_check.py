@@ -14,15 +14,14 @@ the same set).
 from __future__ import annotations
 
 import argparse
-import statistics
 from pathlib import Path
 
 import torch
 
 from fedbip_flwr import dataset, results
-from fedbip_flwr.classifier import Precision, evaluate, load_classifier_bytes, recalibrate_batchnorm
+from fedbip_flwr.classifier import Precision, load_classifier_bytes, recalibrate_batchnorm
 from fedbip_flwr.config import FedBiPConfig
-from fedbip_flwr.server import RunFolder, synthetic_dataset, train_settings
+from fedbip_flwr.server import RunFolder, evaluate_on_server, synthetic_dataset, train_settings
 from fedbip_flwr.storage import write_json
 from fedbip_tools import provenance
 
@@ -33,13 +32,12 @@ def check(run_dir: Path) -> dict:
     cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
     names = dataset.class_names(cfg.data)
     model = load_classifier_bytes(folder.classifier.read_bytes(), names)
-    tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
+    tests = {
+        d: (t.images, t.labels)
+        for d, t in dataset.load_test_sets(cfg.data, cfg.domain_list).items()
+    }
     size = cfg.classifier_image_size
-
-    def scores() -> dict[str, float]:
-        return {d: evaluate(model, t.images, t.labels, size).accuracy for d, t in tests.items()}
-
-    before = scores()
+    before = evaluate_on_server(model, tests, size, "cpu")
     recalibrate_batchnorm(
         model,
         synthetic_dataset(folder.training_shards(), size),
@@ -48,13 +46,13 @@ def check(run_dir: Path) -> dict:
         Precision(),
         torch.Generator().manual_seed(cfg.seed),
     )
-    after = scores()
+    after = evaluate_on_server(model, tests, size, "cpu")
     return {
         "run": str(run_dir),
-        "as_trained": before,
-        "precise_bn": after,
-        "mean_as_trained": statistics.fmean(before.values()),
-        "mean_precise_bn": statistics.fmean(after.values()),
+        "as_trained": before["per_domain"],
+        "precise_bn": after["per_domain"],
+        "mean_as_trained": before["mean"],
+        "mean_precise_bn": after["mean"],
     }
 
 
