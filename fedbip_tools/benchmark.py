@@ -863,6 +863,80 @@ def server_attack_summary(per_seed: Mapping[int, Mapping[str, Mapping[str, float
     }
 
 
+# The server's tests at Stable Diffusion's latent size: the world rendered at 256 px through the
+# miniature's encoder (frozen since the first model: both LDMs' latents are bit for bit the same)
+# and noised with SD v1-4's schedule, by ``scripts/server_attacks.py``, one record per seed of the
+# clients' randomness. They depend on the encoder, the schedule, T and the z(T) per image, not on
+# what a run learned, so a row takes its upload kind's figures rather than a run of its own.
+LARGE_RECORDS = (
+    "server_attacks.json",
+    "server_attacks_seed1.json",
+    "server_attacks_seed2.json",
+    "server_attacks_mixtures.json",
+)
+LARGE_SIZE = 256  # px: 4x64x64 latents through the miniature's 4x downsampling VAE
+# the statistic each latent upload kind is tested with, as scripts/server_attacks.py names it
+LARGE_ATTACKS = {
+    "fedbip": "rows/likelihood-ratio",
+    "fedbip-mixture": "fedbip-mixture/mean-filter",
+    "fedld": "fedld/mean-filter",
+}
+SERVER_ATTACK_LARGE = "server_attack_large"  # a row's key for the figures at SD's latent size
+
+
+def large_latent_setting(bench: Bench, v: Variant, timestep: int) -> tuple[str, str] | None:
+    """The record key and attack standing in for the row's upload at SD's latent size, or None:
+    not a latent upload, a DP release (its own bound, measured at 4x16x16), or no such record."""
+    attack = LARGE_ATTACKS.get(v.method)
+    if attack is None:
+        return None
+    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
+    values = {**base_values(bench, 0), **v.run_values(bench.settings, images)}
+    own = FedBiPConfig.from_flat(values).settings_of(v.method)
+    if getattr(own, "private", False):
+        return None
+    draws = getattr(own, "latents_per_image", None) or own.noisings
+    return f"{LARGE_SIZE}px/T={timestep}/K={draws}", attack
+
+
+def record_seed(record: Mapping[str, Any]) -> int:
+    """The ``--seed`` a server_attacks record was made with (0 where the command left it out)."""
+    words = record["command"].split()
+    return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
+
+
+def large_latent_attacks(bench: Bench, timestep: int, names: Sequence[str]) -> dict[str, dict]:
+    """Per row with a stand-in at SD's latent size: its kind's AUC over the records' seeds (the
+    first record of a seed that holds it), summarized as :func:`server_attack_summary` does."""
+    records = [
+        json.loads(path.read_text())
+        for path in (bench.results / name for name in LARGE_RECORDS)
+        if path.exists()
+    ]
+    out = {}
+    for name in names:
+        setting = large_latent_setting(bench, variant(name), timestep)
+        if setting is None:
+            continue
+        key, attack = setting
+        per_seed: dict[int, dict[str, dict[str, float]]] = {}
+        for record in records:
+            found = {
+                domain: {
+                    "auc": a["auc"],
+                    "auc_stderr": a["auc_stderr"],
+                    "tpr_at_low_fpr": a["tpr_at_max_fpr"],
+                }
+                for domain, settings in record["results"].items()
+                if (a := settings.get(key, {}).get("attacks", {}).get(attack))
+            }
+            if found:
+                per_seed.setdefault(record_seed(record), found)
+        if per_seed:
+            out[name] = {**server_attack_summary(per_seed), "setting": key, "attack": attack}
+    return out
+
+
 @dataclass(frozen=True)
 class Difference:
     """Row ``a`` minus row ``b`` seed by seed, with the mean and its 95% t-interval's
@@ -1057,38 +1131,50 @@ def privacy_table(summary: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def server_attack_cells(found: Mapping[str, Any] | None, domains: Sequence[str]) -> list[str]:
+    """AUC (± its std over seeds, where more than one) / TPR at 1% FPR per domain; a dash where
+    not measured."""
+    if not found:
+        return ["–"] * len(domains)
+    spread = len(found["seeds"]) > 1
+    return [
+        f"{a['auc']:.3f}"
+        + (f" ± {a['auc_std']:.3f}" if spread else "")
+        + f" / {a['tpr_at_low_fpr']:.2f}"
+        if (a := found["per_domain"].get(d))
+        else "–"
+        for d in domains
+    ]
+
+
 def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> str:
-    """One line per row whose uploads were tested, then the rows that were not, by reason."""
+    """One line per row whose upload the server can test: at the run's latents from its run
+    folders, and at SD's latent size from its upload kind's records; then the rows without."""
     lines = [
         "| method | the server's test | "
-        + " | ".join(domains)
-        + " | seeds measured (of the row's) |",
-        "|---" * (len(domains) + 3) + "|",
+        + " | ".join(f"{d}, 4x16x16" for d in domains)
+        + " | seeds measured (of the row's) | "
+        + " | ".join(f"{d}, 4x64x64" for d in domains)
+        + " | 4x64x64: records' seeds |",
+        "|---" * (2 * len(domains) + 4) + "|",
     ]
-    unkept, untestable = [], []
+    untestable = []
     for name, e in summary.items():
         test = upload_test(variant(name).method)
-        found = e.get(SERVER_ATTACK)
         if test is None:
             untestable.append(name)
             continue
-        if not found:
-            unkept.append(name)
-            continue
-        spread = len(found["seeds"]) > 1
+        found, large = e.get(SERVER_ATTACK), e.get(SERVER_ATTACK_LARGE)
+        seeds = f"{', '.join(map(str, found['seeds'])) if found else 'none'} ({len(e['seeds'])})"
+        large_seeds = ", ".join(map(str, large["seeds"])) if large else "–"
         cells = [
-            f"{a['auc']:.3f}"
-            + (f" ± {a['auc_std']:.3f}" if spread else "")
-            + f" / {a['tpr_at_low_fpr']:.2f}"
-            if (a := found["per_domain"].get(d))
-            else "–"
-            for d in domains
+            *server_attack_cells(found, domains),
+            seeds,
+            *server_attack_cells(large, domains),
+            large_seeds,
         ]
-        seeds = f"{', '.join(map(str, found['seeds']))} ({len(e['seeds'])})"
-        lines.append(f"| {name} | {test.statistic} | {' | '.join(cells)} | {seeds} |")
+        lines.append(f"| {name} | {test.statistic} | {' | '.join(cells)} |")
     lines.append("")
-    if unkept:
-        lines.append(f"Not measured here, their run folders not kept: {', '.join(unkept)}.")
     if untestable:
         lines.append(
             f"No test (class counts only, or per-round weights not kept): {', '.join(untestable)}."
@@ -1259,11 +1345,19 @@ caption states: the class-mean test; a classifier: its loss; images: the nearest
 image). Members: the client's {cfg["shots-per-class"] * 6} private images; non-members: as many
 unseen images of its domain and classes; reference: {REFERENCE_PER_CLASS} public images per
 class of the domain. AUC (0.5: nothing told apart; standard error about 0.04 at 96 a side),
-mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR. At the
-run's own latents (4x16x16, T = the sampler's first step); Stable Diffusion's latent size is in
-"Privacy of the default federation" (`scripts/server_attacks.py`). Only seeds whose run
-folders are still here were measured (`--remeasure`): the last column says which, and of how
-many the row has.
+mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR.
+4x16x16: the run's own upload (T = the sampler's first step); only seeds whose run folders are
+still here were measured (`--remeasure`), the column after says which, of how many the row has.
+4x64x64, Stable Diffusion's latent size: the row's upload kind (z(T) rows or a class mixture
+of them, at this T and as many z(T) per image as the row uploads) made by the client code from
+the same world rendered at {LARGE_SIZE} px through the miniature's encoder and noised with SD
+v1-4's schedule (`scripts/server_attacks.py`, records {", ".join(f"`{r}`" for r in LARGE_RECORDS)},
+the last column naming their seeds of the clients' randomness; 288 members a side): it stands
+in for SD's latent size and schedule, not for SD's VAE on photographs. A dash there: not a
+latent upload (images, features, caption states, a classifier: no latent size to scale), a DP
+release (bounded by its epsilon at any size), Espresso's conditioned mixture, or a count of
+z(T) per image no record holds. Concepts are not tested at that size: the test's positive
+control fails on a UNet trained at 4x16x16 ("Privacy of the default federation").
 
 {server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
@@ -1325,6 +1419,8 @@ def report(
         raise ValueError(f"no results under {bench.results / 'methods'} for these settings")
     summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
     found, sampled = differences(runs), sampling(bench)
+    for name, large in large_latent_attacks(bench, sampled.timestep, list(summary)).items():
+        summary[name][SERVER_ATTACK_LARGE] = large
     judged = json.loads(judges_record(bench).read_text())
     write_json(
         bench.results / "methods.json",

@@ -280,6 +280,62 @@ def test_the_accuracy_heading_states_the_pinned_sampler_steps_and_t(tmp_path):
     )
 
 
+def test_each_row_takes_the_sd_size_stand_in_of_its_own_upload_kind(tmp_path):
+    """K z(T) per image as the row uploads them (FedBiP-S/M/L are passes of one), the mixture
+    kinds by their statistic; nothing for uploads that are no latent or a DP release."""
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+
+    def setting(name):
+        return benchmark.large_latent_setting(bench, benchmark.variant(name), 961)
+
+    assert setting("FedBiP-S (2 z(T) per image)") == ("256px/T=961/K=2", "rows/likelihood-ratio")
+    assert setting("FedBiP-L (10 z(T) per image)") == ("256px/T=961/K=10", "rows/likelihood-ratio")
+    assert setting("FedBiP-L") == ("256px/T=961/K=1", "rows/likelihood-ratio")
+    assert setting("FedLD") == ("256px/T=961/K=2", "fedld/mean-filter")
+    assert setting("FedBiP-mixture (2 z(T) per image)")[1] == "fedbip-mixture/mean-filter"
+    for name in ("FedBiP-mixture-DP epsilon 4", "FedLD-DP epsilon 1", "Central", "FedPFT", "OSCAR"):
+        assert setting(name) is None, name
+
+
+def attack_record(seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/likelihood-ratio"):
+    return {
+        "command": f"python scripts/server_attacks.py --large-size 256 --seed {seed}",
+        "results": {
+            d: {key: {"attacks": {attack: {"auc": a, "auc_stderr": 0.01, "tpr_at_max_fpr": a / 4}}}}
+            for d, a in per_domain_auc.items()
+        },
+    }
+
+
+def test_the_sd_size_column_is_its_kinds_records_over_their_seeds(tmp_path):
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+    benchmark.write_json(tmp_path / "server_attacks.json", attack_record(0, {"sketch": 0.9}))
+    benchmark.write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
+    names = ["FedBiP-S (2 z(T) per image)", "FedBiP-L", "FedLD"]
+    large = benchmark.large_latent_attacks(bench, 961, names)
+    assert list(large) == ["FedBiP-S (2 z(T) per image)"], "no record of K = 1 or of FedLD"
+    found = large["FedBiP-S (2 z(T) per image)"]
+    assert found["seeds"] == [0, 1]
+    sketch = found["per_domain"]["sketch"]
+    assert sketch["auc"] == pytest.approx(0.85) and sketch["auc_std"] == pytest.approx(0.0707, 1e-3)
+    entry = {"seeds": [0, 1, 2], benchmark.SERVER_ATTACK_LARGE: found}
+    table = benchmark.server_attack_table({"FedBiP-S (2 z(T) per image)": entry}, ["sketch"])
+    assert "| z(T) likelihood ratio | – | none (3) | 0.850 ± 0.071 / 0.21 | 0, 1 |" in table
+
+
+def test_the_shipped_records_fill_the_sd_size_column_at_three_seeds():
+    bench = Bench(
+        Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
+    )
+    names = ["FedBiP-L (10 z(T) per image)", "FedBiP-mixture (2 z(T) per image)", "FedLD"]
+    large = benchmark.large_latent_attacks(bench, 961, names)
+    assert set(large) == set(names)
+    for found in large.values():
+        assert found["seeds"] == [0, 1, 2]
+        assert set(found["per_domain"]) == {"painting", "quickdraw", "sketch"}
+        assert all(a["auc"] > 0.8 for a in found["per_domain"].values()), "members given away"
+
+
 def test_report_section_is_replaced_in_place(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nbefore\n")
