@@ -296,6 +296,9 @@ ABLATION = ("FedBiP-L", "FedBiP-M", "FedBiP-S", "instance-only", "concept-only",
 # the comparisons the README and BENCHMARKS.md draw, as (row A, row B): A minus B
 COMPARISONS: tuple[tuple[str, str], ...] = (
     (HEADLINE, "Prompts-only"),
+    # FedBiP as the default federation uploads (2 z(T) per image) against the floor and the ceiling
+    ("FedBiP-S (2 z(T) per image)", "Prompts-only"),
+    ("FedBiP-S (2 z(T) per image)", "Central"),
     (HEADLINE, "FedLMG-FT"),
     (HEADLINE, "Central"),
     (HEADLINE, "FedPFT"),
@@ -961,13 +964,18 @@ def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, flo
     return statistics.fmean(values), quantile * statistics.stdev(values) / math.sqrt(n)
 
 
+def paired(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two rows of a seed compare: made on one machine kind, with one model."""
+    return provenance.kind(a) == provenance.kind(b) and a.get("model") == b.get("model")
+
+
 def paired_difference(runs: Mapping[int, Mapping[str, Any]], a: str, b: str) -> Difference | None:
     """Mean accuracy of ``a`` minus ``b`` over the seeds that have both made on one machine
-    kind; None where no seed has."""
+    kind with one model; None where no seed has."""
     per_seed = {
         seed: rows[a]["mean"] - rows[b]["mean"]
         for seed, rows in sorted(runs.items())
-        if a in rows and b in rows and provenance.kind(rows[a]) == provenance.kind(rows[b])
+        if a in rows and b in rows and paired(rows[a], rows[b])
     }
     if not per_seed:
         return None

@@ -256,8 +256,10 @@ def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
         s: {"FedBiP-L": row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
         for s, d in enumerate([0.10, 0.11, 0.12])
     }
-    # a seed whose two rows are of other kinds is not paired
+    # a seed whose two rows are of other machine kinds is not paired
     runs[3] = {"FedBiP-L": row(0.9), "Prompts-only": row(0.1, made("AVX2"))}
+    # nor one whose two rows ran different models
+    runs[4] = {"FedBiP-L": {**row(0.9), "model": "a"}, "Prompts-only": {**row(0.1), "model": "b"}}
     found = benchmark.differences(runs)
     assert [(d.a, d.b) for d in found] == [("FedBiP-L", "Prompts-only"), ("FedBiP-L", "Central")]
     apart, close = found
