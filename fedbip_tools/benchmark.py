@@ -403,6 +403,12 @@ def copy_uploads(source: RunFolder, target: RunFolder) -> None:
             shutil.copy2(path, target.root / path.name)
 
 
+def variant_values(bench: Bench, v: Variant, seed: int) -> dict[str, Any]:
+    """The run config of the variant's run for ``seed``."""
+    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
+    return {**base_values(bench, seed), **v.run_values(bench.settings, images)}
+
+
 def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
     """One ``flwr run`` of the variant; its run folder once the run completed."""
     seed_folder = bench.seed_folder(seed)
@@ -411,12 +417,7 @@ def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
         copy_uploads(run_folder(bench, seed, v.reuse), folder)
     elif folder.root.exists():
         shutil.rmtree(folder.root)
-    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
-    values = {
-        **base_values(bench, seed),
-        **v.run_values(bench.settings, images),
-        "run-name": folder.root.name,
-    }
+    values = {**variant_values(bench, v, seed), "run-name": folder.root.name}
     home = seed_folder / "flwr-home"
     threads = str(bench.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
@@ -893,9 +894,7 @@ def large_latent_setting(bench: Bench, v: Variant, timestep: int) -> tuple[str, 
     attack = LARGE_ATTACKS.get(v.method)
     if attack is None:
         return None
-    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
-    values = {**base_values(bench, 0), **v.run_values(bench.settings, images)}
-    own = FedBiPConfig.from_flat(values).settings_of(v.method)
+    own = FedBiPConfig.from_flat(variant_values(bench, v, 0)).settings_of(v.method)
     if getattr(own, "private", False):
         return None
     draws = getattr(own, "latents_per_image", None) or own.noisings

@@ -62,6 +62,7 @@ from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
+from fedbip_tools.benchmark import record_seed
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
@@ -485,7 +486,7 @@ def summarize_seeds(paths: list[Path]) -> None:
     them (one per ``--seed``) and TPR at 1% FPR's mean."""
     records = [json.loads(p.read_text()) for p in paths]
     first = records[0]["results"]
-    print(f"seeds {[r['command'].split('--seed ')[1].split()[0] for r in records]}")
+    print(f"seeds {[record_seed(r) for r in records]}")
     print("| domain | setting | attack | AUC mean ± std | TPR at 1% FPR |\n|---|---|---|---|---|")
     for domain, per_domain in first.items():
         for key, entry in per_domain.items():
