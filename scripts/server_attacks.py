@@ -1,8 +1,9 @@
 """Can the server tell which images a client held from its upload alone (issue 49)?
 
-Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture`` and ``fedld``, the
-per-class diagonal Gaussian mixtures those methods fit to such rows (mixed same-class pairs,
-and plain z(T) with no partner) instead of uploading them.
+Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``espresso`` and
+``fedld``, the per-class diagonal Gaussian mixtures those methods fit to such rows (mixed
+same-class pairs, and plain z(T) with no partner) instead of uploading them (Espresso's
+conditions are not tested here).
 
 The server holds every client's upload (rows z(T) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps,
 zbar = gamma z_i(0) + (1 - gamma) z_i'(0), with their class labels) and the base model's VAE.
@@ -84,7 +85,7 @@ STATISTICS = {
     "max-correlation": ("max-correlation", False),
 }
 VARIANTS = ("rows", "oracle")
-MIXTURE_KINDS = ("fedbip-mixture", "fedld")
+MIXTURE_KINDS = ("fedbip-mixture", "fedld", "espresso")
 MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
@@ -192,6 +193,13 @@ def mixture_attack(
         )
         for statistic in MIXTURE_STATISTICS
     }
+
+
+def pair_mixing(own: object) -> dict[str, float]:
+    """The gamma a method's z(T) rows mix same-class pairs with; 1 (no partner) without pairs."""
+    if hasattr(own, "gamma_mean"):
+        return {"gamma_mean": own.gamma_mean, "gamma_std": own.gamma_std}
+    return {"gamma_mean": 1.0, "gamma_std": 0.0}
 
 
 def fitted_mixture(
@@ -562,11 +570,10 @@ def main() -> None:
     fedbip = fedbip_settings(cfg)
     draws = sorted({fedbip.latents_per_image, *args.draws})
     mixture_kinds = [kind for kind in args.kinds if kind in MIXTURE_KINDS]
-    # fedbip-mixture fits FedBiP's mixed pairs; FedLD plain z(T) of each image (no partner)
-    mixing = {
-        "fedbip-mixture": {"gamma_mean": fedbip.gamma_mean, "gamma_std": fedbip.gamma_std},
-        "fedld": {"gamma_mean": 1.0, "gamma_std": 0.0},
-    }
+    # fedbip-mixture and Espresso fit mixed same-class pairs (their own gamma); FedLD plain z(T)
+    # of each image (no partner)
+    zT_mixing = pair_mixing(fedbip)
+    mixing = {kind: pair_mixing(cfg.settings_of(kind)) for kind in mixture_kinds}
     domains = args.domains or cfg.domain_list
     shots, seed = cfg.shots_per_class, cfg.seed
     settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [
@@ -637,7 +644,7 @@ def main() -> None:
                             client_z0[r],
                             client.labels,
                             t,
-                            **mixing["fedbip-mixture"],
+                            **zT_mixing,
                             draws=k,
                             generator=generator,
                         )
@@ -661,7 +668,7 @@ def main() -> None:
                             )
                             rows = (
                                 inst
-                                if kind == "fedbip-mixture"
+                                if kind == "fedbip-mixture" and mixing[kind] == zT_mixing
                                 else noise_instances(
                                     schedule,
                                     client_z0[r],
