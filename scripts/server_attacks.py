@@ -52,8 +52,15 @@ from fedbip_flwr.classifier import evaluate
 from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.dataset import ClientSet
-from fedbip_flwr.instance import InstanceLatents, encode_images, noise_instances, upload_order
+from fedbip_flwr.instance import (
+    InstanceLatents,
+    encode_images,
+    forward_noise,
+    noise_instances,
+    upload_order,
+)
 from fedbip_flwr.ldm import LDM, load_for_run
+from fedbip_flwr.methods import fedbip_mixture, fedld
 from fedbip_flwr.methods.base import ClientJob, ServerJob
 from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
 from fedbip_flwr.methods.fedpft import fit_class_mixtures
@@ -91,8 +98,15 @@ CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
-KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE, CLASSIFIER)
-LATENT_KINDS = ("zT", *MIXTURE_KINDS)
+# A DP upload's class statistics at any latent size and T, released by the method's own code
+# under its own share of the budget (fedbip-mixture's concepts, DP-SGD at the rest, not run:
+# the server tests the statistics): kind -> (method, its statistics' guarantee)
+DP_RELEASES = {
+    "fedld-dp": ("fedld", fedld.dp_stats_guarantee),
+    "fedbip-mixture-dp-stats": ("fedbip-mixture", fedbip_mixture.dp_stats_guarantee),
+}
+KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE, CLASSIFIER, *DP_RELEASES)
+LATENT_KINDS = ("zT", *MIXTURE_KINDS, *DP_RELEASES)
 
 
 def per_class_chunk(
@@ -215,6 +229,73 @@ def fitted_mixture(
         generator,
         rows_per_component=own.rows_per_component,
     )
+
+
+def dp_release_attack(
+    kind: str,
+    epsilon: float,
+    schedule: SchedulerMixin,
+    t: int,
+    reference: tuple[torch.Tensor, torch.Tensor, LatentReference],
+    members: list[tuple[torch.Tensor, torch.Tensor]],
+    non_members: list[tuple[torch.Tensor, torch.Tensor]],
+    seed: int,
+) -> dict:
+    """The mixture tests on ``kind``'s DP class statistics of each client's one plain z(T) per
+    image at T = ``t`` (z(0) and labels per client in ``members``; its share of non-members
+    beside), against a mixture fitted to the public reference's plain z(T); scores pooled."""
+    method, guarantee_of = DP_RELEASES[kind]
+    run = FedBiPConfig.from_flat({**project_run_config(), f"{method}.dp-epsilon": epsilon})
+    own = run.settings_of(method)
+    reference_z0, reference_labels, prior = reference
+    alpha_bar = float(schedule.alphas_cumprod[t])
+    plain = {"gamma_mean": 1.0, "gamma_std": 0.0}
+    rows = noise_instances(
+        schedule,
+        reference_z0,
+        reference_labels,
+        t,
+        **plain,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    reference_mixture = fitted_mixture(run, method, rows, torch.Generator().manual_seed(seed))
+    guarantee = guarantee_of(own, reference_z0[0].numel())
+    pooled: dict[str, tuple[list, list]] = {}
+    for r, ((z0, labels), (other_z0, other_labels)) in enumerate(zip(members, non_members)):
+        generator = torch.Generator().manual_seed(seed + r * 101 + 7)
+        z_t = forward_noise(schedule, z0, t, torch.randn(z0.shape, generator=generator))
+        uploaded, _, _ = fedld.private_mixture(
+            z_t, labels, len(shapes.CLASSES), guarantee, own.components, alpha_bar, generator, False
+        )
+        scores = mixture_attack(
+            z0,
+            other_z0,
+            labels,
+            other_labels,
+            uploaded,
+            reference_mixture,
+            math.sqrt(alpha_bar),
+            (1.0, 0.0),
+            prior,
+        )
+        for name, (m, n) in scores.items():
+            pooled.setdefault(name, ([], []))
+            pooled[name][0].append(m)
+            pooled[name][1].append(n)
+    return {
+        "latent_shape": list(z0.shape[1:]),
+        "timestep": t,
+        "epsilon": guarantee.epsilon,
+        "noise_multiplier": guarantee.noise_multiplier,
+        "clip": guarantee.clip,
+        "clients": len(members),
+        "attacks": {
+            f"{kind}/{name}": membership_result(
+                torch.cat(m), torch.cat(n), statistic=name
+            ).summary()
+            for name, (m, n) in pooled.items()
+        },
+    }
 
 
 def concept_attacks(
@@ -358,8 +439,21 @@ def dp_mixture_attacks(
 ) -> None:
     """The mixture tests on fedbip-mixture's DP upload, ``replicates`` clients per domain, into
     ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
+    for epsilon in args.dp_epsilon:
+        dp_upload_attacks(args, cfg, ldm, domains, epsilon, results)
+
+
+def dp_upload_attacks(
+    args: argparse.Namespace,
+    cfg: FedBiPConfig,
+    ldm: LDM,
+    domains: list[str],
+    epsilon: float,
+    results: dict,
+) -> None:
+    """:func:`dp_mixture_attacks` at one ``epsilon``."""
     flat = {**project_run_config(), "method": "fedbip-mixture"}
-    run = FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": args.dp_epsilon})
+    run = FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": epsilon})
     method = methods.create_for(run)
     server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
     t = SynthesisSettings.from_config(run).sampler(ldm).first_timestep(run.start_timestep)
@@ -408,7 +502,7 @@ def dp_mixture_attacks(
                 pooled[name][0].append(m)
                 pooled[name][1].append(n)
         entry = {
-            "epsilon": args.dp_epsilon,
+            "epsilon": epsilon,
             "clients": args.replicates,
             "timestep": t,
             "attacks": {},
@@ -416,7 +510,7 @@ def dp_mixture_attacks(
         for name, (m, n) in pooled.items():
             result = membership_result(torch.cat(m), torch.cat(n), statistic=name)
             entry["attacks"][f"{DP_MIXTURE}/{name}"] = result.summary()
-        results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={args.dp_epsilon:g}"] = entry
+        results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={epsilon:g}"] = entry
 
 
 def classifier_attacks(
@@ -550,7 +644,9 @@ def main() -> None:
     parser.add_argument(
         "--reference-models", type=int, default=4, help="FedLMG: LiRA's reference classifiers"
     )
-    parser.add_argument("--dp-epsilon", type=float, default=4.0, help="fedbip-mixture-dp's budget")
+    parser.add_argument(
+        "--dp-epsilon", type=float, nargs="+", default=[4.0], help="the DP kinds' budgets"
+    )
     args = parser.parse_args()
     if args.summarize:
         summarize_seeds(args.summarize)
@@ -581,8 +677,9 @@ def main() -> None:
     ]
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
-    tasks = sum(len(ts) for *_, ts in settings) * len(draws) * len(domains) * args.replicates
-    tasks *= bool(set(args.kinds) & set(LATENT_KINDS))
+    # K z(T) per image only shapes the row kinds (a DP release takes one per image)
+    row_draws = draws if set(args.kinds) & {"zT", *MIXTURE_KINDS} else []
+    tasks = sum(len(ts) for *_, ts in settings) * len(row_draws) * len(domains) * args.replicates
     bar = tqdm(total=tasks, desc="uploads attacked", unit="upload")
 
     results: dict = {}
@@ -611,7 +708,21 @@ def main() -> None:
             non_member_z0 = [encode(images) for images, _ in non_members]
             for t in timesteps:
                 a = float(schedule.alphas_cumprod[t].sqrt())
-                for k in draws:
+                for kind, epsilon in itertools.product(
+                    set(args.kinds) & set(DP_RELEASES), args.dp_epsilon
+                ):
+                    key = f"{size}px/T={t}/{kind}/epsilon={epsilon:g}"
+                    results.setdefault(domain, {})[key] = dp_release_attack(
+                        kind,
+                        epsilon,
+                        schedule,
+                        t,
+                        (reference_z0, reference.labels, prior),
+                        [(z, c.labels) for z, c in zip(client_z0, clients)],
+                        [(z, y) for z, (_, y) in zip(non_member_z0, non_members)],
+                        args.seed * 1_000_003 + shapes.DOMAINS.index(domain) * 1009,
+                    )
+                for k in row_draws:
                     pooled: dict[str, tuple[list, list]] = {}
                     stats = None
                     server_mixtures = {

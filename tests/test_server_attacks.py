@@ -18,10 +18,13 @@ import pytest
 import torch
 from diffusers import PNDMScheduler
 
-from fedbip_flwr.instance import InstanceLatents, personalize_instances
+from fedbip_flwr.instance import InstanceLatents, forward_noise, personalize_instances
 from fedbip_flwr.ldm import SD_SCHEDULER_CONFIG
+from fedbip_flwr.method_settings import FedLDSettings
+from fedbip_flwr.methods import fedld
 from fedbip_flwr.mixture import LatentMixture, fit_mixture
 from fedbip_tools.privacy import (
+    AttackResult,
     LatentReference,
     _row_noise,
     class_mean_scores,
@@ -59,7 +62,7 @@ def draw(
     means: torch.Tensor, per_class: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     labels = torch.arange(len(means)).repeat_interleave(per_class)
-    return means[labels] + torch.randn(len(labels), *SHAPE, generator=generator), labels
+    return means[labels] + torch.randn(len(labels), *means.shape[1:], generator=generator), labels
 
 
 def world(seed: int, shape: tuple[int, ...] = SHAPE) -> dict:
@@ -447,3 +450,47 @@ def test_offline_lira_takes_away_each_candidates_difficulty() -> None:
         lira_offline_scores(trained, reference[:1])
     with pytest.raises(ValueError, match="not"):
         lira_offline_scores(trained[:10], reference)
+
+
+# --- DP class statistics (FedLD's and the mixture mode's DP uploads) -------------------------------
+
+
+def run_dp_release(shape: tuple[int, ...], epsilon: float) -> AttackResult:
+    """The mean-filter test against FedLD's DP release (its own guarantee at this latent size)
+    of each client's one z(T) per image at T = 200, where a class mean still carries each of
+    its 16 images."""
+    members, non_members = [], []
+    for seed in range(3):
+        w = world(seed, shape)
+        guarantee = fedld.dp_stats_guarantee(FedLDSettings(dp_epsilon=epsilon), math.prod(shape))
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn(w["members"].shape, generator=generator)
+        z_t = forward_noise(SCHEDULE, w["members"], 200, noise)
+        alpha_bar = sqrt_abar(200) ** 2
+        mixture, _, _ = fedld.private_mixture(
+            z_t, w["labels"], CLASSES, guarantee, 4, alpha_bar, generator, False
+        )
+        public = upload(*w["public"], 200, 1, seed + 50)
+        kwargs = {
+            "signal_scale": sqrt_abar(200),
+            "reference": w["reference"],
+            "reference_mixture": fitted(public, seed + 50),
+            "statistic": "mean-filter",
+            "gamma_mean": 1.0,
+            "gamma_std": 0.0,
+        }
+        members.append(mixture_membership_scores(w["members"], w["labels"], mixture, **kwargs))
+        non_members.append(
+            mixture_membership_scores(w["non_members"], w["non_labels"], mixture, **kwargs)
+        )
+    return membership_result(torch.cat(members), torch.cat(non_members))
+
+
+@pytest.mark.parametrize("shape", [SHAPE, (4, 16, 16)], ids=["256 values", "1024 values"])
+def test_the_dp_release_hides_members_its_noiseless_mean_gives_away(shape) -> None:
+    """At any latent size: the clip, and with it the noise, grows with sqrt(D) as a member's
+    signal in the class mean does, so epsilon, not D, bounds the test. The positive control:
+    the release at epsilon 100 (the most a run config accepts), whose noise is small."""
+    assert run_dp_release(shape, 100.0).auc > 0.75, "positive control"
+    hidden = run_dp_release(shape, 1.0)
+    assert abs(hidden.auc - 0.5) < 3 * hidden.auc_stderr

@@ -38,6 +38,8 @@ from ..clusters import condition_rows
 from ..concepts import DPSGD
 from ..dp import (
     EPSILON_METRIC,
+    DPGuarantee,
+    SplitBudget,
     composed_epsilon,
     dp_sgd_event,
     dp_sgd_steps_per_epoch,
@@ -90,6 +92,29 @@ from .fedld import (
 
 log = logging.getLogger(__name__)
 CONCEPTS = ("domain_concept", "class_concepts")
+
+
+def dp_budget(own: FedBiPMixtureSettings) -> SplitBudget:
+    """The DP upload's two releases, DP-SGD on the concepts and the class statistics,
+    calibrated together to (dp-epsilon, dp-delta)."""
+    return split_budget(
+        own.dp_epsilon,
+        own.dp_delta,
+        own.dp_concept_share,
+        own.dp_sample_rate,
+        own.concept_epochs * dp_sgd_steps_per_epoch(own.dp_sample_rate),
+        STATS_RELEASES,
+    )
+
+
+def dp_stats_guarantee(
+    own: FedBiPMixtureSettings, latent_numel: int, budget: SplitBudget | None = None
+) -> DPGuarantee:
+    """The class statistics' guarantee at their share of the DP upload's budget."""
+    budget = budget or dp_budget(own)
+    return stats_guarantee(
+        own, budget.epsilon, budget.delta, budget.stats_noise_multiplier, latent_numel
+    )
 
 
 class ConceptDPRelease(BaseModel):
@@ -200,21 +225,11 @@ class FedBiPMixture(Method):
             raise ValueError(
                 "fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)"
             )
-        per_epoch = dp_sgd_steps_per_epoch(own.dp_sample_rate)
-        budget = split_budget(
-            own.dp_epsilon,
-            own.dp_delta,
-            own.dp_concept_share,
-            own.dp_sample_rate,
-            own.concept_epochs * per_epoch,
-            STATS_RELEASES,
-        )
+        budget = dp_budget(own)
         timestep = first_timestep(cfg, ldm)
         z0 = encode_images(ldm.vae, data.images, cfg.vae_batch_size)
         z_t = forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=generator))
-        stats = stats_guarantee(
-            own, budget.epsilon, budget.delta, budget.stats_noise_multiplier, z0[0].numel()
-        )
+        stats = dp_stats_guarantee(own, z0[0].numel(), budget)
         alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
         mixture, counts, statistics = private_mixture(
             z_t,
@@ -227,7 +242,10 @@ class FedBiPMixture(Method):
             cfg.replayable_client_noise,
         )
         privacy = DPSGD(
-            own.dp_sample_rate, per_epoch, budget.sgd_noise_multiplier, own.dp_grad_clip
+            own.dp_sample_rate,
+            dp_sgd_steps_per_epoch(own.dp_sample_rate),
+            budget.sgd_noise_multiplier,
+            own.dp_grad_clip,
         )
         layout, concepts = client_concepts(
             ldm,

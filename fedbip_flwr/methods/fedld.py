@@ -223,13 +223,11 @@ class FedLD(Method):
         meta = mixture_meta(job, ldm, timestep, own.components)
         if own.dp_epsilon:
             alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
-            sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
-            guarantee = stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, z_t[0].numel())
             mixture, counts, release = private_mixture(
                 z_t,
                 labels,
                 classes,
-                guarantee,
+                dp_stats_guarantee(own, z_t[0].numel()),
                 own.components,
                 alpha_bar,
                 job.generator,
@@ -430,6 +428,12 @@ def stats_guarantee(
     rows clipped to ``dp-clip`` sqrt(D) for latents of D = ``latent_numel`` values."""
     clip = own.dp_clip * math.sqrt(latent_numel)
     return DPGuarantee(epsilon, delta, noise_multiplier, clip, STATS_RELEASES, ("sum", "count"))
+
+
+def dp_stats_guarantee(own: FedLDSettings, latent_numel: int) -> DPGuarantee:
+    """FedLD's DP upload: the class statistics are its only release, so they take the budget."""
+    sigma = noise_multiplier_for(own.dp_epsilon, own.dp_delta, STATS_RELEASES)
+    return stats_guarantee(own, own.dp_epsilon, own.dp_delta, sigma, latent_numel)
 
 
 def private_mixture(
