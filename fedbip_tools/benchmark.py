@@ -867,38 +867,56 @@ def server_attack_summary(per_seed: Mapping[int, Mapping[str, Mapping[str, float
     }
 
 
-# The server's tests at Stable Diffusion's latent size: the world rendered at 256 px through the
-# miniature's encoder (frozen since the first model: both LDMs' latents are bit for bit the same)
-# and noised with SD v1-4's schedule, by ``scripts/server_attacks.py``, one record per seed of the
-# clients' randomness. They depend on the encoder, the schedule, T and the z(T) per image, not on
-# what a run learned, so a row takes its upload kind's figures rather than a run of its own.
-LARGE_RECORDS = (
+# The server's tests on each row's upload kind made by ``scripts/server_attacks.py`` (one record
+# per seed of the clients' randomness): at the run's latent size (4x16x16) and at Stable
+# Diffusion's (the world rendered at 256 px through the miniature's encoder, frozen since the first
+# model, so both LDMs' latents are bit for bit the same, and noised with SD v1-4's schedule). A
+# latent upload depends on the encoder, the schedule, T, the z(T) per image (and a DP release on
+# its epsilon), not on what a run learned: a row takes its kind's figures where its run folders are
+# gone (4x16x16) or never had that size (4x64x64).
+ATTACK_RECORDS = (
     "server_attacks.json",
     "server_attacks_seed1.json",
     "server_attacks_seed2.json",
     "server_attacks_mixtures.json",
+    "server_attacks_t961_seed0.json",
+    "server_attacks_t961_seed1.json",
+    "server_attacks_t961_seed2.json",
+    "server_attacks_sd_seed0.json",
+    "server_attacks_sd_seed1.json",
+    "server_attacks_sd_seed2.json",
 )
 LARGE_SIZE = 256  # px: 4x64x64 latents through the miniature's 4x downsampling VAE
 # the statistic each latent upload kind is tested with, as scripts/server_attacks.py names it
-LARGE_ATTACKS = {
+STAND_IN_ATTACKS = {
     "fedbip": "rows/likelihood-ratio",
     "fedbip-mixture": "fedbip-mixture/mean-filter",
     "fedld": "fedld/mean-filter",
+    "espresso": "espresso/mean-filter",
 }
+# a DP upload's class statistics, released by the method's own code at the record's size
+DP_STAND_INS = {"fedld": "fedld-dp", "fedbip-mixture": "fedbip-mixture-dp-stats"}
+# a mean per class of what the server can compute from an image (the public backbone's features,
+# the shipped captioner's states): the same at any image size, so made at the run's only
+MEAN_STAND_INS = ("fedpft", "oscar")
+SERVER_ATTACK_STAND_IN = "server_attack_stand_in"  # a row's key for its kind's run-size figures
 SERVER_ATTACK_LARGE = "server_attack_large"  # a row's key for the figures at SD's latent size
 
 
-def large_latent_setting(bench: Bench, v: Variant, timestep: int) -> tuple[str, str] | None:
-    """The record key and attack standing in for the row's upload at SD's latent size, or None:
-    not a latent upload, a DP release (its own bound, measured at 4x16x16), or no such record."""
-    attack = LARGE_ATTACKS.get(v.method)
-    if attack is None:
-        return None
+def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tuple[str, str] | None:
+    """The record key and attack standing in for the row's upload at ``size`` px, or None:
+    images, a classifier, or a class mean at SD's latent size."""
+    if v.method in MEAN_STAND_INS:
+        return None if size >= LARGE_SIZE else (f"{size}px/{v.method}", f"{v.method}/class-mean")
     own = FedBiPConfig.from_flat(variant_values(bench, v, 0)).settings_of(v.method)
     if getattr(own, "private", False):
+        kind = DP_STAND_INS[v.method]
+        return f"{size}px/T={timestep}/{kind}/epsilon={own.dp_epsilon:g}", f"{kind}/mean-filter"
+    attack = STAND_IN_ATTACKS.get(v.method)
+    if attack is None:
         return None
     draws = getattr(own, "latents_per_image", None) or own.noisings
-    return f"{LARGE_SIZE}px/T={timestep}/K={draws}", attack
+    return f"{size}px/T={timestep}/K={draws}", attack
 
 
 def record_seed(record: Mapping[str, Any]) -> int:
@@ -907,17 +925,19 @@ def record_seed(record: Mapping[str, Any]) -> int:
     return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
 
 
-def large_latent_attacks(bench: Bench, timestep: int, names: Sequence[str]) -> dict[str, dict]:
-    """Per row with a stand-in at SD's latent size: its kind's AUC over the records' seeds (the
+def stand_in_attacks(
+    bench: Bench, timestep: int, size: int, names: Sequence[str]
+) -> dict[str, dict]:
+    """Per row with a stand-in at ``size`` px: its kind's AUC over the records' seeds (the
     first record of a seed that holds it), summarized as :func:`server_attack_summary` does."""
     records = [
         json.loads(path.read_text())
-        for path in (bench.results / name for name in LARGE_RECORDS)
+        for path in (bench.results / name for name in ATTACK_RECORDS)
         if path.exists()
     ]
     out = {}
     for name in names:
-        setting = large_latent_setting(bench, variant(name), timestep)
+        setting = stand_in_setting(bench, variant(name), timestep, size)
         if setting is None:
             continue
         key, attack = setting
@@ -1156,11 +1176,12 @@ def server_attack_cells(found: Mapping[str, Any] | None, domains: Sequence[str])
 
 def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> str:
     """One line per row whose upload the server can test: at the run's latents from its run
-    folders, and at SD's latent size from its upload kind's records; then the rows without."""
+    folders (else from its upload kind's records), and at SD's latent size from its upload
+    kind's records; then the rows without."""
     lines = [
         "| method | the server's test | "
         + " | ".join(f"{d}, 4x16x16" for d in domains)
-        + " | seeds measured (of the row's) | "
+        + " | 4x16x16: seeds (of the row's) | "
         + " | ".join(f"{d}, 4x64x64" for d in domains)
         + " | 4x64x64: records' seeds |",
         "|---" * (2 * len(domains) + 4) + "|",
@@ -1172,7 +1193,12 @@ def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> s
             untestable.append(name)
             continue
         found, large = e.get(SERVER_ATTACK), e.get(SERVER_ATTACK_LARGE)
-        seeds = f"{', '.join(map(str, found['seeds'])) if found else 'none'} ({len(e['seeds'])})"
+        if found:
+            seeds = f"run folders {', '.join(map(str, found['seeds']))} ({len(e['seeds'])})"
+        elif found := e.get(SERVER_ATTACK_STAND_IN):
+            seeds = f"records {', '.join(map(str, found['seeds']))}"
+        else:
+            seeds = f"none ({len(e['seeds'])})"
         large_seeds = ", ".join(map(str, large["seeds"])) if large else "–"
         cells = [
             *server_attack_cells(found, domains),
@@ -1353,18 +1379,21 @@ image). Members: the client's {cfg["shots-per-class"] * 6} private images; non-m
 unseen images of its domain and classes; reference: {REFERENCE_PER_CLASS} public images per
 class of the domain. AUC (0.5: nothing told apart; standard error about 0.04 at 96 a side),
 mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR.
-4x16x16: the run's own upload (T = the sampler's first step); only seeds whose run folders are
-still here were measured (`--remeasure`), the column after says which, of how many the row has.
-4x64x64, Stable Diffusion's latent size: the row's upload kind (z(T) rows or a class mixture
-of them, at this T and as many z(T) per image as the row uploads) made by the client code from
-the same world rendered at {LARGE_SIZE} px through the miniature's encoder and noised with SD
-v1-4's schedule (`scripts/server_attacks.py`, records {", ".join(f"`{r}`" for r in LARGE_RECORDS)},
-the last column naming their seeds of the clients' randomness; 288 members a side): it stands
-in for SD's latent size and schedule, not for SD's VAE on photographs. A dash there: not a
-latent upload (images, features, caption states, a classifier: no latent size to scale), a DP
-release (bounded by its epsilon at any size), Espresso's conditioned mixture, or a count of
-z(T) per image no record holds. Concepts are not tested at that size: the test's positive
-control fails on a UNet trained at 4x16x16 ("Privacy of the default federation").
+4x16x16: the run's own upload (T = the sampler's first step) where the row's run folders are
+still here (`--remeasure`: "run folders", which seeds of how many); else ("records") the row's
+upload kind made by the client code from the same world by `scripts/server_attacks.py` (z(T)
+rows or a class mixture of them at this T and as many z(T) per image as the row uploads; a DP
+row: its method's class statistics under its epsilon; 288 members a side), which depends on
+the encoder, the schedule, T and K, not on what the run learned. 4x64x64, Stable Diffusion's
+latent size: the same from the world rendered at {LARGE_SIZE} px through the miniature's encoder
+and noised with SD v1-4's schedule, the last column naming the records' seeds of the clients'
+randomness: it stands in for SD's latent size and schedule, not for SD's VAE on photographs.
+Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: not a latent upload
+(images, a classifier; at 4x64x64 also features and caption states: no latent size to scale)
+or no record. What
+is not tested: the concepts and Espresso's conditions beside a mixture (the concept test's
+positive control fails on a UNet trained at 4x16x16, "Privacy of the default federation"), and
+the DP mixture mode's concepts, which DP-SGD releases under the rest of its epsilon.
 
 {server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
@@ -1426,8 +1455,10 @@ def report(
         raise ValueError(f"no results under {bench.results / 'methods'} for these settings")
     summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
     found, sampled = differences(runs), sampling(bench)
-    for name, large in large_latent_attacks(bench, sampled.timestep, list(summary)).items():
-        summary[name][SERVER_ATTACK_LARGE] = large
+    run_size = FedBiPConfig.from_flat(base_values(bench, 0)).image_size
+    for key, size in ((SERVER_ATTACK_STAND_IN, run_size), (SERVER_ATTACK_LARGE, LARGE_SIZE)):
+        for name, found in stand_in_attacks(bench, sampled.timestep, size, list(summary)).items():
+            summary[name][key] = found
     judged = json.loads(judges_record(bench).read_text())
     write_json(
         bench.results / "methods.json",
