@@ -282,20 +282,32 @@ def test_the_accuracy_heading_states_the_pinned_sampler_steps_and_t(tmp_path):
     )
 
 
-def test_each_row_takes_the_sd_size_stand_in_of_its_own_upload_kind(tmp_path):
+def test_each_row_takes_the_stand_in_of_its_own_upload_kind(tmp_path):
     """K z(T) per image as the row uploads them (FedBiP-S/M/L are passes of one), the mixture
-    kinds by their statistic; nothing for uploads that are no latent or a DP release."""
+    kinds by their statistic, a DP row its method's class statistics at its epsilon; nothing
+    for uploads that are no latent."""
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
 
-    def setting(name):
-        return benchmark.large_latent_setting(bench, benchmark.variant(name), 961)
+    def setting(name, size=256):
+        return benchmark.stand_in_setting(bench, benchmark.variant(name), 961, size)
 
     assert setting("FedBiP-S (2 z(T) per image)") == ("256px/T=961/K=2", "rows/likelihood-ratio")
+    assert setting("FedBiP-S (2 z(T) per image)", 64) == ("64px/T=961/K=2", "rows/likelihood-ratio")
     assert setting("FedBiP-L (10 z(T) per image)") == ("256px/T=961/K=10", "rows/likelihood-ratio")
     assert setting("FedBiP-L") == ("256px/T=961/K=1", "rows/likelihood-ratio")
     assert setting("FedLD") == ("256px/T=961/K=2", "fedld/mean-filter")
+    assert setting("Espresso") == ("256px/T=961/K=2", "espresso/mean-filter")
     assert setting("FedBiP-mixture (2 z(T) per image)")[1] == "fedbip-mixture/mean-filter"
-    for name in ("FedBiP-mixture-DP epsilon 4", "FedLD-DP epsilon 1", "Central", "FedPFT", "OSCAR"):
+    assert setting("FedLD-DP epsilon 1") == (
+        "256px/T=961/fedld-dp/epsilon=1",
+        "fedld-dp/mean-filter",
+    )
+    assert setting("FedBiP-mixture-DP epsilon 16", 64) == (
+        "64px/T=961/fedbip-mixture-dp-stats/epsilon=16",
+        "fedbip-mixture-dp-stats/mean-filter",
+    )
+    assert setting("OSCAR", 64) == ("64px/oscar", "oscar/class-mean")
+    for name in ("Central", "FedPFT", "OSCAR", "FedLMG-FT", "Local"):
         assert setting(name) is None, name
 
 
@@ -309,33 +321,64 @@ def attack_record(seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/like
     }
 
 
-def test_the_sd_size_column_is_its_kinds_records_over_their_seeds(tmp_path):
+def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path):
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
     benchmark.write_json(tmp_path / "server_attacks.json", attack_record(0, {"sketch": 0.9}))
     benchmark.write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
+    small = attack_record(2, {"sketch": 0.6}, key="64px/T=961/K=2")
+    benchmark.write_json(tmp_path / "server_attacks_t961_seed2.json", small)
     names = ["FedBiP-S (2 z(T) per image)", "FedBiP-L", "FedLD"]
-    large = benchmark.large_latent_attacks(bench, 961, names)
+    large = benchmark.stand_in_attacks(bench, 961, 256, names)
     assert list(large) == ["FedBiP-S (2 z(T) per image)"], "no record of K = 1 or of FedLD"
     found = large["FedBiP-S (2 z(T) per image)"]
     assert found["seeds"] == [0, 1]
     sketch = found["per_domain"]["sketch"]
     assert sketch["auc"] == pytest.approx(0.85) and sketch["auc_std"] == pytest.approx(0.0707, 1e-3)
-    entry = {"seeds": [0, 1, 2], benchmark.SERVER_ATTACK_LARGE: found}
+    stand_in = benchmark.stand_in_attacks(bench, 961, 64, names)["FedBiP-S (2 z(T) per image)"]
+    assert stand_in["seeds"] == [2]
+    entry = {
+        "seeds": [0, 1, 2],
+        benchmark.SERVER_ATTACK_LARGE: found,
+        benchmark.SERVER_ATTACK_STAND_IN: stand_in,
+    }
     table = benchmark.server_attack_table({"FedBiP-S (2 z(T) per image)": entry}, ["sketch"])
-    assert "| z(T) likelihood ratio | – | none (3) | 0.850 ± 0.071 / 0.21 | 0, 1 |" in table
+    assert "| z(T) likelihood ratio | 0.600 / 0.15 | records 2 | 0.850 ± 0.071 / 0.21 | 0, 1 |" in (
+        table
+    )
+    # the run's own uploads, where its run folders were measured, come before the records
+    own = benchmark.server_attack_summary(
+        {0: {"sketch": dict(auc=0.7, auc_stderr=0.04, tpr_at_low_fpr=0.1)}}
+    )
+    table = benchmark.server_attack_table(
+        {"FedBiP-S (2 z(T) per image)": {**entry, benchmark.SERVER_ATTACK: own}}, ["sketch"]
+    )
+    assert "| 0.700 / 0.10 | run folders 0 (3) |" in table
 
 
-def test_the_shipped_records_fill_the_sd_size_column_at_three_seeds():
+def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
+    """Every row whose upload is a latent kind has its kind's figures at 4x16x16 and 4x64x64
+    (FedPFT's and OSCAR's class means at 4x16x16) from three seeds of the clients' randomness;
+    without DP the server's test finds members (AUC above 0.55 at the run's size, 0.75 at
+    SD's), a DP release stays within 0.1 of chance at either size."""
     bench = Bench(
         Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
     )
-    names = ["FedBiP-L (10 z(T) per image)", "FedBiP-mixture (2 z(T) per image)", "FedLD"]
-    large = benchmark.large_latent_attacks(bench, 961, names)
-    assert set(large) == set(names)
-    for found in large.values():
-        assert found["seeds"] == [0, 1, 2]
-        assert set(found["per_domain"]) == {"painting", "quickdraw", "sketch"}
-        assert all(a["auc"] > 0.8 for a in found["per_domain"].values()), "members given away"
+    names = [v.name for v in benchmark.VARIANTS]
+    for size, floor, rows in ((64, 0.55, 29), (256, 0.75, 25)):
+        tested = [
+            n for n in names if benchmark.stand_in_setting(bench, benchmark.variant(n), 961, size)
+        ]
+        assert len(tested) == rows, tested
+        found = benchmark.stand_in_attacks(bench, 961, size, names)
+        assert sorted(found) == sorted(tested), size
+        for name, row in found.items():
+            assert row["seeds"] == [0, 1, 2], (name, size)
+            aucs = [a["auc"] for a in row["per_domain"].values()]
+            assert len(aucs) == 3, (name, size)
+            if "DP" in name or "OSCAR" in name:  # OSCAR's caption states: the image's class only
+                assert all(abs(a - 0.5) < 0.1 for a in aucs), (name, size, aucs)
+            else:
+                assert all(a > floor for a in aucs), (name, size, aucs)
 
 
 def test_report_section_is_replaced_in_place(tmp_path):
