@@ -879,6 +879,7 @@ ATTACK_RECORDS = (
     "server_attacks_seed1.json",
     "server_attacks_seed2.json",
     "server_attacks_mixtures.json",
+    "server_attacks_means.json",
     "server_attacks_t961_seed0.json",
     "server_attacks_t961_seed1.json",
     "server_attacks_t961_seed2.json",
@@ -1193,9 +1194,10 @@ def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> s
             untestable.append(name)
             continue
         found, large = e.get(SERVER_ATTACK), e.get(SERVER_ATTACK_LARGE)
-        if found:
+        stand_in = e.get(SERVER_ATTACK_STAND_IN)
+        if found and len(found["seeds"]) >= len(stand_in["seeds"] if stand_in else []):
             seeds = f"run folders {', '.join(map(str, found['seeds']))} ({len(e['seeds'])})"
-        elif found := e.get(SERVER_ATTACK_STAND_IN):
+        elif found := stand_in:
             seeds = f"records {', '.join(map(str, found['seeds']))}"
         else:
             seeds = f"none ({len(e['seeds'])})"
@@ -1380,7 +1382,8 @@ unseen images of its domain and classes; reference: {REFERENCE_PER_CLASS} public
 class of the domain. AUC (0.5: nothing told apart; standard error about 0.04 at 96 a side),
 mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR.
 4x16x16: the run's own upload (T = the sampler's first step) where the row's run folders are
-still here (`--remeasure`: "run folders", which seeds of how many); else ("records") the row's
+still here (`--remeasure`: "run folders", which seeds of how many); where records hold more
+seeds, or there are no run folders ("records"), the row's
 upload kind made by the client code from the same world by `scripts/server_attacks.py` (z(T)
 rows or a class mixture of them at this T and as many z(T) per image as the row uploads; a DP
 row: its method's class statistics under its epsilon; 288 members a side), which depends on
@@ -1457,8 +1460,10 @@ def report(
     found, sampled = differences(runs), sampling(bench)
     run_size = FedBiPConfig.from_flat(base_values(bench, 0)).image_size
     for key, size in ((SERVER_ATTACK_STAND_IN, run_size), (SERVER_ATTACK_LARGE, LARGE_SIZE)):
-        for name, found in stand_in_attacks(bench, sampled.timestep, size, list(summary)).items():
-            summary[name][key] = found
+        for name, attacked in stand_in_attacks(
+            bench, sampled.timestep, size, list(summary)
+        ).items():
+            summary[name][key] = attacked
     judged = json.loads(judges_record(bench).read_text())
     write_json(
         bench.results / "methods.json",

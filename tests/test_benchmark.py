@@ -345,7 +345,7 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
     assert "| z(T) likelihood ratio | 0.600 / 0.15 | records 2 | 0.850 ± 0.071 / 0.21 | 0, 1 |" in (
         table
     )
-    # the run's own uploads, where its run folders were measured, come before the records
+    # the run's own uploads, where its run folders were measured on as many seeds, come first
     own = benchmark.server_attack_summary(
         {0: {"sketch": dict(auc=0.7, auc_stderr=0.04, tpr_at_low_fpr=0.1)}}
     )
@@ -364,7 +364,7 @@ def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds
         Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
     )
     names = [v.name for v in benchmark.VARIANTS]
-    for size, floor, rows in ((64, 0.55, 29), (256, 0.75, 25)):
+    for size, floor, rows in ((64, 0.55, 28), (256, 0.75, 25)):
         tested = [
             n for n in names if benchmark.stand_in_setting(bench, benchmark.variant(n), 961, size)
         ]
