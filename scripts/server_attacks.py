@@ -231,6 +231,14 @@ def fitted_mixture(
     )
 
 
+def pool(pooled: dict[str, tuple[list, list]], scores: dict[str, tuple[torch.Tensor, ...]]) -> None:
+    """Adds one client's member and non-member scores to its domain's, per attack."""
+    for name, (members, others) in scores.items():
+        pooled.setdefault(name, ([], []))
+        pooled[name][0].append(members)
+        pooled[name][1].append(others)
+
+
 def dp_release_attack(
     kind: str,
     epsilon: float,
@@ -278,10 +286,7 @@ def dp_release_attack(
             (1.0, 0.0),
             prior,
         )
-        for name, (m, n) in scores.items():
-            pooled.setdefault(name, ([], []))
-            pooled[name][0].append(m)
-            pooled[name][1].append(n)
+        pool(pooled, scores)
     return {
         "latent_shape": list(z0.shape[1:]),
         "timestep": t,
@@ -497,10 +502,7 @@ def dp_upload_attacks(
                 (1.0, 0.0),
                 prior,
             )
-            for name, (m, n) in scores.items():
-                pooled.setdefault(name, ([], []))
-                pooled[name][0].append(m)
-                pooled[name][1].append(n)
+            pool(pooled, scores)
         entry = {
             "epsilon": epsilon,
             "clients": args.replicates,
@@ -796,10 +798,7 @@ def main() -> None:
                                 *own, uploaded, server_mixtures[kind], a, gamma, prior
                             )
                             scores.update({f"{kind}/{n}": v for n, v in m_scores.items()})
-                        for name, (m, n) in scores.items():
-                            pooled.setdefault(name, ([], []))
-                            pooled[name][0].append(m)
-                            pooled[name][1].append(n)
+                        pool(pooled, scores)
                         stats = stats or latent_stats(inst.z0, inst.labels, prior.centres, a)
                         bar.update()
                     key = f"{size}px/T={t}/K={k}"
