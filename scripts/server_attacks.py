@@ -107,6 +107,7 @@ DP_RELEASES = {
 }
 KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE, CLASSIFIER, *DP_RELEASES)
 LATENT_KINDS = ("zT", *MIXTURE_KINDS, *DP_RELEASES)
+PLAIN = {"gamma_mean": 1.0, "gamma_std": 0.0}  # z(T) of each image alone, no partner
 
 
 def per_class_chunk(
@@ -210,10 +211,10 @@ def mixture_attack(
 
 
 def pair_mixing(own: object) -> dict[str, float]:
-    """The gamma a method's z(T) rows mix same-class pairs with; 1 (no partner) without pairs."""
+    """The gamma a method's z(T) rows mix same-class pairs with; :data:`PLAIN` without pairs."""
     if hasattr(own, "gamma_mean"):
         return {"gamma_mean": own.gamma_mean, "gamma_std": own.gamma_std}
-    return {"gamma_mean": 1.0, "gamma_std": 0.0}
+    return PLAIN
 
 
 def fitted_mixture(
@@ -239,68 +240,77 @@ def pool(pooled: dict[str, tuple[list, list]], scores: dict[str, tuple[torch.Ten
         pooled[name][1].append(others)
 
 
-def dp_release_attack(
+def dp_release_attacks(
     kind: str,
-    epsilon: float,
+    epsilons: list[float],
     schedule: SchedulerMixin,
     t: int,
     reference: tuple[torch.Tensor, torch.Tensor, LatentReference],
     members: list[tuple[torch.Tensor, torch.Tensor]],
     non_members: list[tuple[torch.Tensor, torch.Tensor]],
     seed: int,
-) -> dict:
-    """The mixture tests on ``kind``'s DP class statistics of each client's one plain z(T) per
-    image at T = ``t`` (z(0) and labels per client in ``members``; its share of non-members
-    beside), against a mixture fitted to the public reference's plain z(T); scores pooled."""
+) -> dict[float, dict]:
+    """Per epsilon, the mixture tests on ``kind``'s DP class statistics of each client's one
+    plain z(T) per image at T = ``t`` (z(0) and labels per client in ``members``; its share of
+    non-members beside), against one mixture fitted to the public reference's plain z(T)."""
     method, guarantee_of = DP_RELEASES[kind]
-    run = FedBiPConfig.from_flat({**project_run_config(), f"{method}.dp-epsilon": epsilon})
-    own = run.settings_of(method)
+    flat = project_run_config()
     reference_z0, reference_labels, prior = reference
     alpha_bar = float(schedule.alphas_cumprod[t])
-    plain = {"gamma_mean": 1.0, "gamma_std": 0.0}
+    generator = torch.Generator().manual_seed(seed)
     rows = noise_instances(
-        schedule,
-        reference_z0,
-        reference_labels,
-        t,
-        **plain,
-        generator=torch.Generator().manual_seed(seed),
+        schedule, reference_z0, reference_labels, t, **PLAIN, generator=generator
     )
-    reference_mixture = fitted_mixture(run, method, rows, torch.Generator().manual_seed(seed))
-    guarantee = guarantee_of(own, reference_z0[0].numel())
-    pooled: dict[str, tuple[list, list]] = {}
-    for r, ((z0, labels), (other_z0, other_labels)) in enumerate(zip(members, non_members)):
-        generator = torch.Generator().manual_seed(seed + r * 101 + 7)
-        z_t = forward_noise(schedule, z0, t, torch.randn(z0.shape, generator=generator))
-        uploaded, _, _ = fedld.private_mixture(
-            z_t, labels, len(shapes.CLASSES), guarantee, own.components, alpha_bar, generator, False
-        )
-        scores = mixture_attack(
-            z0,
-            other_z0,
-            labels,
-            other_labels,
-            uploaded,
-            reference_mixture,
-            math.sqrt(alpha_bar),
-            (1.0, 0.0),
-            prior,
-        )
-        pool(pooled, scores)
-    return {
-        "latent_shape": list(z0.shape[1:]),
-        "timestep": t,
-        "epsilon": guarantee.epsilon,
-        "noise_multiplier": guarantee.noise_multiplier,
-        "clip": guarantee.clip,
-        "clients": len(members),
-        "attacks": {
-            f"{kind}/{name}": membership_result(
-                torch.cat(m), torch.cat(n), statistic=name
-            ).summary()
-            for name, (m, n) in pooled.items()
-        },
-    }
+    # epsilon changes no fit setting: one reference mixture for every epsilon
+    reference_mixture = fitted_mixture(
+        FedBiPConfig.from_flat(flat), method, rows, torch.Generator().manual_seed(seed)
+    )
+    out = {}
+    for epsilon in epsilons:
+        run = FedBiPConfig.from_flat({**flat, f"{method}.dp-epsilon": epsilon})
+        own = run.settings_of(method)
+        guarantee = guarantee_of(own, reference_z0[0].numel())
+        pooled: dict[str, tuple[list, list]] = {}
+        for r, ((z0, labels), (other_z0, other_labels)) in enumerate(zip(members, non_members)):
+            generator = torch.Generator().manual_seed(seed + r * 101 + 7)
+            z_t = forward_noise(schedule, z0, t, torch.randn(z0.shape, generator=generator))
+            uploaded, _, _ = fedld.private_mixture(
+                z_t,
+                labels,
+                len(shapes.CLASSES),
+                guarantee,
+                own.components,
+                alpha_bar,
+                generator,
+                False,
+            )
+            scores = mixture_attack(
+                z0,
+                other_z0,
+                labels,
+                other_labels,
+                uploaded,
+                reference_mixture,
+                math.sqrt(alpha_bar),
+                (PLAIN["gamma_mean"], PLAIN["gamma_std"]),
+                prior,
+            )
+            pool(pooled, scores)
+        out[epsilon] = {
+            "latent_shape": list(reference_z0.shape[1:]),
+            "timestep": t,
+            "epsilon": guarantee.epsilon,
+            "noise_multiplier": guarantee.noise_multiplier,
+            "clip": guarantee.clip,
+            "clients": len(members),
+            "attacks": {
+                f"{kind}/{name}": membership_result(
+                    torch.cat(m), torch.cat(n), statistic=name
+                ).summary()
+                for name, (m, n) in pooled.items()
+            },
+        }
+    return out
 
 
 def concept_attacks(
@@ -442,25 +452,14 @@ def class_mean_attacks(
 def dp_mixture_attacks(
     args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
 ) -> None:
-    """The mixture tests on fedbip-mixture's DP upload, ``replicates`` clients per domain, into
-    ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
-    for epsilon in args.dp_epsilon:
-        dp_upload_attacks(args, cfg, ldm, domains, epsilon, results)
-
-
-def dp_upload_attacks(
-    args: argparse.Namespace,
-    cfg: FedBiPConfig,
-    ldm: LDM,
-    domains: list[str],
-    epsilon: float,
-    results: dict,
-) -> None:
-    """:func:`dp_mixture_attacks` at one ``epsilon``."""
+    """The mixture tests on fedbip-mixture's DP upload at each ``--dp-epsilon``, ``replicates``
+    clients per domain, into ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
     flat = {**project_run_config(), "method": "fedbip-mixture"}
-    run = FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": epsilon})
-    method = methods.create_for(run)
-    server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
+    runs = {
+        epsilon: FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": epsilon})
+        for epsilon in args.dp_epsilon
+    }
+    run = FedBiPConfig.from_flat(flat)  # what every epsilon shares: sampler, sizes, the fit
     t = SynthesisSettings.from_config(run).sampler(ldm).first_timestep(run.start_timestep)
     a = float(ldm.scheduler.alphas_cumprod[t].sqrt())
     size, shots = run.image_size, run.shots_per_class
@@ -474,45 +473,52 @@ def dp_upload_attacks(
             reference_z0,
             reference.labels,
             t,
-            gamma_mean=1.0,
-            gamma_std=0.0,
+            **PLAIN,
             generator=torch.Generator().manual_seed(args.seed),
         )
         reference_mixture = fitted_mixture(run, "fedbip-mixture", rows, torch.Generator())
         unseen = shapes.test_set(domain, shots * args.replicates, seed=run.seed, size=size)
-        pooled: dict[str, tuple[list, list]] = {}
-        for r in tqdm(range(args.replicates), desc=f"DP upload {domain}"):
-            client = shapes.client_train_set(
-                domain, shots, client_index=r, seed=run.seed, size=size
-            )
-            data = ClientSet(client.images, client.labels, client.classes, domain, f"{domain}-{r}")
-            generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
-            blob, _ = method.upload(ClientJob(run, data, generator, lambda: ldm))
-            upload = method.accept(blob, server)
-            uploaded = from_tensors(upload.tensors, tuple(ldm.latent_shape()))
-            others, other_labels = per_class_chunk(unseen, shots, r)
-            scores = mixture_attack(
-                encode(client.images),
-                encode(others),
-                client.labels,
-                other_labels,
-                uploaded,
-                reference_mixture,
-                a,
-                (1.0, 0.0),
-                prior,
-            )
-            pool(pooled, scores)
-        entry = {
-            "epsilon": epsilon,
-            "clients": args.replicates,
-            "timestep": t,
-            "attacks": {},
-        }
-        for name, (m, n) in pooled.items():
-            result = membership_result(torch.cat(m), torch.cat(n), statistic=name)
-            entry["attacks"][f"{DP_MIXTURE}/{name}"] = result.summary()
-        results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={epsilon:g}"] = entry
+        clients = [
+            shapes.client_train_set(domain, shots, client_index=r, seed=run.seed, size=size)
+            for r in range(args.replicates)
+        ]
+        for epsilon, private in runs.items():
+            method = methods.create_for(private)
+            server = ServerJob(private, list(shapes.CLASSES), lambda: ldm)
+            pooled: dict[str, tuple[list, list]] = {}
+            for r, client in enumerate(tqdm(clients, desc=f"DP upload {domain}")):
+                data = ClientSet(
+                    client.images, client.labels, client.classes, domain, f"{domain}-{r}"
+                )
+                generator = torch.Generator().manual_seed(args.seed * 1_000_003 + r)
+                blob, _ = method.upload(ClientJob(private, data, generator, lambda: ldm))
+                upload = method.accept(blob, server)
+                uploaded = from_tensors(upload.tensors, tuple(ldm.latent_shape()))
+                others, other_labels = per_class_chunk(unseen, shots, r)
+                scores = mixture_attack(
+                    encode(client.images),
+                    encode(others),
+                    client.labels,
+                    other_labels,
+                    uploaded,
+                    reference_mixture,
+                    a,
+                    (PLAIN["gamma_mean"], PLAIN["gamma_std"]),
+                    prior,
+                )
+                pool(pooled, scores)
+            entry = {
+                "epsilon": epsilon,
+                "clients": args.replicates,
+                "timestep": t,
+                "attacks": {
+                    f"{DP_MIXTURE}/{name}": membership_result(
+                        torch.cat(m), torch.cat(n), statistic=name
+                    ).summary()
+                    for name, (m, n) in pooled.items()
+                },
+            }
+            results.setdefault(domain, {})[f"{size}px/{DP_MIXTURE}/epsilon={epsilon:g}"] = entry
 
 
 def classifier_attacks(
@@ -710,13 +716,10 @@ def main() -> None:
             non_member_z0 = [encode(images) for images, _ in non_members]
             for t in timesteps:
                 a = float(schedule.alphas_cumprod[t].sqrt())
-                for kind, epsilon in itertools.product(
-                    set(args.kinds) & set(DP_RELEASES), args.dp_epsilon
-                ):
-                    key = f"{size}px/T={t}/{kind}/epsilon={epsilon:g}"
-                    results.setdefault(domain, {})[key] = dp_release_attack(
+                for kind in (k for k in DP_RELEASES if k in args.kinds):
+                    released = dp_release_attacks(
                         kind,
-                        epsilon,
+                        args.dp_epsilon,
                         schedule,
                         t,
                         (reference_z0, reference.labels, prior),
@@ -724,6 +727,9 @@ def main() -> None:
                         [(z, y) for z, (_, y) in zip(non_member_z0, non_members)],
                         args.seed * 1_000_003 + shapes.DOMAINS.index(domain) * 1009,
                     )
+                    for epsilon, entry in released.items():
+                        key = f"{size}px/T={t}/{kind}/epsilon={epsilon:g}"
+                        results.setdefault(domain, {})[key] = entry
                 for k in row_draws:
                     pooled: dict[str, tuple[list, list]] = {}
                     stats = None
