@@ -41,6 +41,8 @@ class ClassifierInitError(RuntimeError):
 
 IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 PrecisionMode = Literal["auto", "float32"]
+# The learning rate over training: lr throughout, or cosine-annealed from lr to 0 step by step.
+Schedule = Literal["constant", "cosine"]
 
 
 def imagenet_weights_path() -> Path:
@@ -148,12 +150,17 @@ class TrainSettings:
     precision: PrecisionMode = "float32"  # "auto": half precision where the device has it
     # BatchNorm's statistics re-estimated after training (recalibrate_batchnorm)
     precise_bn: bool = False
+    schedule: Schedule = "constant"
 
     def epochs_for(self, n: int) -> int:
         """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""
         return (
             -(-self.steps // batches_per_epoch(n, self.batch_size)) if self.steps else self.epochs
         )
+
+    def steps_for(self, n: int) -> int:
+        """SGD steps training on ``n`` images makes: ``steps``, or ``epochs`` full passes."""
+        return self.steps or self.epochs * batches_per_epoch(n, self.batch_size)
 
 
 def batches_per_epoch(n: int, batch_size: int) -> int:
@@ -416,7 +423,8 @@ def train_classifier(
     returns (images, labels) (:class:`ShardImages`, with ``labels`` None): batches are read
     through a DataLoader, so a synthetic set on disk is never whole in memory. The data order
     and the augmentation draws come from one generator seeded with ``seed``, in the same
-    sequence whatever the data source. ``precision`` defaults to ``settings.precision`` on
+    sequence whatever the data source. ``settings.schedule`` "cosine" anneals the learning rate
+    to 0 over exactly the steps training makes. ``precision`` defaults to ``settings.precision`` on
     ``device``. With
     ``settings.steps`` training stops after exactly that many steps, so methods whose training
     sets differ in size get the same budget. ``distillation`` needs a dataset that names each
@@ -430,6 +438,11 @@ def train_classifier(
     model.to(device, memory_format=precision.memory_format).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.autocast == torch.float16)
+    annealing = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, settings.steps_for(len(data)))
+        if settings.schedule == "cosine"
+        else None
+    )
     steps_left = settings.steps or None
     for epoch in range(settings.epochs_for(len(data))):
         order = torch.randperm(len(data), generator=generator)
@@ -453,6 +466,8 @@ def train_classifier(
             loss = _train_step(
                 model, optimizer, scaler, x, y.to(device), precision, distillation, sources
             )
+            if annealing is not None:
+                annealing.step()
             total, seen = total + loss.item() * len(y), seen + len(y)
         if on_epoch is not None:
             on_epoch(epoch, total / max(seen, 1))

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from .classifier import Schedule
 from .flat import ConfigError as ConfigError  # what from_flat raises; callers catch it from here
 from .flat import FlatConfig, kebab, problems
 from .method_settings import DEFAULT_METHOD, METHOD_SETTINGS, MethodSettings
@@ -360,6 +361,11 @@ class FedBiPConfig(FlatConfig):
         "budget (the benchmark's rule).",
     )
     classifier_lr: float = Field(0.01, gt=0.0)
+    classifier_schedule: Schedule = Field(
+        "constant",
+        description="The learning rate over training: classifier-lr throughout (constant), or "
+        "annealed from it to 0 along a cosine over the training's steps (cosine).",
+    )
     classifier_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     classifier_batch_size: int = Field(64, ge=1)
     classifier_image_size: int = Field(64, ge=16)

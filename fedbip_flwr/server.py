@@ -264,6 +264,7 @@ def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSetting
         steps=cfg.classifier_steps if epochs is None else 0,
         precision=cfg.classifier_precision,
         precise_bn=cfg.classifier_precise_bn,
+        schedule=cfg.classifier_schedule,
     )
 
 

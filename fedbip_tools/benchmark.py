@@ -377,6 +377,8 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
         # float32 classifiers: rows compare across machines and with seeds cached before the
         # half-precision default (the judges are float32 too)
         "classifier-precision": "float32",
+        # the learning-rate schedule every cached row was trained with: pinned likewise
+        "classifier-schedule": "constant",
         # FedBiP-S / M / L are passes of one z(T) (rows set more; the fresh-noise rows make as
         # many images as FedBiP-S by their own default): pinned, so the default federation's
         # own choice (2 z(T), 1 pass) leaves every row as cached

@@ -8,7 +8,15 @@ short although its painting client's images are as faithful (class and domain ju
 another's: if both score alike from the painting client's images alone, the gap comes from what
 the other clients' images add to painting.
 
+``--set KEY=VALUE`` changes the recipe instead (or as well), as ``--run-config`` would have:
+every client's images retrained with, say, fewer epochs on a cosine schedule, scored beside the
+run's own recipe on the same synthetic set. ``--seeds`` retrains each run once per classifier
+seed (its initial weights, data order and augmentation), so the spread the classifier alone
+adds to a run is measured on one synthetic set.
+
     python scripts/client_share_check.py RUN [RUN ...] --clients painting-0 --out FILE
+    python scripts/client_share_check.py RUN [RUN ...] --set classifier-epochs=6 --out FILE
+    python scripts/client_share_check.py RUN --seeds 0 1 2 3 4 --out FILE
 """
 
 from __future__ import annotations
@@ -29,13 +37,15 @@ from fedbip_tools import provenance
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def retrain(run: Path, clients: list[str]) -> dict:
-    """The run's classifier trained again on ``clients``' synthetic images alone, scored on every
-    domain's test set; with the run's own scores beside."""
+def retrain(run: Path, clients: list[str], changes: dict[str, str]) -> dict:
+    """The run's classifier trained again on ``clients``' synthetic images alone (none: all),
+    its recipe changed by ``changes``, scored on every domain's test set; with the run's own
+    scores beside."""
     folder = RunFolder(run)
     recorded = results.read(folder.metrics)
-    cfg = FedBiPConfig.from_flat(recorded.config)
+    cfg = FedBiPConfig.from_flat({**recorded.config, **changes})
     shards = folder.training_shards()
+    clients = clients or sorted(shards)
     missing = sorted(set(clients) - set(shards))
     if missing:
         raise SystemExit(f"{run}: no client {missing} (it has {sorted(shards)})")
@@ -54,6 +64,7 @@ def retrain(run: Path, clients: list[str]) -> dict:
         "method": cfg.method,
         "seed": cfg.seed,
         "clients": clients,
+        "changes": changes,
         "images": len(data),
         "per_domain": scored["per_domain"],
         "run_per_domain": recorded.accuracy.per_domain,
@@ -61,17 +72,38 @@ def retrain(run: Path, clients: list[str]) -> dict:
     }
 
 
+def parse_change(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {item!r}: not KEY=VALUE")
+    return key, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+", help="completed run folders")
-    parser.add_argument("--clients", nargs="+", required=True, help="client ids to train on")
+    parser.add_argument("--clients", nargs="+", default=[], help="client ids to train on (all)")
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="run-config keys to change"
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[], help="classifier seeds (the run's own)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    changes = dict(parse_change(item) for item in args.set)
     made = provenance.record(ROOT, torch.get_num_threads(), [args.out])
+    command = "python scripts/client_share_check.py " + " ".join(map(str, args.runs))
+    command += f" --clients {' '.join(args.clients)}" if args.clients else ""
+    command += f" --set {' '.join(args.set)}" if args.set else ""
+    command += f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""
+    command += f" --out {args.out}"
     rows = []
-    for run in args.runs:
-        rows.append(retrain(run, args.clients))
-        row = rows[-1]
+    seeds = [{"seed": str(seed)} for seed in args.seeds] or [{}]
+    for run, seed in ((run, seed) for run in args.runs for seed in seeds):
+        row = retrain(run, args.clients, {**changes, **seed})
+        rows.append(row)
+        write_json(args.out, {"command": command, "provenance": made, "runs": rows})
         print(
             f"{run.name} seed {row['seed']}: {row['images']} images; "
             + ", ".join(
@@ -80,9 +112,6 @@ def main() -> None:
             ),
             flush=True,
         )
-    command = "python scripts/client_share_check.py " + " ".join(map(str, args.runs))
-    command += f" --clients {' '.join(args.clients)} --out {args.out}"
-    write_json(args.out, {"command": command, "provenance": made, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
-"""The shared classifier recipe: its SGD-step budget (run config classifier-steps) and its
-BatchNorm statistics after training (classifier-precise-bn)."""
+"""The shared classifier recipe: its SGD-step budget (run config classifier-steps), its learning
+rate over the steps (classifier-schedule) and its BatchNorm statistics after training
+(classifier-precise-bn)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from fedbip_flwr.classifier import (
     build_classifier,
     train_classifier,
 )
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.server import train_settings
 
 
@@ -35,6 +38,33 @@ def test_a_step_budget_makes_exactly_that_many_sgd_steps(n, steps):
         hook.remove()
     assert len(made) == steps, "the budget, not the 50 configured epochs"
     assert len(epochs) == -(-steps // batches_per_epoch(n, 8)) == settings.epochs_for(n)
+
+
+@pytest.mark.parametrize(("schedule", "steps"), [("cosine", 0), ("cosine", 5), ("constant", 0)])
+def test_the_schedule_sets_each_steps_learning_rate_over_exactly_the_steps_made(schedule, steps):
+    """Cosine: step k of N uses lr (1 + cos(pi k / N)) / 2, so the last step's is small and no
+    step restarts the cycle, whether N comes from epochs (17 images, batch 8: two batches an
+    epoch, the last batch of one dropped) or from a step budget."""
+    n, lr = 17, 0.04
+    settings = TrainSettings(
+        epochs=3, lr=lr, momentum=0.9, batch_size=8, image_size=16, steps=steps, schedule=schedule
+    )
+    used: list[float] = []
+    hook = register_optimizer_step_post_hook(
+        lambda optimizer, *_: used.append(optimizer.param_groups[0]["lr"])
+    )
+    try:
+        images, labels = torch.rand(n, 3, 16, 16) * 2 - 1, torch.arange(n) % 3
+        train_classifier(build_classifier(3, "random"), images, labels, settings, seed=0)
+    finally:
+        hook.remove()
+    total = steps or 6
+    assert len(used) == total == settings.steps_for(n)
+    expected = [
+        lr * (1 + math.cos(math.pi * k / total)) / 2 if schedule == "cosine" else lr
+        for k in range(total)
+    ]
+    assert used == pytest.approx(expected, rel=1e-9)
 
 
 def test_batches_per_epoch_drops_a_last_batch_of_one():
@@ -66,3 +96,11 @@ def test_precise_bn_leaves_the_statistics_of_the_whole_unaugmented_set_under_the
 def test_the_run_config_turns_precise_bn_on_by_default_and_off_by_key():
     assert train_settings(FedBiPConfig()).precise_bn
     assert not train_settings(FedBiPConfig(classifier_precise_bn=False)).precise_bn
+
+
+def test_the_run_config_carries_the_schedule_and_refuses_an_unknown_one():
+    assert train_settings(FedBiPConfig.from_flat({})).schedule == "constant"
+    chosen = FedBiPConfig.from_flat({"classifier-schedule": "cosine"})
+    assert train_settings(chosen).schedule == "cosine"
+    with pytest.raises(ConfigError, match="classifier-schedule"):
+        FedBiPConfig.from_flat({"classifier-schedule": "linear"})
