@@ -1,8 +1,9 @@
 """The global classifier (paper eq. 6): ResNet-18 trained on the synthetic set only.
 
-SGD (lr 0.01, momentum 0.9; constant, or cosine-annealed to 0), batch 64, cross-entropy. Inputs are images in [-1, 1] (the
-authors normalise with mean = std = 0.5), resized to ``image_size``. Light augmentation (random
-crop with padding, horizontal flip) keeps small synthetic sets from collapsing to one class.
+SGD (lr 0.01, momentum 0.9; constant, or cosine-annealed to 0), batch 64, cross-entropy.
+Inputs are images in [-1, 1] (the authors normalise with mean = std = 0.5), resized to
+``image_size``. Light augmentation (random crop with padding, horizontal flip) keeps small
+synthetic sets from collapsing to one class.
 A :class:`Distillation` (FedLMG's MD / SD) adds a divergence to a teacher's soft targets on the
 same augmented batch; everything else about the recipe stays the same.
 
