@@ -29,7 +29,7 @@ import torch
 
 from fedbip_flwr import dataset, results
 from fedbip_flwr.classifier import build_classifier, train_classifier
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import ConfigError, FedBiPConfig
 from fedbip_flwr.server import RunFolder, evaluate_models, synthetic_dataset, train_settings
 from fedbip_flwr.storage import write_json
 from fedbip_tools import provenance
@@ -43,7 +43,10 @@ def retrain(run: Path, clients: list[str], changes: dict[str, str]) -> dict:
     scores beside."""
     folder = RunFolder(run)
     recorded = results.read(folder.metrics)
-    cfg = FedBiPConfig.from_flat({**recorded.config, **changes})
+    try:
+        cfg = FedBiPConfig.from_flat({**recorded.config, **changes})
+    except ConfigError as err:
+        raise SystemExit(f"{run}: {err}") from None
     shards = folder.training_shards()
     clients = clients or sorted(shards)
     missing = sorted(set(clients) - set(shards))
