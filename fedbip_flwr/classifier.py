@@ -31,6 +31,7 @@ from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader, Dataset
 
 from . import ldm
+from .config import LearningRateSchedule
 from .paths import resolve
 from .storage import read_small_tensor, read_tensors, tensor_location, write_tensors
 from .viz import dequantize, quantize
@@ -42,8 +43,6 @@ class ClassifierInitError(RuntimeError):
 
 IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 PrecisionMode = Literal["auto", "float32"]
-# The learning rate over training: lr throughout, or cosine-annealed from lr to 0 step by step.
-Schedule = Literal["constant", "cosine"]
 
 
 def imagenet_weights_path() -> Path:
@@ -151,7 +150,7 @@ class TrainSettings:
     precision: PrecisionMode = "float32"  # "auto": half precision where the device has it
     # BatchNorm's statistics re-estimated after training (recalibrate_batchnorm)
     precise_bn: bool = False
-    schedule: Schedule = "constant"
+    schedule: LearningRateSchedule = "constant"
 
     def epochs_for(self, n: int) -> int:
         """Epochs over ``n`` images: ``epochs``, or enough to make ``steps`` SGD steps."""

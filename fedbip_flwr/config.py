@@ -26,7 +26,6 @@ from pydantic import (
     model_validator,
 )
 
-from .classifier import Schedule
 from .flat import ConfigError as ConfigError  # what from_flat raises; callers catch it from here
 from .flat import FlatConfig, kebab, problems
 from .method_settings import DEFAULT_METHOD, METHOD_SETTINGS, MethodSettings
@@ -35,6 +34,9 @@ from .specs import FEATURE, OWN_FOLDER, SPECS
 
 # node config bad-images: an unreadable image file fails the institution's job, or is left out
 BadImagePolicy = Literal["fail", "skip"]
+
+# The classifier's learning rate over training: lr throughout, or cosine-annealed to 0 step by step.
+LearningRateSchedule = Literal["constant", "cosine"]
 
 CONCEPT_SLOT_S = "{S}"
 CONCEPT_SLOT_V = "{V}"
@@ -361,7 +363,7 @@ class FedBiPConfig(FlatConfig):
         "budget (the benchmark's rule).",
     )
     classifier_lr: float = Field(0.01, gt=0.0)
-    classifier_schedule: Schedule = Field(
+    classifier_schedule: LearningRateSchedule = Field(
         "constant",
         description="The learning rate over training: classifier-lr throughout (constant), or "
         "annealed from it to 0 along a cosine over the training's steps (cosine).",

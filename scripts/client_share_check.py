@@ -22,6 +22,8 @@ adds to a run is measured on one synthetic set.
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -96,11 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     changes = dict(parse_change(item) for item in args.set)
     made = provenance.record(ROOT, torch.get_num_threads(), [args.out])
-    command = "python scripts/client_share_check.py " + " ".join(map(str, args.runs))
-    command += f" --clients {' '.join(args.clients)}" if args.clients else ""
-    command += f" --set {' '.join(args.set)}" if args.set else ""
-    command += f" --seeds {' '.join(map(str, args.seeds))}" if args.seeds else ""
-    command += f" --out {args.out}"
+    command = f"python {shlex.join(sys.argv)}"
     rows = []
     seeds = [{"seed": str(seed)} for seed in args.seeds] or [{}]
     for run, seed in ((run, seed) for run in args.runs for seed in seeds):
