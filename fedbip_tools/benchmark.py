@@ -299,6 +299,10 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     # FedBiP as the default federation uploads (2 z(T) per image) against the floor and the ceiling
     ("FedBiP-S (2 z(T) per image)", "Prompts-only"),
     ("FedBiP-S (2 z(T) per image)", "Central"),
+    # the peers on the shipped model, each against FedBiP as the default federation uploads
+    ("FedBiP-S (2 z(T) per image)", "FedLD"),
+    ("FedBiP-S (2 z(T) per image)", "Espresso"),
+    ("FedBiP-S (2 z(T) per image)", "OSCAR"),
     (HEADLINE, "FedLMG-FT"),
     (HEADLINE, "Central"),
     (HEADLINE, "FedPFT"),
@@ -920,6 +924,11 @@ def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tupl
         return None
     draws = getattr(own, "latents_per_image", None) or own.noisings
     return f"{size}px/T={timestep}/K={draws}", attack
+
+
+def classifier_key(size: int, init: str, epochs: int) -> str:
+    """A server_attacks record's key for a client classifier's upload: its start and epochs."""
+    return f"{size}px/classifier/init={init}/epochs={epochs}"
 
 
 def record_seed(record: Mapping[str, Any]) -> int:

@@ -70,7 +70,7 @@ from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
-from fedbip_tools.benchmark import record_seed
+from fedbip_tools.benchmark import classifier_key, record_seed
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
@@ -524,10 +524,13 @@ def dp_mixture_attacks(
 def classifier_attacks(
     args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
 ) -> None:
-    """The loss tests on FedLMG's uploaded classifiers, ``replicates`` clients per domain, into
-    ``results[domain]["64px/fedlmg"]``: the loss itself and offline LiRA against
-    ``reference_models`` classifiers the server trains by the same recipe on public images."""
-    run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER})
+    """The loss tests on FedLMG's uploaded classifiers (Local's upload is the same client step),
+    ``replicates`` clients per domain, into ``results[domain][classifier_key(...)]``: the loss
+    itself and, with ``reference_models``, offline LiRA against classifiers the server trains by
+    the same recipe on public images."""
+    epochs = {"fedlmg.local-epochs": args.local_epochs} if args.local_epochs else {}
+    run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER, **epochs})
+    local_epochs = run.settings_of(CLASSIFIER).local_epochs
     method = methods.create_for(run)
     server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
     size, shots = run.image_size, run.shots_per_class
@@ -540,8 +543,8 @@ def classifier_attacks(
     def losses(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return evaluate(model, images, labels, run.classifier_image_size).losses
 
-    for domain in domains:
-        # R reference models, each trained by the client's recipe on its own public images
+    def reference_models(domain: str) -> list[torch.nn.Module]:
+        """Each trained by the client's recipe on its own public images of ``domain``."""
         public = shapes.pretrain_set(
             domain, shots * args.reference_models, seed=run.seed, size=size
         )
@@ -550,8 +553,13 @@ def classifier_attacks(
             images, labels = per_class_chunk(public, shots, m)
             chunk = shapes.ImageSet(images, labels, public.classes, domain)
             references.append(trained(chunk, f"{domain}-reference-{m}", args.seed + 5 + m))
+        return references
+
+    for domain in domains:
+        references = reference_models(domain) if args.reference_models else []
         unseen = shapes.test_set(domain, shots * args.replicates, seed=run.seed, size=size)
-        pooled: dict[str, tuple[list, list]] = {"loss": ([], []), "lira-offline": ([], [])}
+        tests = ("loss", "lira-offline") if references else ("loss",)
+        pooled: dict[str, tuple[list, list]] = {name: ([], []) for name in tests}
         for r in tqdm(range(args.replicates), desc=f"classifiers {domain}"):
             client = shapes.client_train_set(
                 domain, shots, client_index=r, seed=run.seed, size=size
@@ -561,12 +569,15 @@ def classifier_attacks(
             for side, (images, labels) in enumerate(((client.images, client.labels), others)):
                 own = losses(uploaded, images, labels)
                 pooled["loss"][side].append(-own)
-                theirs = torch.stack([losses(m, images, labels) for m in references])
-                pooled["lira-offline"][side].append(lira_offline_scores(own, theirs))
-        results.setdefault(domain, {})[f"{size}px/{CLASSIFIER}"] = {
+                if references:
+                    theirs = torch.stack([losses(m, images, labels) for m in references])
+                    pooled["lira-offline"][side].append(lira_offline_scores(own, theirs))
+        key = classifier_key(size, run.classifier_init, local_epochs)
+        results.setdefault(domain, {})[key] = {
             "clients": args.replicates,
             "reference_models": args.reference_models,
-            "local_epochs": run.settings_of(CLASSIFIER).local_epochs,
+            "local_epochs": local_epochs,
+            "classifier_init": run.classifier_init,
             "attacks": {
                 f"{CLASSIFIER}/{name}": membership_result(
                     torch.cat(m), torch.cat(n), statistic=name
@@ -650,8 +661,18 @@ def main() -> None:
     parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
     parser.add_argument("--overfit-epochs", type=int, default=200)
     parser.add_argument(
-        "--reference-models", type=int, default=4, help="FedLMG: LiRA's reference classifiers"
+        "--reference-models",
+        type=int,
+        default=4,
+        help="FedLMG: LiRA's reference classifiers (0: the loss test alone)",
     )
+    parser.add_argument(
+        "--local-epochs",
+        type=int,
+        default=0,
+        help="FedLMG: the client classifier's epochs (0: the run config's; the benchmark's: 150)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     parser.add_argument(
         "--dp-epsilon", type=float, nargs="+", default=[4.0], help="the DP kinds' budgets"
     )
@@ -659,7 +680,7 @@ def main() -> None:
     if args.summarize:
         summarize_seeds(args.summarize)
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     # taken now: the code that runs is the tree as it is at the start
     cfg = FedBiPConfig.from_flat(project_run_config())
@@ -833,7 +854,7 @@ def main() -> None:
         + ", ".join(args.kinds)
         + "): members vs unseen images of the same domain and classes, scores pooled over the "
         "domain's clients",
-        "command": "OMP_NUM_THREADS=1 python scripts/server_attacks.py "
+        "command": f"OMP_NUM_THREADS={args.threads} python scripts/server_attacks.py "
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items()
