@@ -892,6 +892,9 @@ ATTACK_RECORDS = (
     "server_attacks_sd_seed0.json",
     "server_attacks_sd_seed1.json",
     "server_attacks_sd_seed2.json",
+    "server_attacks_classifier_seed0.json",
+    "server_attacks_classifier_seed1.json",
+    "server_attacks_classifier_seed2.json",
 )
 LARGE_SIZE = 256  # px: 4x64x64 latents through the miniature's 4x downsampling VAE
 # the statistic each latent upload kind is tested with, as scripts/server_attacks.py names it
@@ -906,6 +909,10 @@ DP_STAND_INS = {"fedld": "fedld-dp", "fedbip-mixture": "fedbip-mixture-dp-stats"
 # a mean per class of what the server can compute from an image (the public backbone's features,
 # the shipped captioner's states): the same at any image size, so made at the run's only
 MEAN_STAND_INS = ("fedpft", "oscar")
+# the client's own classifier (Local's upload, FedLMG's guide: one client step): its recipe on the
+# same world's images, not the LDM; images at the run's size only, no latent to scale
+CLASSIFIER_STAND_INS = ("local", "fedlmg")
+CLASSIFIER_ATTACK = "fedlmg/loss"  # as scripts/server_attacks.py names the loss test
 SERVER_ATTACK_STAND_IN = "server_attack_stand_in"  # a row's key for its kind's run-size figures
 SERVER_ATTACK_LARGE = "server_attack_large"  # a row's key for the figures at SD's latent size
 
@@ -915,7 +922,13 @@ def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tupl
     images, a classifier, or a class mean at SD's latent size."""
     if v.method in MEAN_STAND_INS:
         return None if size >= LARGE_SIZE else (f"{size}px/{v.method}", f"{v.method}/class-mean")
-    own = FedBiPConfig.from_flat(variant_values(bench, v, 0)).settings_of(v.method)
+    cfg = FedBiPConfig.from_flat(variant_values(bench, v, 0))
+    own = cfg.settings_of(v.method)
+    if v.method in CLASSIFIER_STAND_INS:
+        if size >= LARGE_SIZE:
+            return None
+        epochs = getattr(own, "local_epochs", None) or own.epochs
+        return classifier_key(size, cfg.classifier_init, epochs), CLASSIFIER_ATTACK
     if getattr(own, "private", False):
         kind = DP_STAND_INS[v.method]
         return f"{size}px/T={timestep}/{kind}/epsilon={own.dp_epsilon:g}", f"{kind}/mean-filter"
@@ -1398,13 +1411,14 @@ seeds, or there are no run folders ("records"), the row's
 upload kind made by the client code from the same world by `scripts/server_attacks.py` (z(T)
 rows or a class mixture of them at this T and as many z(T) per image as the row uploads; a DP
 row: its method's class statistics under its epsilon; 288 members a side), which depends on
-the encoder, the schedule, T and K, not on what the run learned. 4x64x64, Stable Diffusion's
+the encoder, the schedule, T and K, not on what the run learned; a client's classifier (Local,
+FedLMG): the client step trained by the row's recipe, its start and local epochs, on the same
+world's client images, one client (96 members) a domain and seed. 4x64x64, Stable Diffusion's
 latent size: the same from the world rendered at {LARGE_SIZE} px through the miniature's encoder
 and noised with SD v1-4's schedule, the last column naming the records' seeds of the clients'
 randomness: it stands in for SD's latent size and schedule, not for SD's VAE on photographs.
-Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: not a latent upload
-(images, a classifier; at 4x64x64 also features and caption states: no latent size to scale)
-or no record. What
+Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
+(images, a classifier, features and caption states: no latent size to scale), or no record. What
 is not tested: the concepts and Espresso's conditions beside a mixture (the concept test's
 positive control fails on a UNet trained at 4x16x16, "Privacy of the default federation"), and
 the DP mixture mode's concepts, which DP-SGD releases under the rest of its epsilon.
