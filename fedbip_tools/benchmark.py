@@ -919,7 +919,7 @@ SERVER_ATTACK_LARGE = "server_attack_large"  # a row's key for the figures at SD
 
 def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tuple[str, str] | None:
     """The record key and attack standing in for the row's upload at ``size`` px, or None:
-    images, a classifier, or a class mean at SD's latent size."""
+    images, or a classifier or class mean at SD's latent size."""
     if v.method in MEAN_STAND_INS:
         return None if size >= LARGE_SIZE else (f"{size}px/{v.method}", f"{v.method}/class-mean")
     cfg = FedBiPConfig.from_flat(variant_values(bench, v, 0))

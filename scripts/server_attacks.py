@@ -3,7 +3,9 @@
 Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``espresso`` and
 ``fedld``, the per-class diagonal Gaussian mixtures those methods fit to such rows (mixed
 same-class pairs, and plain z(T) with no partner) instead of uploading them (Espresso's
-conditions are not tested here).
+conditions are not tested here); ``fedlmg``, a client's own trained classifier (Local's and
+FedLMG's upload, one client step), by its loss and, with ``--reference-models``, offline LiRA,
+at ``--local-epochs`` (the benchmark's budget: 150).
 
 The server holds every client's upload (rows z(T) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps,
 zbar = gamma z_i(0) + (1 - gamma) z_i'(0), with their class labels) and the base model's VAE.
