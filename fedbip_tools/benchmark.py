@@ -922,11 +922,11 @@ def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tupl
     images, or a classifier or class mean at SD's latent size."""
     if v.method in MEAN_STAND_INS:
         return None if size >= LARGE_SIZE else (f"{size}px/{v.method}", f"{v.method}/class-mean")
+    if v.method in CLASSIFIER_STAND_INS and size >= LARGE_SIZE:
+        return None
     cfg = FedBiPConfig.from_flat(variant_values(bench, v, 0))
     own = cfg.settings_of(v.method)
     if v.method in CLASSIFIER_STAND_INS:
-        if size >= LARGE_SIZE:
-            return None
         epochs = getattr(own, "local_epochs", None) or own.epochs
         return classifier_key(size, cfg.classifier_init, epochs), CLASSIFIER_ATTACK
     if getattr(own, "private", False):
