@@ -913,19 +913,28 @@ MEAN_STAND_INS = ("fedpft", "oscar")
 # same world's images, not the LDM; images at the run's size only, no latent to scale
 CLASSIFIER_STAND_INS = ("local", "fedlmg")
 CLASSIFIER_ATTACK = "fedlmg/loss"  # as scripts/server_attacks.py names the loss test
+# FedAvg's replies, every round (kept by no run folder: the records simulate its rounds with its
+# own client step and Flower's average): kind -> what travels (fedavg.part), and the statistic
+# a row is given, the loss drop below the sent model summed over rounds (fixed before measuring)
+FEDAVG_KINDS = {"fedavg": "all", "fedavg-head": "head"}
+FEDAVG_ATTACK = "loss-drop"
+RECORD_ONLY_TESTS = {"fedavg": "reply's loss drop, summed over rounds"}
 SERVER_ATTACK_STAND_IN = "server_attack_stand_in"  # a row's key for its kind's run-size figures
 SERVER_ATTACK_LARGE = "server_attack_large"  # a row's key for the figures at SD's latent size
 
 
 def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tuple[str, str] | None:
     """The record key and attack standing in for the row's upload at ``size`` px, or None:
-    images, or a classifier or class mean at SD's latent size."""
+    images, or a classifier, FedAvg's replies or a class mean at SD's latent size."""
     if v.method in MEAN_STAND_INS:
         return None if size >= LARGE_SIZE else (f"{size}px/{v.method}", f"{v.method}/class-mean")
-    if v.method in CLASSIFIER_STAND_INS and size >= LARGE_SIZE:
+    if v.method in (*CLASSIFIER_STAND_INS, *RECORD_ONLY_TESTS) and size >= LARGE_SIZE:
         return None
     cfg = FedBiPConfig.from_flat(variant_values(bench, v, 0))
     own = cfg.settings_of(v.method)
+    if v.method == "fedavg":
+        kind = next(k for k, part in FEDAVG_KINDS.items() if part == own.part)
+        return fedavg_key(size, cfg), f"{kind}/{FEDAVG_ATTACK}"
     if v.method in CLASSIFIER_STAND_INS:
         epochs = getattr(own, "local_epochs", None) or own.epochs
         return classifier_key(size, cfg.classifier_init, epochs), CLASSIFIER_ATTACK
@@ -942,6 +951,17 @@ def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tupl
 def classifier_key(size: int, init: str, epochs: int) -> str:
     """A server_attacks record's key for a client classifier's upload: its start and epochs."""
     return f"{size}px/classifier/init={init}/epochs={epochs}"
+
+
+def fedavg_key(size: int, cfg: FedBiPConfig) -> str:
+    """A server_attacks record's key for a FedAvg run's replies: what travels, from where, and
+    how many rounds of how many local epochs (a head always starts on the public backbone)."""
+    own = cfg.settings_of("fedavg")
+    start = "pretrained" if own.part == "head" else cfg.classifier_init
+    return (
+        f"{size}px/fedavg/part={own.part}/init={start}/rounds={own.rounds}"
+        f"/local-epochs={own.local_epochs}"
+    )
 
 
 def record_seed(record: Mapping[str, Any]) -> int:
@@ -1213,8 +1233,10 @@ def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> s
     ]
     untestable = []
     for name, e in summary.items():
-        test = upload_test(variant(name).method)
-        if test is None:
+        method = variant(name).method
+        test = upload_test(method)
+        statistic = test.statistic if test else RECORD_ONLY_TESTS.get(method)
+        if statistic is None:
             untestable.append(name)
             continue
         found, large = e.get(SERVER_ATTACK), e.get(SERVER_ATTACK_LARGE)
@@ -1232,12 +1254,10 @@ def server_attack_table(summary: Mapping[str, Any], domains: Sequence[str]) -> s
             *server_attack_cells(large, domains),
             large_seeds,
         ]
-        lines.append(f"| {name} | {test.statistic} | {' | '.join(cells)} |")
+        lines.append(f"| {name} | {statistic} | {' | '.join(cells)} |")
     lines.append("")
     if untestable:
-        lines.append(
-            f"No test (class counts only, or per-round weights not kept): {', '.join(untestable)}."
-        )
+        lines.append(f"No test (class counts only): {', '.join(untestable)}.")
     return "\n".join(lines) + "\n"
 
 

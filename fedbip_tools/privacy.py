@@ -368,6 +368,21 @@ def lira_offline_scores(
     return (confidence_logit(target_losses) - phi.mean(dim=0)) / sigma
 
 
+def loss_drop_scores(sent_losses: torch.Tensor, returned_losses: torch.Tensor) -> torch.Tensor:
+    """A multi-round server's test on one client's replies (higher = member): how far each
+    round's reply lowered a candidate's loss below that of the global model the server sent it,
+    summed over the rounds, ``sum_r loss(global_r) - loss(reply_r)``. Both (R, N). How hard any
+    model of the round finds a candidate is in both terms and cancels, as LiRA's references
+    take it away (here the server trained the reference itself: it sent it); what the round's
+    local training on the candidate gives is left."""
+    if sent_losses.dim() != 2 or sent_losses.shape != returned_losses.shape:
+        raise ValueError(
+            f"losses under the sent models {tuple(sent_losses.shape)} and the replies "
+            f"{tuple(returned_losses.shape)} are not both (rounds, candidates)"
+        )
+    return (sent_losses.double() - returned_losses.double()).sum(dim=0)
+
+
 def tpr_at_fpr(
     member_scores: torch.Tensor | Sequence[float],
     non_member_scores: torch.Tensor | Sequence[float],

@@ -15,7 +15,9 @@ domain and classes (non-members); each kind of upload gets the strongest test
 * a trained classifier (FedLMG, Local): its loss on the candidate (low loss = member);
 * the images themselves (Central): the distance to the nearest uploaded image.
 
-Prompts-only uploads class counts only, and FedAvg's per-round weights are not kept: no test.
+Prompts-only uploads class counts only: no test. FedAvg's replies are kept by no run folder: its
+server test is a record (``scripts/server_attacks.py --kinds fedavg fedavg-head``), its rounds
+simulated with its own client step and Flower's average.
 """
 
 from __future__ import annotations

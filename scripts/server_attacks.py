@@ -5,7 +5,10 @@ Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``es
 same-class pairs, and plain z(T) with no partner) instead of uploading them (Espresso's
 conditions are not tested here); ``fedlmg``, a client's own trained classifier (Local's and
 FedLMG's upload, one client step), by its loss and, with ``--reference-models``, offline LiRA,
-at ``--local-epochs`` (the benchmark's budget: 150).
+at ``--local-epochs`` (the benchmark's budget: 150); ``fedavg`` and ``fedavg-head``, every
+reply of a FedAvg federation (one client a domain, the whole ResNet-18 or its head alone), by
+its loss in the first and last round and by its loss drop below the global model the server
+sent, summed over ``--fedavg-rounds`` (the benchmark's: 25).
 
 The server holds every client's upload (rows z(T) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps,
 zbar = gamma z_i(0) + (1 - gamma) z_i'(0), with their class labels) and the base model's VAE.
@@ -43,9 +46,12 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from diffusers import PNDMScheduler, SchedulerMixin
+from flwr.app import ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 from tqdm import tqdm
 
 from fedbip_flwr import methods, shapes
@@ -62,23 +68,35 @@ from fedbip_flwr.instance import (
     upload_order,
 )
 from fedbip_flwr.ldm import LDM, load_for_run
-from fedbip_flwr.methods import fedbip_mixture, fedld
+from fedbip_flwr.methods import fedavg, fedbip_mixture, fedld
 from fedbip_flwr.methods.base import ClientJob, ServerJob
 from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
 from fedbip_flwr.methods.fedpft import fit_class_mixtures
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture, fit_mixture, from_tensors
+from fedbip_flwr.results import SENT_IMAGES
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
-from fedbip_tools.benchmark import classifier_key, record_seed
+from fedbip_tools.benchmark import (
+    FEDAVG_ATTACK,
+    FEDAVG_KINDS,
+    Bench,
+    Settings,
+    classifier_key,
+    fedavg_key,
+    record_seed,
+    variant_values,
+)
+from fedbip_tools.benchmark import VARIANTS as BENCHMARK_ROWS
 from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
     class_mean_scores,
     concept_loss_ratio_scores,
     lira_offline_scores,
+    loss_drop_scores,
     membership_result,
     mixture_membership_scores,
     zT_membership_scores,
@@ -100,6 +118,7 @@ CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
+FEDAVG_TESTS = ("loss-first", "loss-last", FEDAVG_ATTACK)
 # A DP upload's class statistics at any latent size and T, released by the method's own code
 # under its own share of the budget (fedbip-mixture's concepts, DP-SGD at the rest, not run:
 # the server tests the statistics): kind -> (method, its statistics' guarantee)
@@ -107,7 +126,16 @@ DP_RELEASES = {
     "fedld-dp": ("fedld", fedld.dp_stats_guarantee),
     "fedbip-mixture-dp-stats": ("fedbip-mixture", fedbip_mixture.dp_stats_guarantee),
 }
-KINDS = ("zT", *MIXTURE_KINDS, CONCEPTS, *MEAN_KINDS, DP_MIXTURE, CLASSIFIER, *DP_RELEASES)
+KINDS = (
+    "zT",
+    *MIXTURE_KINDS,
+    CONCEPTS,
+    *MEAN_KINDS,
+    DP_MIXTURE,
+    CLASSIFIER,
+    *FEDAVG_KINDS,
+    *DP_RELEASES,
+)
 LATENT_KINDS = ("zT", *MIXTURE_KINDS, *DP_RELEASES)
 PLAIN = {"gamma_mean": 1.0, "gamma_std": 0.0}  # z(T) of each image alone, no partner
 
@@ -589,6 +617,97 @@ def classifier_attacks(
         }
 
 
+def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], results: dict) -> None:
+    """The loss tests on every reply of ``replicates`` FedAvg federations of one client a
+    domain (federation r: each domain's client r), into ``results[domain][fedavg_key(...)]``.
+
+    Each round every client runs FedAvg's own client step (:meth:`FedAvg.local_update`) from
+    the global weights, and Flower's own weighted average makes the next; the server scores its
+    client's members and as many unseen images under the model it sent and the reply it got:
+    the reply's loss in the first and last round, and the loss drop summed over every round
+    (:func:`~fedbip_tools.privacy.loss_drop_scores`)."""
+    bench = Bench(Settings(), work=ROOT, results=ROOT / "benchmarks")
+    # the benchmark row's own run config (its rounds, precision, schedule), on the world of seed 0
+    rows = [
+        FedBiPConfig.from_flat({**project_run_config(), **variant_values(bench, v, 0)})
+        for v in BENCHMARK_ROWS
+        if v.method == "fedavg"
+    ]
+    run = next(cfg for cfg in rows if cfg.settings_of("fedavg").part == FEDAVG_KINDS[kind])
+    if args.fedavg_rounds:
+        run = FedBiPConfig.from_flat({**run.to_flat(), "fedavg.rounds": args.fedavg_rounds})
+    method = cast(fedavg.FedAvg, methods.create_for(run))
+    rounds = method.settings.rounds
+    size, shots = run.image_size, run.shots_per_class
+
+    def losses(weights: dict[str, torch.Tensor], images: tuple[torch.Tensor, torch.Tensor]):
+        model = method.classifier(run, "random")
+        method.federated(model).load_state_dict(weights)
+        return evaluate(model, *images, run.classifier_image_size).losses
+
+    unseen = {
+        d: shapes.test_set(d, shots * args.replicates, seed=run.seed, size=size) for d in domains
+    }
+    pooled = {d: {name: ([], []) for name in FEDAVG_TESTS} for d in domains}
+    for r in range(args.replicates):
+        clients = {
+            d: shapes.client_train_set(d, shots, client_index=r, seed=run.seed, size=size)
+            for d in domains
+        }
+        sides = {
+            d: ((c.images, c.labels), per_class_chunk(unseen[d], shots, r))
+            for d, c in clients.items()
+        }
+        torch.manual_seed(
+            args.seed * 1_000_003 + r
+        )  # the server's start (FedAvg.run_server's draw)
+        sent = method.federated(method.classifier(run, run.classifier_init)).state_dict()
+        # per domain and side: (rounds, candidates) losses under the sent model and the reply
+        before = {d: ([], []) for d in domains}
+        after = {d: ([], []) for d in domains}
+        for server_round in tqdm(range(1, rounds + 1), desc=f"{kind} federation {r}"):
+            replies = []
+            for d, client in clients.items():
+                data = ClientSet(client.images, client.labels, client.classes, d, f"{d}-{r}")
+                stream = args.seed * 1_000_003 + shapes.DOMAINS.index(d) * 1009 + r * 101
+                reply = method.local_update(
+                    sent, data, run, server_round, torch.Generator().manual_seed(stream)
+                )
+                for side, images in enumerate(sides[d]):
+                    before[d][side].append(losses(sent, images))
+                    after[d][side].append(losses(reply, images))
+                replies.append(
+                    RecordDict(
+                        {
+                            fedavg.ARRAYS: ArrayRecord(reply),
+                            fedavg.METRICS: MetricRecord({SENT_IMAGES: len(data)}),
+                        }
+                    )
+                )
+            sent = aggregate_arrayrecords(replies, SENT_IMAGES).to_torch_state_dict()
+        for d in domains:
+            for side in (0, 1):
+                sent_losses, replies_losses = (torch.stack(x[d][side]) for x in (before, after))
+                pooled[d]["loss-first"][side].append(-replies_losses[0])
+                pooled[d]["loss-last"][side].append(-replies_losses[-1])
+                pooled[d]["loss-drop"][side].append(loss_drop_scores(sent_losses, replies_losses))
+    for d in domains:
+        key = fedavg_key(size, run)
+        results.setdefault(d, {})[key] = {
+            "clients": args.replicates,
+            "part": method.settings.part,
+            "rounds": rounds,
+            "local_epochs": method.settings.local_epochs,
+            "classifier_init": run.classifier_init,
+            "attacks": {
+                f"{kind}/{name}": membership_result(
+                    torch.cat(m), torch.cat(n), statistic=name
+                ).summary()
+                for name, (m, n) in pooled[d].items()
+            },
+        }
+
+
 def latent_stats(
     z0: torch.Tensor, labels: torch.Tensor, centres: dict[int, torch.Tensor], a: float
 ) -> dict:
@@ -674,6 +793,12 @@ def main() -> None:
         default=0,
         help="FedLMG: the client classifier's epochs (0: the run config's; the benchmark's: 150)",
     )
+    parser.add_argument(
+        "--fedavg-rounds",
+        type=int,
+        default=0,
+        help="FedAvg: its rounds (0: the benchmark row's, 25)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     parser.add_argument(
         "--dp-epsilon", type=float, nargs="+", default=[4.0], help="the DP kinds' budgets"
@@ -720,6 +845,8 @@ def main() -> None:
         dp_mixture_attacks(args, cfg, ldm, domains, results)
     if CLASSIFIER in args.kinds:
         classifier_attacks(args, cfg, ldm, domains, results)
+    for kind in (k for k in FEDAVG_KINDS if k in args.kinds):
+        fedavg_attacks(args, kind, domains, results)
     for kind in set(args.kinds) & set(MEAN_KINDS):
         class_mean_attacks(args, cfg, ldm, kind, domains, results)
     for domain in domains if set(args.kinds) & set(LATENT_KINDS) else []:

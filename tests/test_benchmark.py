@@ -311,7 +311,16 @@ def test_each_row_takes_the_stand_in_of_its_own_upload_kind(tmp_path):
     for name in ("Local", "FedLMG-FT", "FedLMG-SD"):
         assert setting(name, 64) == ("64px/classifier/init=random/epochs=150", "fedlmg/loss")
     assert setting("FedLMG-FT public start", 64)[0] == "64px/classifier/init=pretrained/epochs=150"
-    for name in ("Central", "FedPFT", "OSCAR", "FedLMG-FT", "Local"):
+    # FedAvg's replies by what travels, from where, and the benchmark's 25 rounds of 2 epochs
+    assert setting("FedAvg", 64) == (
+        "64px/fedavg/part=all/init=random/rounds=25/local-epochs=2",
+        "fedavg/loss-drop",
+    )
+    assert setting("FedAvg-head", 64) == (
+        "64px/fedavg/part=head/init=pretrained/rounds=25/local-epochs=2",
+        "fedavg-head/loss-drop",
+    )
+    for name in ("Central", "FedPFT", "OSCAR", "FedLMG-FT", "Local", "FedAvg", "FedAvg-head"):
         assert setting(name) is None, name
 
 
@@ -357,6 +366,13 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
         {"FedBiP-S (2 z(T) per image)": {**entry, benchmark.SERVER_ATTACK: own}}, ["sketch"]
     )
     assert "| 0.700 / 0.10 | run folders 0 (3) |" in table
+    # FedAvg's replies are tested in records only (no run folder keeps them); class counts never
+    table = benchmark.server_attack_table(
+        {"FedAvg": {"seeds": [0], benchmark.SERVER_ATTACK_STAND_IN: stand_in}, "Prompts-only": {}},
+        ["sketch"],
+    )
+    assert "| FedAvg | reply's loss drop, summed over rounds | 0.600 / 0.15 | records 2 |" in table
+    assert "No test (class counts only): Prompts-only." in table
 
 
 def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
@@ -370,8 +386,8 @@ def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds
     )
     names = [v.name for v in benchmark.VARIANTS]
     # the public start's client classifier has no record: its row keeps its one run folder
-    unrecorded = {"FedLMG-FT public start"}
-    for size, floor, rows in ((64, 0.55, 33), (256, 0.75, 25)):
+    unrecorded = {"FedLMG-FT public start", "FedAvg", "FedAvg-head"}
+    for size, floor, rows in ((64, 0.55, 35), (256, 0.75, 25)):
         tested = [
             n for n in names if benchmark.stand_in_setting(bench, benchmark.variant(n), 961, size)
         ]

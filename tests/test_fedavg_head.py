@@ -15,8 +15,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.app.metadata import Metadata
 from torch import nn
 
-from fedbip_flwr import dataset
-from fedbip_flwr.classifier import backbone_path, load_backbone
+from fedbip_flwr import dataset, shapes
+from fedbip_flwr.classifier import backbone_path, evaluate, load_backbone
 from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
 from fedbip_flwr.method_settings import FedAvgSettings, FedPFTSettings
@@ -25,6 +25,7 @@ from fedbip_flwr.methods.fedpft import encoder_identity
 from fedbip_flwr.results import SENT_ACCURACY, SENT_IMAGES
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.upload import PayloadError
+from fedbip_tools.privacy import loss_drop_scores, membership_result
 from tests.helpers import (
     SMALL,
     as_run_config,
@@ -157,18 +158,24 @@ def test_a_head_round_trains_the_global_head_on_the_frozen_encoders_features_and
     assert all(torch.equal(v, backbone.state_dict()[k]) for k, v in kept.items())
 
 
-def test_each_round_shuffles_anew_and_a_replayed_round_is_the_same(tiny_model_dir):
-    """The round's seed is the round-th draw of the client's own stream (replayable here)."""
-    cfg = config(tiny_model_dir)
-    start = global_head(cfg)
-    heads = [
-        method(cfg).client_round(message(start, cfg, **{fedavg.ROUND: r}), cfg, NODE, CPU)[
-            fedavg.ARRAYS
-        ]
+@pytest.mark.parametrize("part", ("head", "all"))
+def test_each_round_shuffles_anew_and_a_replayed_round_is_the_same(tiny_model_dir, part):
+    """The round's seed is the round-th draw of the client's own stream (replayable here), for
+    the head and for the whole model; a round outside 1..rounds is refused either way."""
+    cfg = config(tiny_model_dir, part=part, **({"local-epochs": 1} if part == "all" else {}))
+    torch.manual_seed(cfg.seed)
+    start = method(cfg).federated(method(cfg).classifier(cfg, "random")).state_dict()
+    sent = [
+        method(cfg)
+        .client_round(message(start, cfg, **{fedavg.ROUND: r}), cfg, NODE, CPU)[fedavg.ARRAYS]
+        .to_torch_state_dict()
         for r in (1, 1, 2)
     ]
-    first, again, second = (h.to_torch_state_dict()["weight"] for h in heads)
+    weight = "weight" if part == "head" else "fc.weight"
+    first, again, second = (s[weight] for s in sent)
     assert torch.equal(first, again) and not torch.equal(first, second)
+    with pytest.raises(PayloadError, match="round 0, not one of 1..10"):
+        method(cfg).client_round(message(start, cfg, **{fedavg.ROUND: 0}), cfg, NODE, CPU)
 
 
 def test_the_head_learns_separable_features_and_two_averaged_clients_do_too():
@@ -397,3 +404,46 @@ def test_head_only_fedavg_runs_end_to_end_through_flwr(tiny_model_dir, tmp_path)
         "frozen"
     )
     assert tuple(saved["fc.weight"].shape) == (C, D)
+
+
+def test_the_servers_loss_drop_test_finds_a_head_clients_members_through_its_rounds(
+    tiny_model_dir,
+):
+    """What scripts/server_attacks.py --kinds fedavg-head measures, at its positive control: a
+    head trained for a few rounds on 8 images a class (FedAvg's own client step) lowers its
+    members' loss below the sent head's, unseen images' less; with no round at all to
+    train in, or with the member labels shuffled, nothing is found."""
+    cfg = config(tiny_model_dir, **{"local-epochs": 40, "rounds": 3})
+    fedavg_method = method(cfg)
+    members = shapes.client_train_set("sketch", 8, seed=0, size=cfg.image_size)
+    unseen = shapes.test_set("sketch", 8, seed=0, size=cfg.image_size)
+    data = dataset.ClientSet(members.images, members.labels, members.classes, "sketch", "c0")
+    sent = global_head(cfg)
+
+    def losses(head: dict[str, torch.Tensor], images: shapes.ImageSet) -> torch.Tensor:
+        model = fedavg_method.classifier(cfg, "random")
+        model.fc.load_state_dict(head)
+        return evaluate(model, images.images, images.labels, cfg.classifier_image_size).losses
+
+    before, after = {"in": [], "out": []}, {"in": [], "out": []}
+    for server_round in (1, 2, 3):
+        reply = fedavg_method.local_update(
+            sent, data, cfg, server_round, torch.Generator().manual_seed(7)
+        )
+        for side, images in (("in", members), ("out", unseen)):
+            before[side].append(losses(sent, images))
+            after[side].append(losses(reply, images))
+        sent = reply  # one client: FedAvg's average is its reply
+    drop = {s: loss_drop_scores(torch.stack(before[s]), torch.stack(after[s])) for s in before}
+    found = membership_result(drop["in"], drop["out"])
+    assert found.auc > 0.5 + 4 * found.auc_stderr, found.auc  # a random backbone: far from 1
+    unchanged = {
+        s: loss_drop_scores(torch.stack(before[s]), torch.stack(before[s])) for s in before
+    }
+    assert membership_result(unchanged["in"], unchanged["out"]).auc == 0.5
+    both = torch.cat([drop["in"], drop["out"]])
+    shuffled = both[torch.randperm(len(both), generator=torch.Generator().manual_seed(0))]
+    guess = membership_result(shuffled[: len(drop["in"])], shuffled[len(drop["in"]) :])
+    assert abs(guess.auc - 0.5) < 4 * guess.auc_stderr
+    with pytest.raises(ValueError, match="not both"):
+        loss_drop_scores(torch.stack(before["in"]), torch.stack(after["out"])[:2])

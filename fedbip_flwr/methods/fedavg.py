@@ -84,31 +84,61 @@ class FedAvg(MultiRound):
     def client_round(
         self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device
     ) -> RecordDict:
-        """One client's round: the global weights, trained locally on its own images."""
+        """One client's round: the server's message checked, then :meth:`local_update`."""
         data = dataset.institution_data(cfg.data, node)
-        generator = client_generator(cfg, node, data.client_id)
         if self.head_only:
             self._check_encoder(msg, cfg)
-            rounds = self.settings.rounds
-            server_round = _config(msg).get(ROUND, 1)
-            if (
-                isinstance(server_round, bool)
-                or not isinstance(server_round, int)
-                or not 1 <= server_round <= rounds
-            ):
-                raise PayloadError(
-                    f"the server calls this round {server_round!r}, not one of 1..{rounds} (fedavg.rounds)"
-                )
-            features = public_encoder(cfg.model, cfg.classifier_image_size, device)(data.images)
-            head = nn.Linear(features.shape[1], len(data.classes))
-            head.load_state_dict(
-                checked_arrays(_arrays(msg), head.state_dict(), "the server's global head")
+        rounds = self.settings.rounds
+        server_round = _config(msg).get(ROUND, 1)
+        # bounded: the round sizes the client's draw (a hostile server could ask for 10**12)
+        if (
+            isinstance(server_round, bool)
+            or not isinstance(server_round, int)
+            or not 1 <= server_round <= rounds
+        ):
+            raise PayloadError(
+                f"the server calls this round {server_round!r}, not one of 1..{rounds} (fedavg.rounds)"
             )
-            # the round's own draw from the client's stream: each round shuffles anew
-            seed = int(torch.randint(_SEED_BOUND, (server_round,), generator=generator)[-1])
+        template = self.federated(self.classifier(cfg, "random")).state_dict()
+        start = checked_arrays(_arrays(msg), template, f"the server's global {self._what}")
+        sent = self.local_update(
+            start,
+            data,
+            cfg,
+            server_round,
+            client_generator(cfg, node, data.client_id),
+            device,
+        )
+        return RecordDict(
+            {
+                ARRAYS: ArrayRecord(sent),
+                METRICS: MetricRecord({SENT_IMAGES: len(data)}),
+            }
+        )
+
+    def local_update(
+        self,
+        start: Mapping[str, torch.Tensor],
+        data: dataset.ClientSet,
+        cfg: FedBiPConfig,
+        server_round: int,
+        generator: torch.Generator,
+        device: torch.device | str = "cpu",
+    ) -> dict[str, torch.Tensor]:
+        """What a client sends back in ``server_round``: the federated part, loaded from
+        ``start`` (the global weights), trained on its own images for ``local-epochs``.
+
+        The round's shuffles and augmentations are the ``server_round``-th draw of the client's
+        ``generator`` (recreated every round from its stream), so each round draws anew."""
+        seed = int(torch.randint(_SEED_BOUND, (server_round,), generator=generator)[-1])
+        model = self.classifier(cfg, "random")
+        part = self.federated(model)
+        part.load_state_dict(start)
+        if self.head_only:
+            features = public_encoder(cfg.model, cfg.classifier_image_size, device)(data.images)
             recipe = cast(FedPFTSettings, cfg.settings_of("fedpft"))  # FedPFT's head recipe
             fit_head(
-                head,
+                part,
                 features,
                 data.labels,
                 self.settings.local_epochs,
@@ -116,13 +146,7 @@ class FedAvg(MultiRound):
                 torch.Generator().manual_seed(seed),
                 device,
             )
-            sent = head.cpu().state_dict()
         else:
-            model = build_classifier(len(data.classes), "random")
-            model.load_state_dict(
-                checked_arrays(_arrays(msg), model.state_dict(), "the server's global model")
-            )
-            seed = int(torch.randint(_SEED_BOUND, (1,), generator=generator))
             train_classifier(
                 model,
                 data.images,
@@ -131,13 +155,7 @@ class FedAvg(MultiRound):
                 seed=seed,
                 device=device,
             )
-            sent = model.cpu().state_dict()
-        return RecordDict(
-            {
-                ARRAYS: ArrayRecord(sent),
-                METRICS: MetricRecord({SENT_IMAGES: len(data)}),
-            }
-        )
+        return part.cpu().state_dict()
 
     def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         """Flower's federated evaluation: the global weights scored on the client's held-out images."""
