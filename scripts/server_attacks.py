@@ -658,9 +658,8 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
             d: ((c.images, c.labels), per_class_chunk(unseen[d], shots, r))
             for d, c in clients.items()
         }
-        torch.manual_seed(
-            args.seed * 1_000_003 + r
-        )  # the server's start (FedAvg.run_server's draw)
+        # the server's start, drawn as FedAvg.run_server draws it (from its own seed)
+        torch.manual_seed(args.seed * 1_000_003 + r)
         sent = method.federated(method.classifier(run, run.classifier_init)).state_dict()
         # per domain and side: (rounds, candidates) losses under the sent model and the reply
         before = {d: ([], []) for d in domains}
@@ -690,7 +689,8 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
                 sent_losses, replies_losses = (torch.stack(x[d][side]) for x in (before, after))
                 pooled[d]["loss-first"][side].append(-replies_losses[0])
                 pooled[d]["loss-last"][side].append(-replies_losses[-1])
-                pooled[d]["loss-drop"][side].append(loss_drop_scores(sent_losses, replies_losses))
+                drops = loss_drop_scores(sent_losses, replies_losses)
+                pooled[d][FEDAVG_ATTACK][side].append(drops)
     for d in domains:
         key = fedavg_key(size, run)
         results.setdefault(d, {})[key] = {
