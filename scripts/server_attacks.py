@@ -80,7 +80,6 @@ from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
 from fedbip_tools.benchmark import (
-    FEDAVG_ATTACK,
     FEDAVG_KINDS,
     Bench,
     Settings,
@@ -118,7 +117,7 @@ CONCEPTS = "concepts"
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
-FEDAVG_TESTS = ("loss-first", "loss-last", FEDAVG_ATTACK)
+FEDAVG_TESTS = ("loss-first", "loss-last", "loss-drop")
 # A DP upload's class statistics at any latent size and T, released by the method's own code
 # under its own share of the budget (fedbip-mixture's concepts, DP-SGD at the rest, not run:
 # the server tests the statistics): kind -> (method, its statistics' guarantee)
@@ -690,7 +689,7 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
                 pooled[d]["loss-first"][side].append(-replies_losses[0])
                 pooled[d]["loss-last"][side].append(-replies_losses[-1])
                 drops = loss_drop_scores(sent_losses, replies_losses)
-                pooled[d][FEDAVG_ATTACK][side].append(drops)
+                pooled[d]["loss-drop"][side].append(drops)
     for d in domains:
         key = fedavg_key(size, run)
         results.setdefault(d, {})[key] = {

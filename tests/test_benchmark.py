@@ -314,11 +314,11 @@ def test_each_row_takes_the_stand_in_of_its_own_upload_kind(tmp_path):
     # FedAvg's replies by what travels, from where, and the benchmark's 25 rounds of 2 epochs
     assert setting("FedAvg", 64) == (
         "64px/fedavg/part=all/init=random/rounds=25/local-epochs=2",
-        "fedavg/loss-drop",
+        "fedavg/loss-last",
     )
     assert setting("FedAvg-head", 64) == (
         "64px/fedavg/part=head/init=pretrained/rounds=25/local-epochs=2",
-        "fedavg-head/loss-drop",
+        "fedavg-head/loss-last",
     )
     for name in ("Central", "FedPFT", "OSCAR", "FedLMG-FT", "Local", "FedAvg", "FedAvg-head"):
         assert setting(name) is None, name
@@ -371,22 +371,24 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
         {"FedAvg": {"seeds": [0], benchmark.SERVER_ATTACK_STAND_IN: stand_in}, "Prompts-only": {}},
         ["sketch"],
     )
-    assert "| FedAvg | reply's loss drop, summed over rounds | 0.600 / 0.15 | records 2 |" in table
+    assert "| FedAvg | last round's reply loss | 0.600 / 0.15 | records 2 |" in table
     assert "No test (class counts only): Prompts-only." in table
 
 
 def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
     """Every row whose upload is a latent kind has its kind's figures at 4x16x16 and 4x64x64
-    (FedPFT's and OSCAR's class means and Local's and FedLMG's classifiers at the run's size)
-    from three seeds of the clients' randomness;
+    (FedPFT's and OSCAR's class means, Local's and FedLMG's classifiers and FedAvg's replies at
+    the run's size) from three seeds of the clients' randomness;
     without DP the server's test finds members (AUC above 0.55 at the run's size, 0.75 at
-    SD's), a DP release stays within 0.1 of chance at either size."""
+    SD's), a DP release stays within 0.1 of chance at either size, FedAvg's replies below 0.7."""
     bench = Bench(
         Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
     )
     names = [v.name for v in benchmark.VARIANTS]
     # the public start's client classifier has no record: its row keeps its one run folder
-    unrecorded = {"FedLMG-FT public start", "FedAvg", "FedAvg-head"}
+    unrecorded = {"FedLMG-FT public start"}
+    # FedAvg's replies, 100 SGD steps a client over 25 rounds, give members little away
+    weak = {"FedAvg", "FedAvg-head"}
     for size, floor, rows in ((64, 0.55, 35), (256, 0.75, 25)):
         tested = [
             n for n in names if benchmark.stand_in_setting(bench, benchmark.variant(n), 961, size)
@@ -400,6 +402,8 @@ def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds
             assert len(aucs) == 3, (name, size)
             if "DP" in name or "OSCAR" in name:  # OSCAR's caption states: the image's class only
                 assert all(abs(a - 0.5) < 0.1 for a in aucs), (name, size, aucs)
+            elif name in weak:
+                assert all(0.4 < a < 0.7 for a in aucs), (name, size, aucs)
             else:
                 assert all(a > floor for a in aucs), (name, size, aucs)
 
