@@ -1437,13 +1437,15 @@ rows or a class mixture of them at this T and as many z(T) per image as the row 
 row: its method's class statistics under its epsilon; 288 members a side), which depends on
 the encoder, the schedule, T and K, not on what the run learned; a client's classifier (Local,
 FedLMG): the client step trained by the row's recipe, its start and local epochs, on the same
-world's client images, one client (96 members) a domain and seed. 4x64x64, Stable Diffusion's
+world's client images, one client (96 members) a domain and seed; FedAvg's replies (kept by no
+run folder): the row's rounds replayed by its client step and Flower's average, the last round's
+reply's loss, one client a domain and seed. 4x64x64, Stable Diffusion's
 latent size: the same from the world rendered at {LARGE_SIZE} px through the miniature's encoder
 and noised with SD v1-4's schedule, the last column naming the records' seeds of the clients'
 randomness: it stands in for SD's latent size and schedule, not for SD's VAE on photographs.
 Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
-(images, a classifier, features and caption states: no latent size to scale), or no record. What
-is not tested: the concepts and Espresso's conditions beside a mixture (the concept test's
+(images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
+or no record. What is not tested: the concepts and Espresso's conditions beside a mixture (the concept test's
 positive control fails on a UNet trained at 4x16x16, "Privacy of the default federation"), and
 the DP mixture mode's concepts, which DP-SGD releases under the rest of its epsilon.
 

@@ -411,8 +411,9 @@ def test_the_servers_loss_drop_test_finds_a_head_clients_members_through_its_rou
 ):
     """What scripts/server_attacks.py --kinds fedavg-head measures, at its positive control: a
     head trained for a few rounds on 8 images a class (FedAvg's own client step) lowers its
-    members' loss below the sent head's, unseen images' less; with no round at all to
-    train in, or with the member labels shuffled, nothing is found."""
+    members' loss below the sent head's, unseen images' less, and its last reply's loss tells
+    them apart; with no round at all to train in, or with the member labels shuffled, nothing
+    is found."""
     cfg = config(tiny_model_dir, **{"local-epochs": 40, "rounds": 3})
     fedavg_method = method(cfg)
     members = shapes.client_train_set("sketch", 8, seed=0, size=cfg.image_size)
@@ -437,6 +438,9 @@ def test_the_servers_loss_drop_test_finds_a_head_clients_members_through_its_rou
     drop = {s: loss_drop_scores(torch.stack(before[s]), torch.stack(after[s])) for s in before}
     found = membership_result(drop["in"], drop["out"])
     assert found.auc > 0.5 + 4 * found.auc_stderr, found.auc  # a random backbone: far from 1
+    # the rows' statistic: the last reply's loss alone
+    last = membership_result(-after["in"][-1], -after["out"][-1])
+    assert last.auc > 0.5 + 4 * last.auc_stderr, last.auc
     unchanged = {
         s: loss_drop_scores(torch.stack(before[s]), torch.stack(before[s])) for s in before
     }
