@@ -639,10 +639,11 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
     rounds = method.settings.rounds
     size, shots = run.image_size, run.shots_per_class
 
+    scorer = method.classifier(run, "random")  # built once: each score loads the part's weights
+
     def losses(weights: dict[str, torch.Tensor], images: tuple[torch.Tensor, torch.Tensor]):
-        model = method.classifier(run, "random")
-        method.federated(model).load_state_dict(weights)
-        return evaluate(model, *images, run.classifier_image_size).losses
+        method.federated(scorer).load_state_dict(weights)
+        return evaluate(scorer, *images, run.classifier_image_size).losses
 
     unseen = {
         d: shapes.test_set(d, shots * args.replicates, seed=run.seed, size=size) for d in domains

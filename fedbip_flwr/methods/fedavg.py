@@ -81,6 +81,11 @@ class FedAvg(MultiRound):
         """The part of ``model`` whose weights travel and are averaged."""
         return model.fc if self.head_only else model
 
+    def fresh_part(self, cfg: FedBiPConfig) -> nn.Module:
+        """The federated part alone, randomly initialised: the head's shapes are any
+        ResNet-18's, so no backbone is read for them."""
+        return self.federated(build_classifier(len(cfg.class_list), "random"))
+
     def client_round(
         self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device
     ) -> RecordDict:
@@ -99,7 +104,7 @@ class FedAvg(MultiRound):
             raise PayloadError(
                 f"the server calls this round {server_round!r}, not one of 1..{rounds} (fedavg.rounds)"
             )
-        template = self.federated(self.classifier(cfg, "random")).state_dict()
+        template = self.fresh_part(cfg).state_dict()
         start = checked_arrays(_arrays(msg), template, f"the server's global {self._what}")
         sent = self.local_update(
             start,
@@ -131,8 +136,7 @@ class FedAvg(MultiRound):
         The round's shuffles and augmentations are the ``server_round``-th draw of the client's
         ``generator`` (recreated every round from its stream), so each round draws anew."""
         seed = int(torch.randint(_SEED_BOUND, (server_round,), generator=generator)[-1])
-        model = self.classifier(cfg, "random")
-        part = self.federated(model)
+        part = self.fresh_part(cfg)
         part.load_state_dict(start)
         if self.head_only:
             features = public_encoder(cfg.model, cfg.classifier_image_size, device)(data.images)
@@ -148,7 +152,7 @@ class FedAvg(MultiRound):
             )
         else:
             train_classifier(
-                model,
+                part,
                 data.images,
                 data.labels,
                 train_settings(cfg, self.settings.local_epochs),
