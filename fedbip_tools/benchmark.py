@@ -72,6 +72,7 @@ from fedbip_flwr.viz import image_grid
 
 from . import provenance
 from .judges import Judges, load_judges
+from .machine import this_machine
 from .privacy import (
     Features,
     averaged_reconstructions,
@@ -305,6 +306,11 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("FedBiP-S (2 z(T) per image)", "OSCAR"),
     # what OSCAR's uploaded caption encodings add to the class names alone
     ("OSCAR", "Prompts-only"),
+    # FedBiP-L made the authors' way (a fresh z(T) per image) on the shipped model: against the
+    # floor, the ceiling, and what five times FedBiP-S's upload buys
+    ("FedBiP-L (10 z(T) per image)", "Prompts-only"),
+    ("FedBiP-L (10 z(T) per image)", "Central"),
+    ("FedBiP-L (10 z(T) per image)", "FedBiP-S (2 z(T) per image)"),
     (HEADLINE, "FedLMG-FT"),
     (HEADLINE, "Central"),
     (HEADLINE, "FedPFT"),
@@ -366,6 +372,7 @@ DOMIAS_REFERENCE_PER_CLASS = 50
 # what a row records of its own run, kept when it is measured again from a folder
 RUN_RECORD = frozenset({"server_seconds", "client_seconds", "upload_bytes", "fedavg_rounds"})
 SERVER_ATTACK = "server_attack"  # a row's key for the server's test on its uploads
+JUDGES = "judges_on_real"  # a row's key: the real-image accuracy of the judges that judged it
 NON_MEMBER_CLIENT = 1  # the shapes world's second client of a domain: images no client here holds
 
 
@@ -476,6 +483,7 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         shards = folder.training_shards()
         result["num_images"] = sum(len(ShardImages(paths, 0)) for paths in shards.values())
         result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
+        result[JUDGES] = judges.on_real()  # judges differ between machines: which judged this
         # a base model without a shipped backbone (the tests' tiny one) is measured in pixels only
         features = backbone_features(cfg.model) if backbone_path(cfg.model).is_file() else None
         for client_id, paths in sorted(shards.items()):
@@ -838,9 +846,11 @@ def summarize(
         for key in (
             set().union(*rows)
             - entry.keys()
-            - {"per_domain", "mean", "provenance", "model", SERVER_ATTACK}
+            - {"per_domain", "mean", "provenance", "model", SERVER_ATTACK, JUDGES}
         ):
             entry[key] = _average([r.get(key) for r in rows])
+        if entry.get("fidelity"):
+            entry[JUDGES] = {str(s): r.get(JUDGES) for s, r in zip(seeds, rows)}
         if attacked := {s: r[SERVER_ATTACK] for s, r in zip(seeds, rows) if SERVER_ATTACK in r}:
             entry[SERVER_ATTACK] = server_attack_summary(attacked)
         if entry.get("mia_gap"):
@@ -1170,19 +1180,38 @@ def console_lines(summary: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def judges_cell(judged: Mapping[str, Mapping[str, float] | None]) -> str:
+    """The judges' accuracy on real images (class / domain, %) per seed of a row, seeds that
+    share judges together; a dash for seeds judged before rows recorded it."""
+    groups: dict[str, list[str]] = {}
+    for seed, on_real in judged.items():
+        text = f"{100 * on_real['class']:.1f} / {100 * on_real['domain']:.1f}" if on_real else "–"
+        groups.setdefault(text, []).append(seed)
+    if len(groups) == 1:
+        return next(iter(groups))
+    return "; ".join(
+        f"{text} (seed{'s' * (len(seeds) > 1)} {', '.join(seeds)})"
+        for text, seeds in groups.items()
+    )
+
+
 def fidelity_table(summary: Mapping[str, Any]) -> str:
     names = [n for n, e in summary.items() if e.get("fidelity")]
     if not names:
         return ""
     domains = list(summary[names[0]]["fidelity"])
     lines = [
-        "| method | " + " | ".join(domains) + " | images |",
-        "|---|" + "---|" * (len(domains) + 1),
+        "| method | " + " | ".join(domains) + " | images | judges on real images (%) |",
+        "|---|" + "---|" * (len(domains) + 2),
     ]
     for name in names:
-        fid = summary[name]["fidelity"]
+        e = summary[name]
+        fid = e["fidelity"]
         cells = (f"{100 * fid[d]['class']:.0f} / {100 * fid[d]['domain']:.0f}" for d in domains)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {summary[name]['num_images']:.0f} |")
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {e['num_images']:.0f} | "
+            f"{judges_cell(e.get(JUDGES, {}))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -1344,7 +1373,7 @@ def markdown(
     summary: Mapping[str, Any],
     bench: Bench,
     command: str,
-    judged: Mapping[str, float],
+    judged: Mapping[str, Mapping[str, float]],
     found: Sequence[Difference],
     sampled: Sampling,
 ) -> str:
@@ -1395,9 +1424,11 @@ ablation lines take the paper's order ({", ".join(ABLATION)}), each row against 
 
 Two ResNet-18 judges trained on real images of all five domains (a split no seed uses) label
 every synthetic image: class fidelity is the share judged as the class it was made for, domain
-fidelity the share judged as its client's domain. On held-out real images the judges are right
-{100 * judged["class"]:.1f}% (class) and {100 * judged["domain"]:.1f}% (domain) of the time.
-Central's row judges the real images it trained on.
+fidelity the share judged as its client's domain. Central's row judges the real images it
+trained on. The judges are trained where the benchmark runs, from one seed, to other weights on
+other machines (float32 differs between kinds, and between CPUs of one kind), so each row
+names the judges that judged its seeds by their accuracy on held-out real images, class /
+domain (–: judged before rows recorded it). The latest judges of each kind: {judges_text(judged)}.
 
 {fidelity_table(summary)}
 ### Privacy: membership inference and nearness to the clients' images
@@ -1550,15 +1581,33 @@ def report(
 
 
 def judges_record(bench: Bench) -> Path:
-    """The judges' accuracy on held-out real images, kept beside the results (the judges'
-    weights, 90 MB, stay in the work folder: they are retrained in minutes from a fixed seed)."""
+    """The judges' accuracy on held-out real images per machine kind, kept beside the results
+    (the judges' weights, 90 MB, stay in the work folder: they are retrained in minutes from a
+    fixed seed)."""
     return bench.results / "methods" / "judges.json"
+
+
+def record_judges(bench: Bench, on_real: Mapping[str, float]) -> None:
+    """Keep ``on_real`` as the latest judges of this machine's kind (each row records the judges
+    that judged it: :data:`JUDGES`)."""
+    path = judges_record(bench)
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    write_json(path, {**kept, this_machine().kind: dict(on_real)})
+
+
+def judges_text(judged: Mapping[str, Mapping[str, float]]) -> str:
+    """``98.8% (class) and 99.8% (domain) on the AVX512+bf16 kind; ...``."""
+    return "; ".join(
+        f"{100 * on_real['class']:.1f}% (class) and {100 * on_real['domain']:.1f}% (domain) "
+        f"on the {kind} kind"
+        for kind, on_real in sorted(judged.items())
+    )
 
 
 def run(
     bench: Bench, seeds: Sequence[int], names: Sequence[str], *, remeasure: bool = False
 ) -> None:
     judges = load_judges(bench.work / "judges.safetensors")
-    write_json(judges_record(bench), judges.on_real())
+    record_judges(bench, judges.on_real())
     for seed in seeds:
         run_seed(bench, seed, names, judges, remeasure=remeasure)

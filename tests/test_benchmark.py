@@ -543,6 +543,27 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
         benchmark.write_json(bench.cache(0), stored)
 
 
+def test_each_machine_kind_keeps_its_judges_figures(tmp_path):
+    """Judges trained on another kind are other weights: the record keeps each kind's figures
+    beside this one's, and the report names every kind."""
+    bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results")
+    other = {"class": 0.988, "domain": 0.998}
+    benchmark.write_json(benchmark.judges_record(bench), {"other-kind": other})
+    benchmark.record_judges(bench, {"class": 0.5, "domain": 0.75})
+    kept = json.loads(benchmark.judges_record(bench).read_text())
+    assert kept == {"other-kind": other, this_machine().kind: {"class": 0.5, "domain": 0.75}}
+    text = benchmark.judges_text(kept)
+    assert "98.8% (class) and 99.8% (domain) on the other-kind kind" in text
+    assert f"50.0% (class) and 75.0% (domain) on the {this_machine().kind} kind" in text
+    by_seed = {
+        "0": None,
+        "1": {"class": 0.893, "domain": 0.998},
+        "2": {"class": 0.893, "domain": 0.998},
+    }
+    assert benchmark.judges_cell(by_seed) == "– (seed 0); 89.3 / 99.8 (seeds 1, 2)"
+    assert benchmark.judges_cell({"0": other, "1": other}) == "98.8 / 99.8"
+
+
 def fidelity_order(summary):
     """The domains in the accuracy table's order: its first row's."""
     return next(iter(summary.values()))["per_domain"]
@@ -550,7 +571,7 @@ def fidelity_order(summary):
 
 def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     bench, _ = one_seed
-    benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
+    benchmark.record_judges(bench, {"class": 0.5, "domain": 0.25})
     md = tmp_path / "BENCHMARKS.md"
     summary = benchmark.report(bench, "fedbip benchmark --seeds 0", md)
     text = md.read_text()
@@ -564,6 +585,11 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     judged = " / ".join(f"{100 * fidelity[d]['domain']:.0f}" for d in domains)
     header = f"| domain fidelity (%), {' / '.join(domains)} |"
     assert header in text and f"** | {judged} |" in text
+    kind = this_machine().kind
+    assert f"50.0% (class) and 25.0% (domain) on the {kind} kind" in text, "this kind's judges"
+    judged = summary["FedBiP-S"][benchmark.JUDGES]["0"]
+    assert set(judged) == {"class", "domain"}, "the row names the judges that judged it"
+    assert f" | {benchmark.judges_cell({'0': judged})} |" in text
     model = provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
     assert f"| 1 | {this_machine().kind}, model {model}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text
@@ -579,7 +605,7 @@ def test_the_report_keeps_pictures_whose_run_folders_are_gone(one_seed, tmp_path
     """Cached results outlive run folders (another machine, a cleaned work folder): redrawing
     then would silently drop those methods' rows from the pictures."""
     bench, _ = one_seed
-    benchmark.write_json(benchmark.judges_record(bench), {"class": 0.5, "domain": 0.5})
+    benchmark.record_judges(bench, {"class": 0.5, "domain": 0.5})
     picture = bench.results / "pictures" / "methods-sketch.png"
     benchmark.report(bench, "fedbip benchmark --seeds 0", tmp_path / "a.md")
     drawn = picture.read_bytes()
