@@ -483,7 +483,7 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         shards = folder.training_shards()
         result["num_images"] = sum(len(ShardImages(paths, 0)) for paths in shards.values())
         result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
-        result[JUDGES] = judges.on_real()  # judges differ between machines: which judged this
+        result[JUDGES] = judges.accuracy_on_real  # judges differ between machines: which judged
         # a base model without a shipped backbone (the tests' tiny one) is measured in pixels only
         features = backbone_features(cfg.model) if backbone_path(cfg.model).is_file() else None
         for client_id, paths in sorted(shards.items()):
@@ -1608,6 +1608,6 @@ def run(
     bench: Bench, seeds: Sequence[int], names: Sequence[str], *, remeasure: bool = False
 ) -> None:
     judges = load_judges(bench.work / "judges.safetensors")
-    record_judges(bench, judges.on_real())
+    record_judges(bench, judges.accuracy_on_real)
     for seed in seeds:
         run_seed(bench, seed, names, judges, remeasure=remeasure)

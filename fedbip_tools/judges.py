@@ -11,6 +11,7 @@ faster sampling draws the same images.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 from dataclasses import dataclass
@@ -59,6 +60,11 @@ class Judges:
         sets = [shapes.test_set(d, per_class, JUDGE_SEED + 1, self.size) for d in shapes.DOMAINS]
         scores = [self.fidelity(s.images, s.labels, s.domain) for s in sets]
         return {k: statistics.fmean(score[k] for score in scores) for k in ("class", "domain")}
+
+    @functools.cached_property
+    def accuracy_on_real(self) -> dict[str, float]:
+        """:meth:`on_real` computed once: every result these judges judge records it."""
+        return self.on_real()
 
 
 def load_judges(path: Path, size: int = 64, per_class: int = 40, epochs: int = 30) -> Judges:
