@@ -311,7 +311,9 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     ("FedBiP-L (10 z(T) per image)", "Prompts-only"),
     ("FedBiP-L (10 z(T) per image)", "Central"),
     ("FedBiP-L (10 z(T) per image)", "FedBiP-S (2 z(T) per image)"),
-    (HEADLINE, "FedLMG-FT"),
+    # FedLMG's classifier-guided synthesis on the shipped model, against both FedBiP rows
+    ("FedBiP-S (2 z(T) per image)", "FedLMG-FT"),
+    ("FedBiP-L (10 z(T) per image)", "FedLMG-FT"),
     (HEADLINE, "Central"),
     (HEADLINE, "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "FedPFT"),
