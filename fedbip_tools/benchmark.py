@@ -291,12 +291,10 @@ VARIANTS: tuple[Variant, ...] = (
 NO_DATA_CONTROL = "Prompts-only"
 # The paper's Table 1 shape: references, peers, ablations, FedBiP.
 SYNTHETIC = ("Prompts-only", "OSCAR", "FedLMG-FT", "concept-only", "instance-only", "FedBiP-S")
-HEADLINE = "FedBiP-L"  # the FedBiP row the README sets against the others
 # the paper's ablation order, best first (its Tables 1 and 3): each row against the next
 ABLATION = ("FedBiP-L", "FedBiP-M", "FedBiP-S", "instance-only", "concept-only", "Prompts-only")
 # the comparisons the README and BENCHMARKS.md draw, as (row A, row B): A minus B
 COMPARISONS: tuple[tuple[str, str], ...] = (
-    (HEADLINE, "Prompts-only"),
     # FedBiP as the default federation uploads (2 z(T) per image) against the floor and the ceiling
     ("FedBiP-S (2 z(T) per image)", "Prompts-only"),
     ("FedBiP-S (2 z(T) per image)", "Central"),
@@ -314,8 +312,6 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     # FedLMG's classifier-guided synthesis on the shipped model, against both FedBiP rows
     ("FedBiP-S (2 z(T) per image)", "FedLMG-FT"),
     ("FedBiP-L (10 z(T) per image)", "FedLMG-FT"),
-    (HEADLINE, "Central"),
-    (HEADLINE, "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "FedPFT"),
     ("FedBiP-S public start (2 z(T) per image)", "Prompts-only public start"),
     ("FedBiP-mixture public start (2 z(T) per image)", "FedPFT"),
