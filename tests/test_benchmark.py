@@ -252,24 +252,25 @@ def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
     mean, half = benchmark.t_interval([1.0, 2.0, 3.0])
     # t(0.975, 2) = 4.303 times the std (1) over sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
+    a = "FedBiP-S (2 z(T) per image)"  # the first comparisons: against the floor and the ceiling
     runs = {
-        s: {"FedBiP-L": row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
+        s: {a: row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
         for s, d in enumerate([0.10, 0.11, 0.12])
     }
     # a seed whose two rows are of other machine kinds is not paired
-    runs[3] = {"FedBiP-L": row(0.9), "Prompts-only": row(0.1, made("AVX2"))}
+    runs[3] = {a: row(0.9), "Prompts-only": row(0.1, made("AVX2"))}
     # nor one whose two rows ran different models
-    runs[4] = {"FedBiP-L": {**row(0.9), "model": "a"}, "Prompts-only": {**row(0.1), "model": "b"}}
+    runs[4] = {a: {**row(0.9), "model": "a"}, "Prompts-only": {**row(0.1), "model": "b"}}
     found = benchmark.differences(runs)
-    assert [(d.a, d.b) for d in found] == [("FedBiP-L", "Prompts-only"), ("FedBiP-L", "Central")]
+    assert [(d.a, d.b) for d in found] == [(a, "Prompts-only"), (a, "Central")]
     apart, close = found
     assert apart.per_seed == pytest.approx({0: 0.10, 1: 0.11, 2: 0.12})
     assert (apart.mean, apart.half_width) == pytest.approx((0.11, 0.02484), abs=1e-5)
     assert apart.distinguishable and close.mean == pytest.approx(0.0) and not close.distinguishable
     lines = benchmark.differences_table(found).splitlines()
-    assert lines[2].endswith("| +11.0 | [+8.5, +13.5] | FedBiP-L higher |")
+    assert lines[2].endswith(f"| +11.0 | [+8.5, +13.5] | {a} higher |")
     assert lines[3].endswith(f"| [-2.5, +2.5] | {benchmark.NOT_DISTINGUISHABLE} |")
-    one = benchmark.paired_difference({0: runs[0]}, "FedBiP-L", "Prompts-only")
+    one = benchmark.paired_difference({0: runs[0]}, a, "Prompts-only")
     assert one.half_width is None and not one.distinguishable, "one seed gives no interval"
 
 
