@@ -46,7 +46,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import cast
+from typing import cast, get_args
 
 import torch
 from diffusers import PNDMScheduler, SchedulerMixin
@@ -558,7 +558,8 @@ def classifier_attacks(
     itself and, with ``reference_models``, offline LiRA against classifiers the server trains by
     the same recipe on public images."""
     epochs = {"fedlmg.local-epochs": args.local_epochs} if args.local_epochs else {}
-    run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER, **epochs})
+    start = {"classifier-init": args.classifier_init} if args.classifier_init else {}
+    run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER, **epochs, **start})
     local_epochs = run.settings_of(CLASSIFIER).local_epochs
     method = methods.create_for(run)
     server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
@@ -792,6 +793,11 @@ def main() -> None:
         type=int,
         default=0,
         help="FedLMG: the client classifier's epochs (0: the run config's; the benchmark's: 150)",
+    )
+    parser.add_argument(
+        "--classifier-init",
+        choices=get_args(FedBiPConfig.model_fields["classifier_init"].annotation),
+        help="FedLMG: the client classifier's start (default: the run config's)",
     )
     parser.add_argument(
         "--fedavg-rounds",
