@@ -16,8 +16,8 @@ Three questions, each asked of what an outsider (or the server) ends up holding:
   client's upload and the base model: it encodes a candidate image and tests it against the
   z(T) rows of its class (:func:`zT_membership_scores`), against the class's uploaded mixture
   (:func:`mixture_membership_scores`), or asks whether the learned concepts lower the
-  candidate's diffusion loss (:func:`concept_loss_ratio_scores`), before anything is
-  synthesized.
+  candidate's diffusion loss (:func:`concept_loss_ratio_scores`; Espresso's conditions:
+  :func:`conditioning_loss_ratio_scores`), before anything is synthesized.
 * **Does the synthetic set give away more than its distances show?** A density ratio between
   the synthetic set and public reference images in a feature space (DOMIAS,
   :func:`density_ratio_membership`): where synthetic images crowd beyond what the domain
@@ -708,11 +708,11 @@ def mixture_membership_scores(
 
 
 # --------------------------------------------------------------------------------------------
-# membership inference on learned concepts (FedBiP's S and V): the server, before synthesis
+# membership inference on learned conditioning (FedBiP's S and V, Espresso's conditions): the
+# server, before synthesis
 # --------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def concept_loss_ratio_scores(
     ldm: LDM,
     concepts: Concepts,
@@ -725,37 +725,65 @@ def concept_loss_ratio_scores(
     generator: torch.Generator,
     batch_size: int = 64,
 ) -> torch.Tensor:
-    """Membership scores (higher = member): how much the client's learned concepts lower a
-    candidate's diffusion loss below the plain prompt's (the words S and V start from, which the
-    server knows), ``L(c | S0, V0) - L(c | S, V)``, each averaged over ``draws`` pairs (t, eps)
-    shared by both prompts, t ~ U{1..max_timestep} as the concepts were learned. The concepts
-    were fitted to the members' losses; a reference model is the plain prompt of the same
-    frozen LDM. With several concepts per class (class-clusters, class-major rows of V), the
-    candidate's best concept counts (the server does not know its sub-cluster).
-    """
+    """:func:`conditioning_loss_ratio_scores` of a client's learned concepts against the plain
+    prompt (the words S and V start from, which the server knows). With several concepts per
+    class (class-clusters, class-major rows of V) each is one of the class's conditionings."""
     classes = len(dict.fromkeys(concepts.concept_names))
-    per_class = len(concepts.concept_names) // classes
     rows = torch.arange(len(concepts.concept_names))
-    # every prompt's conditioning once: it depends on the prompt row alone
-    plain_table = encode_prompts(
-        ldm, layout, concepts.space, *initial_concepts(ldm, layout, concepts.space), rows
+    with torch.no_grad():  # every prompt's conditioning once: it depends on the prompt row alone
+        plain = encode_prompts(
+            ldm, layout, concepts.space, *initial_concepts(ldm, layout, concepts.space), rows
+        )
+        learned = encode_prompts(
+            ldm, layout, concepts.space, concepts.domain, concepts.classes, rows
+        )
+    return conditioning_loss_ratio_scores(
+        ldm,
+        plain.unflatten(0, (classes, -1)),
+        learned.unflatten(0, (classes, -1)),
+        candidate_latents,
+        candidate_labels,
+        max_timestep=max_timestep,
+        draws=draws,
+        generator=generator,
+        batch_size=batch_size,
     )
-    learned_table = encode_prompts(
-        ldm, layout, concepts.space, concepts.domain, concepts.classes, rows
-    )
+
+
+@torch.no_grad()
+def conditioning_loss_ratio_scores(
+    ldm: LDM,
+    plain: torch.Tensor,
+    learned: torch.Tensor,
+    candidate_latents: torch.Tensor,
+    candidate_labels: torch.Tensor,
+    *,
+    max_timestep: int,
+    draws: int,
+    generator: torch.Generator,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """Membership scores (higher = member): how much a client's learned conditioning lowers a
+    candidate's diffusion loss below the plain prompt's, ``L(c | plain_k) - min_j L(c |
+    learned_kj)``, each averaged over ``draws`` pairs (t, eps) shared by all conditionings,
+    t ~ U{1..max_timestep} as they were learned. ``plain`` and ``learned`` are (C, J, L, d)
+    cross-attention states, J per class; the reference model is the frozen LDM under the plain
+    prompt ``plain[k, 0]``, and the candidate's best of its class's J counts (the server does
+    not know its sub-cluster). The conditioning was fitted to the members' losses."""
+    per_class = learned.shape[1]
     z0 = candidate_latents.float()
-    learned = torch.zeros(per_class, len(z0), dtype=torch.float64)
-    plain = torch.zeros(len(z0), dtype=torch.float64)
+    own = torch.zeros(per_class, len(z0), dtype=torch.float64)
+    reference = torch.zeros(len(z0), dtype=torch.float64)
     for _ in range(draws):
         t = torch.randint(1, max_timestep + 1, (len(z0),), generator=generator)
         noise = torch.randn(z0.shape, generator=generator)
         for batch in torch.arange(len(z0)).split(batch_size):
-            first_row = candidate_labels[batch] * per_class
+            k = candidate_labels[batch]
             shared = (z0[batch], t[batch], noise[batch])
-            plain[batch] += _losses(ldm, plain_table[first_row], *shared)
+            reference[batch] += _losses(ldm, plain[k, 0], *shared)
             for j in range(per_class):
-                learned[j, batch] += _losses(ldm, learned_table[first_row + j], *shared)
-    return (plain - learned.amin(dim=0)) / draws
+                own[j, batch] += _losses(ldm, learned[k, j], *shared)
+    return (reference - own.amin(dim=0)) / draws
 
 
 def _losses(

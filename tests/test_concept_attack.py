@@ -1,17 +1,20 @@
-"""The server's loss-ratio membership test on learned concepts
-(fedbip_tools.privacy.concept_loss_ratio_scores) on the tiny LDM: its definition (the plain
-prompt's per-example loss less the learned concepts', averaged over shared (t, eps) draws) and
-no signal where the concepts are the plain prompt. A random-init UNet listens to its text too
-weakly for concepts to memorise anything, so the positive control (concepts overfitted to one
-image per class on the miniature) is a measurement: scripts/server_attacks.py --kinds concepts."""
+"""The server's loss-ratio membership test on learned concepts and conditions
+(fedbip_tools.privacy.concept_loss_ratio_scores, conditioning_loss_ratio_scores) on the tiny
+LDM: its definition (the plain prompt's per-example loss less the learned concepts', averaged
+over shared (t, eps) draws), the best of a class's conditions counting, and no signal where
+what was learned is the plain prompt. A random-init UNet listens to its text too weakly for
+concepts to memorise anything, so the positive control (concepts or conditions overfitted to a
+few images per class on the miniature) is a measurement: scripts/server_attacks.py --kinds
+concepts espresso-conditions."""
 
 from __future__ import annotations
 
 import torch
 
 from fedbip_flwr.concepts import diffusion_loss, initial_concepts, prompt_layout
+from fedbip_flwr.conditions import initial_conditions
 from fedbip_flwr.shared_concepts import Concepts
-from fedbip_tools.privacy import concept_loss_ratio_scores
+from fedbip_tools.privacy import concept_loss_ratio_scores, conditioning_loss_ratio_scores
 
 CLASSES = ["circle", "square", "star"]
 TEMPLATE = "a {S} style of a {V}"
@@ -63,3 +66,29 @@ def test_scores_are_the_plain_prompts_loss_less_the_learned_ones(tiny_ldm):
     # concepts that are the plain prompt give nothing to anyone
     unchanged = scores_of(s0, v0)
     assert torch.equal(unchanged, torch.zeros(3, dtype=torch.float64))
+
+
+def test_a_class_counts_its_best_condition_and_plain_conditions_give_nothing(tiny_ldm):
+    plain = initial_conditions(tiny_ldm, TEMPLATE, "sketch", CLASSES, 2)
+    learned = plain.clone()
+    learned[:, 0] += 0.05 * plain.abs().mean() * torch.randn_like(plain[:, 0])
+    z0, labels = latents(tiny_ldm, 6, 0)
+
+    def scores_of(start: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        return conditioning_loss_ratio_scores(
+            tiny_ldm,
+            start,
+            own,
+            z0,
+            labels,
+            max_timestep=981,
+            draws=2,
+            generator=torch.Generator().manual_seed(1),
+            batch_size=4,
+        )
+
+    first = scores_of(plain[:, :1], learned[:, :1])
+    # the second condition of each class is the plain prompt: a loss above it never counts
+    assert torch.equal(scores_of(plain, learned), first.clamp_min(0))
+    assert (first != 0).all()
+    assert torch.equal(scores_of(plain, plain), torch.zeros(6, dtype=torch.float64))
