@@ -2,8 +2,10 @@
 
 Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``espresso`` and
 ``fedld``, the per-class diagonal Gaussian mixtures those methods fit to such rows (mixed
-same-class pairs, and plain z(T) with no partner) instead of uploading them (Espresso's
-conditions are not tested here); ``fedlmg``, a client's own trained classifier (Local's and
+same-class pairs, and plain z(T) with no partner) instead of uploading them;
+``concepts`` and ``espresso-conditions``, FedBiP's learned concepts and Espresso's learned
+cross-attention conditions, by how far they lower a candidate's diffusion loss below the plain
+prompt's, at the run's budget and overfitted to ``--overfit-shots`` (the positive control); ``fedlmg``, a client's own trained classifier (Local's and
 FedLMG's upload, one client step), by its loss and, with ``--reference-models``, offline LiRA,
 at ``--local-epochs`` (the benchmark's budget: 150); ``fedavg`` and ``fedavg-head``, every
 reply of a FedAvg federation (one client a domain, the whole ResNet-18 or its head alone), by
@@ -58,6 +60,7 @@ from fedbip_flwr import methods, shapes
 from fedbip_flwr.captioner import load_captioner
 from fedbip_flwr.classifier import evaluate
 from fedbip_flwr.clusters import public_encoder
+from fedbip_flwr.conditions import initial_conditions
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.instance import (
@@ -74,7 +77,7 @@ from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
 from fedbip_flwr.methods.fedpft import fit_class_mixtures
 from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture, fit_mixture, from_tensors
-from fedbip_flwr.results import SENT_IMAGES
+from fedbip_flwr.results import SENT_CONCEPT_LOSSES, SENT_IMAGES
 from fedbip_flwr.sampler import Sampler
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
@@ -94,6 +97,7 @@ from fedbip_tools.privacy import (
     LatentReference,
     class_mean_scores,
     concept_loss_ratio_scores,
+    conditioning_loss_ratio_scores,
     lira_offline_scores,
     loss_drop_scores,
     membership_result,
@@ -114,6 +118,8 @@ VARIANTS = ("rows", "oracle")
 MIXTURE_KINDS = ("fedbip-mixture", "fedld", "espresso")
 MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
+ESPRESSO = "espresso"
+CONDITIONS = "espresso-conditions"  # Espresso's uploaded cross-attention conditions
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
@@ -129,6 +135,7 @@ KINDS = (
     "zT",
     *MIXTURE_KINDS,
     CONCEPTS,
+    CONDITIONS,
     *MEAN_KINDS,
     DP_MIXTURE,
     CLASSIFIER,
@@ -409,6 +416,72 @@ def concept_attacks(
             "draws": args.concept_draws,
             "concept_loss_first_last_epoch": losses,
             "attacks": {"concepts/loss-ratio": result.summary()},
+        }
+
+
+def condition_attacks(
+    args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
+) -> None:
+    """The loss-ratio test on Espresso's uploaded conditions, the client step run by the method
+    itself and its upload accepted by the server, at the run's budget (``replicates`` clients
+    per domain) and overfitted (the positive control, one client per domain), into
+    ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``. The run's size only:
+    the concepts' control fails at 4x64x64 on a UNet trained at 4x16x16."""
+    budgets = [(cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs, args.replicates)]
+    if args.overfit_shots:
+        budgets.append((args.overfit_shots, args.overfit_epochs, 1))
+    for domain, (shots, epochs, replicates) in itertools.product(domains, budgets):
+        run = FedBiPConfig.from_flat(
+            {**project_run_config(), "method": ESPRESSO, f"{ESPRESSO}.epochs": epochs}
+        )
+        method = methods.create_for(run)
+        server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
+        size = run.image_size
+        unseen = shapes.test_set(domain, shots * replicates, seed=run.seed, size=size)
+        members, non_members, losses = [], [], []
+        for r in tqdm(range(replicates), desc=f"conditions {domain} {shots}x{epochs}"):
+            client = shapes.client_train_set(
+                domain, shots, client_index=r, seed=run.seed, size=size
+            )
+            data = ClientSet(client.images, client.labels, client.classes, domain, f"{domain}-{r}")
+            job = ClientJob(
+                run, data, torch.Generator().manual_seed(args.seed * 1_000_003 + r), lambda: ldm
+            )
+            sent, report = method.upload(job)
+            accepted = method.accept(sent, server)
+            start = initial_conditions(
+                ldm, run.prompt_template, domain, list(client.classes), method.settings.clusters
+            )
+            others = per_class_chunk(unseen, shots, r)
+            for (images, labels), out in (
+                ((client.images, client.labels), members),
+                (others, non_members),
+            ):
+                out.append(
+                    conditioning_loss_ratio_scores(
+                        ldm,
+                        start,
+                        accepted.content.conditions,
+                        encode_images(ldm.vae, images, run.vae_batch_size),
+                        labels,
+                        max_timestep=accepted.meta.timestep,
+                        draws=args.concept_draws,
+                        generator=torch.Generator().manual_seed(args.seed + 17),
+                    )
+                )
+            losses.append([report[SENT_CONCEPT_LOSSES][0], report[SENT_CONCEPT_LOSSES][-1]])
+        result = membership_result(
+            torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
+        )
+        key = f"{size}px/{CONDITIONS}/shots={shots}/epochs={epochs}"
+        results.setdefault(domain, {})[key] = {
+            "shots_per_class": shots,
+            "condition_epochs": epochs,
+            "clusters": method.settings.clusters,
+            "clients": replicates,
+            "draws": args.concept_draws,
+            "condition_loss_first_last_epoch": losses,
+            "attacks": {f"{CONDITIONS}/loss-ratio": result.summary()},
         }
 
 
@@ -780,7 +853,9 @@ def main() -> None:
     )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
-    parser.add_argument("--overfit-shots", type=int, default=4, help="0: no positive control")
+    parser.add_argument(
+        "--overfit-shots", type=int, default=4, help="concepts, conditions: 0: no positive control"
+    )
     parser.add_argument("--overfit-epochs", type=int, default=200)
     parser.add_argument(
         "--reference-models",
@@ -847,6 +922,8 @@ def main() -> None:
     results: dict = {}
     if CONCEPTS in args.kinds:
         concept_attacks(args, cfg, ldm, domains, results)
+    if CONDITIONS in args.kinds:
+        condition_attacks(args, cfg, ldm, domains, results)
     if DP_MIXTURE in args.kinds:
         dp_mixture_attacks(args, cfg, ldm, domains, results)
     if CLASSIFIER in args.kinds:
