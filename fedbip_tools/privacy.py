@@ -16,8 +16,8 @@ Three questions, each asked of what an outsider (or the server) ends up holding:
   client's upload and the base model: it encodes a candidate image and tests it against the
   z(T) rows of its class (:func:`zT_membership_scores`), against the class's uploaded mixture
   (:func:`mixture_membership_scores`), or asks whether the learned concepts lower the
-  candidate's diffusion loss (:func:`concept_loss_ratio_scores`; Espresso's conditions:
-  :func:`conditioning_loss_ratio_scores`), before anything is synthesized.
+  candidate's diffusion loss (:func:`conditioning_loss_ratio_scores`: FedBiP's concepts,
+  Espresso's conditions), before anything is synthesized.
 * **Does the synthetic set give away more than its distances show?** A density ratio between
   the synthetic set and public reference images in a feature space (DOMIAS,
   :func:`density_ratio_membership`): where synthetic images crowd beyond what the domain
@@ -713,41 +713,20 @@ def mixture_membership_scores(
 # --------------------------------------------------------------------------------------------
 
 
-def concept_loss_ratio_scores(
-    ldm: LDM,
-    concepts: Concepts,
-    layout: PromptLayout,
-    candidate_latents: torch.Tensor,
-    candidate_labels: torch.Tensor,
-    *,
-    max_timestep: int,
-    draws: int,
-    generator: torch.Generator,
-    batch_size: int = 64,
-) -> torch.Tensor:
-    """:func:`conditioning_loss_ratio_scores` of a client's learned concepts against the plain
-    prompt (the words S and V start from, which the server knows). With several concepts per
-    class (class-clusters, class-major rows of V) each is one of the class's conditionings."""
+@torch.no_grad()
+def concept_conditionings(
+    ldm: LDM, concepts: Concepts, layout: PromptLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain prompt's and the learned concepts' cross-attention states (C, J, L, d), what
+    :func:`conditioning_loss_ratio_scores` tests: the plain prompt holds the words S and V start
+    from, which the server knows; with several concepts per class (class-clusters, class-major
+    rows of V) each is one of the class's J conditionings."""
     classes = len(dict.fromkeys(concepts.concept_names))
     rows = torch.arange(len(concepts.concept_names))
-    with torch.no_grad():  # every prompt's conditioning once: it depends on the prompt row alone
-        plain = encode_prompts(
-            ldm, layout, concepts.space, *initial_concepts(ldm, layout, concepts.space), rows
-        )
-        learned = encode_prompts(
-            ldm, layout, concepts.space, concepts.domain, concepts.classes, rows
-        )
-    return conditioning_loss_ratio_scores(
-        ldm,
-        plain.unflatten(0, (classes, -1)),
-        learned.unflatten(0, (classes, -1)),
-        candidate_latents,
-        candidate_labels,
-        max_timestep=max_timestep,
-        draws=draws,
-        generator=generator,
-        batch_size=batch_size,
-    )
+    start = initial_concepts(ldm, layout, concepts.space)
+    plain = encode_prompts(ldm, layout, concepts.space, *start, rows)
+    learned = encode_prompts(ldm, layout, concepts.space, concepts.domain, concepts.classes, rows)
+    return plain.unflatten(0, (classes, -1)), learned.unflatten(0, (classes, -1))
 
 
 @torch.no_grad()

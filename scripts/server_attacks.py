@@ -96,7 +96,7 @@ from fedbip_tools.cli import project_run_config
 from fedbip_tools.privacy import (
     LatentReference,
     class_mean_scores,
-    concept_loss_ratio_scores,
+    concept_conditionings,
     conditioning_loss_ratio_scores,
     lira_offline_scores,
     loss_drop_scores,
@@ -387,17 +387,16 @@ def concept_attacks(
                 budget,
             )
             concepts = payload.concepts
-            layout = concept_layout(ldm, concepts, settings)
+            states = concept_conditionings(ldm, concepts, concept_layout(ldm, concepts, settings))
             others, other_labels = per_class_chunk(unseen, shots, r)
             for images, labels, out in (
                 (client.images, client.labels, members),
                 (others, other_labels, non_members),
             ):
                 out.append(
-                    concept_loss_ratio_scores(
+                    conditioning_loss_ratio_scores(
                         ldm,
-                        concepts,
-                        layout,
+                        *states,
                         encode_images(ldm.vae, images, cfg.vae_batch_size),
                         labels,
                         max_timestep=payload.meta.timestep,

@@ -1,6 +1,5 @@
 """The server's loss-ratio membership test on learned concepts and conditions
-(fedbip_tools.privacy.concept_loss_ratio_scores, conditioning_loss_ratio_scores) on the tiny
-LDM: its definition (the plain prompt's per-example loss less the learned concepts', averaged
+(fedbip_tools.privacy.conditioning_loss_ratio_scores) on the tiny LDM: its definition (the plain prompt's per-example loss less the learned concepts', averaged
 over shared (t, eps) draws), the best of a class's conditions counting, and no signal where
 what was learned is the plain prompt. A random-init UNet listens to its text too weakly for
 concepts to memorise anything, so the positive control (concepts or conditions overfitted to a
@@ -14,7 +13,7 @@ import torch
 from fedbip_flwr.concepts import diffusion_loss, initial_concepts, prompt_layout
 from fedbip_flwr.conditions import initial_conditions
 from fedbip_flwr.shared_concepts import Concepts
-from fedbip_tools.privacy import concept_loss_ratio_scores, conditioning_loss_ratio_scores
+from fedbip_tools.privacy import concept_conditionings, conditioning_loss_ratio_scores
 
 CLASSES = ["circle", "square", "star"]
 TEMPLATE = "a {S} style of a {V}"
@@ -38,10 +37,9 @@ def test_scores_are_the_plain_prompts_loss_less_the_learned_ones(tiny_ldm):
     def scores_of(s_: torch.Tensor, v_: torch.Tensor, **options) -> torch.Tensor:
         generator = torch.Generator().manual_seed(1)
         concepts = concepts_of(tiny_ldm, s_, v_)
-        return concept_loss_ratio_scores(
+        return conditioning_loss_ratio_scores(
             tiny_ldm,
-            concepts,
-            layout,
+            *concept_conditionings(tiny_ldm, concepts, layout),
             z0,
             labels,
             max_timestep=981,
