@@ -1481,9 +1481,11 @@ and noised with SD v1-4's schedule, the last column naming the records' seeds of
 randomness: it stands in for SD's latent size and schedule, not for SD's VAE on photographs.
 Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
-or no record. What is not tested: the concepts and Espresso's conditions beside a mixture (the concept test's
-positive control fails on a UNet trained at 4x16x16, "Privacy of the default federation"), and
-the DP mixture mode's concepts, which DP-SGD releases under the rest of its epsilon.
+or no record. Each row takes its latent upload's test; the learned conditioning beside it,
+FedBiP's concepts and Espresso's conditions, is tested apart at 4x16x16 ("Privacy of the
+default federation": 0.50-0.57 and 0.55-0.72) and not at 4x64x64, where the concept test's
+positive control fails on a UNet trained at 4x16x16. Not tested: the DP mixture mode's
+concepts, which DP-SGD releases under the rest of its epsilon.
 
 {server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
