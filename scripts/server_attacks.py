@@ -2,15 +2,16 @@
 
 Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``espresso`` and
 ``fedld``, the per-class diagonal Gaussian mixtures those methods fit to such rows (mixed
-same-class pairs, and plain z(T) with no partner) instead of uploading them;
-``concepts`` and ``espresso-conditions``, FedBiP's learned concepts and Espresso's learned
-cross-attention conditions, by how far they lower a candidate's diffusion loss below the plain
-prompt's, at the run's budget and overfitted to ``--overfit-shots`` (the positive control); ``fedlmg``, a client's own trained classifier (Local's and
-FedLMG's upload, one client step), by its loss and, with ``--reference-models``, offline LiRA,
-at ``--local-epochs`` (the benchmark's budget: 150); ``fedavg`` and ``fedavg-head``, every
-reply of a FedAvg federation (one client a domain, the whole ResNet-18 or its head alone), by
-its loss in the first and last round and by its loss drop below the global model the server
-sent, summed over ``--fedavg-rounds`` (the benchmark's: 25).
+same-class pairs, and plain z(T) with no partner) instead of uploading them; ``concepts`` and
+``espresso-conditions``, FedBiP's learned concepts and Espresso's learned cross-attention
+conditions, by how far they lower a candidate's diffusion loss below the plain prompt's, at the
+run's budget and overfitted to ``--overfit-shots`` (the positive control); ``fedlmg``, a
+client's own trained classifier (Local's and FedLMG's upload, one client step), by its loss
+and, with ``--reference-models``, offline LiRA, at ``--local-epochs`` (the benchmark's budget:
+150) from ``--classifier-init``; ``fedavg`` and ``fedavg-head``, every reply of a FedAvg
+federation (one client a domain, the whole ResNet-18 or its head alone), by its loss in the
+first and last round and by its loss drop below the global model the server sent, summed over
+``--fedavg-rounds`` (the benchmark's: 25).
 
 The server holds every client's upload (rows z(T) = sqrt(abar_T) zbar + sqrt(1 - abar_T) eps,
 zbar = gamma z_i(0) + (1 - gamma) z_i'(0), with their class labels) and the base model's VAE.
