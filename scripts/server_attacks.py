@@ -350,6 +350,41 @@ def dp_release_attacks(
     return out
 
 
+def loss_ratio_budgets(
+    args: argparse.Namespace, shots: int, epochs: int
+) -> list[tuple[int, int, int]]:
+    """(shots per class, epochs, clients) of a conditioning test: the run's budget with
+    ``replicates`` clients and, unless ``--overfit-shots 0``, the overfitted positive control."""
+    budgets = [(shots, epochs, args.replicates)]
+    if args.overfit_shots:
+        budgets.append((args.overfit_shots, args.overfit_epochs, 1))
+    return budgets
+
+
+def loss_ratio_sides(
+    args: argparse.Namespace,
+    ldm: LDM,
+    states: tuple[torch.Tensor, torch.Tensor],
+    sides: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    vae_batch_size: int,
+    max_timestep: int,
+) -> list[torch.Tensor]:
+    """Each side's (members', unseen images') loss-ratio scores under one client's plain and
+    learned conditioning, with the same ``--concept-draws`` of (t, eps) for every side."""
+    return [
+        conditioning_loss_ratio_scores(
+            ldm,
+            *states,
+            encode_images(ldm.vae, images, vae_batch_size),
+            labels,
+            max_timestep=max_timestep,
+            draws=args.concept_draws,
+            generator=torch.Generator().manual_seed(args.seed + 17),
+        )
+        for images, labels in sides
+    ]
+
+
 def concept_attacks(
     args: argparse.Namespace,
     cfg: FedBiPConfig,
@@ -362,9 +397,7 @@ def concept_attacks(
     run's image size and at ``--large-size`` (concepts learned on 4x64x64 latents at 256 px),
     into ``results[domain]["SIZEpx/concepts/shots=S/epochs=E"]``."""
     own = fedbip_settings(cfg)
-    budgets = [(cfg.shots_per_class, own.concept_epochs, args.replicates)]
-    if args.overfit_shots:
-        budgets.append((args.overfit_shots, args.overfit_epochs, 1))
+    budgets = loss_ratio_budgets(args, cfg.shots_per_class, own.concept_epochs)
     settings = SynthesisSettings.from_config(cfg)
     sizes = [cfg.image_size, *([args.large_size] if args.large_size else [])]
     for domain, size, (shots, epochs, replicates) in itertools.product(domains, sizes, budgets):
@@ -389,22 +422,12 @@ def concept_attacks(
             )
             concepts = payload.concepts
             states = concept_conditionings(ldm, concepts, concept_layout(ldm, concepts, settings))
-            others, other_labels = per_class_chunk(unseen, shots, r)
-            for images, labels, out in (
-                (client.images, client.labels, members),
-                (others, other_labels, non_members),
-            ):
-                out.append(
-                    conditioning_loss_ratio_scores(
-                        ldm,
-                        *states,
-                        encode_images(ldm.vae, images, cfg.vae_batch_size),
-                        labels,
-                        max_timestep=payload.meta.timestep,
-                        draws=args.concept_draws,
-                        generator=torch.Generator().manual_seed(args.seed + 17),
-                    )
-                )
+            sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
+            own_scores, other_scores = loss_ratio_sides(
+                args, ldm, states, sides, cfg.vae_batch_size, payload.meta.timestep
+            )
+            members.append(own_scores)
+            non_members.append(other_scores)
             losses.append([report.concept_losses[0], report.concept_losses[-1]])
         result = membership_result(
             torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
@@ -427,9 +450,7 @@ def condition_attacks(
     per domain) and overfitted (the positive control, one client per domain), into
     ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``. The run's size only:
     the concepts' control fails at 4x64x64 on a UNet trained at 4x16x16."""
-    budgets = [(cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs, args.replicates)]
-    if args.overfit_shots:
-        budgets.append((args.overfit_shots, args.overfit_epochs, 1))
+    budgets = loss_ratio_budgets(args, cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs)
     for domain, (shots, epochs, replicates) in itertools.product(domains, budgets):
         run = FedBiPConfig.from_flat(
             {**project_run_config(), "method": ESPRESSO, f"{ESPRESSO}.epochs": epochs}
@@ -452,23 +473,17 @@ def condition_attacks(
             start = initial_conditions(
                 ldm, run.prompt_template, domain, list(client.classes), method.settings.clusters
             )
-            others = per_class_chunk(unseen, shots, r)
-            for (images, labels), out in (
-                ((client.images, client.labels), members),
-                (others, non_members),
-            ):
-                out.append(
-                    conditioning_loss_ratio_scores(
-                        ldm,
-                        start,
-                        accepted.content.conditions,
-                        encode_images(ldm.vae, images, run.vae_batch_size),
-                        labels,
-                        max_timestep=accepted.meta.timestep,
-                        draws=args.concept_draws,
-                        generator=torch.Generator().manual_seed(args.seed + 17),
-                    )
-                )
+            sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
+            own_scores, other_scores = loss_ratio_sides(
+                args,
+                ldm,
+                (start, accepted.content.conditions),
+                sides,
+                run.vae_batch_size,
+                accepted.meta.timestep,
+            )
+            members.append(own_scores)
+            non_members.append(other_scores)
             losses.append([report[SENT_CONCEPT_LOSSES][0], report[SENT_CONCEPT_LOSSES][-1]])
         result = membership_result(
             torch.cat(members), torch.cat(non_members), statistic="loss-ratio"

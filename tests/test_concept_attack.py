@@ -1,10 +1,11 @@
 """The server's loss-ratio membership test on learned concepts and conditions
-(fedbip_tools.privacy.conditioning_loss_ratio_scores) on the tiny LDM: its definition (the plain prompt's per-example loss less the learned concepts', averaged
-over shared (t, eps) draws), the best of a class's conditions counting, and no signal where
-what was learned is the plain prompt. A random-init UNet listens to its text too weakly for
-concepts to memorise anything, so the positive control (concepts or conditions overfitted to a
-few images per class on the miniature) is a measurement: scripts/server_attacks.py --kinds
-concepts espresso-conditions."""
+(fedbip_tools.privacy.conditioning_loss_ratio_scores) on the tiny LDM: its definition (the
+plain prompt's per-example loss less the learned concepts', averaged over shared (t, eps)
+draws), the best of a class's conditions counting, and no signal where what was learned is the
+plain prompt. A random-init UNet listens to its text too weakly for concepts to memorise
+anything, so the positive control (concepts or conditions overfitted to a few images per class
+on the miniature) is a measurement: scripts/server_attacks.py --kinds concepts
+espresso-conditions."""
 
 from __future__ import annotations
 
