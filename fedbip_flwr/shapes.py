@@ -669,7 +669,9 @@ def pretraining_words() -> tuple[str, ...]:
     return (*CLASSES, *DOMAINS, *descriptors, "a", "of", "style")
 
 
-def pretraining_corpus(per_class: int, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
+def pretraining_corpus(
+    per_class: int, seed: int = 0, size: int = 64
+) -> tuple[torch.Tensor, list[str]]:
     """The miniature LDM's pretraining images (``per_class`` per class of every common domain,
     a ``PRETRAIN_RARE_SHARE`` share of that for the rare ones) and their captions: "a {domain}
     of a {class}" or "a {class}" for common domains; for rare ones "a {descriptor} {class}"
@@ -680,7 +682,7 @@ def pretraining_corpus(per_class: int, seed: int = 0) -> tuple[torch.Tensor, lis
     for domain in DOMAINS:
         rare = domain in RARE_DOMAINS
         n = max(1, round(per_class * PRETRAIN_RARE_SHARE)) if rare else per_class
-        part = pretrain_set(domain, n, seed=seed)
+        part = pretrain_set(domain, n, seed=seed, size=size)
         images.append(part.images)
         for label in part.labels.tolist():
             name = CLASSES[label]

@@ -16,9 +16,18 @@ wall-clock budget: class fidelity, the measured bottleneck, keeps improving with
 number of steps reached is in the log, so a run is reproducible up to that count. ``--resume``
 continues stage 2 from a saved model (fresh optimizer and EMA) and appends to its log; words the
 corpus uses that the model's tokenizer lacks are added first, every learned token kept.
+``--unet-steps`` ends stage 2 at a step count instead, so a run is reproducible exactly.
+
+``--image-size 256`` renders the same corpus at 256 px: the convolutional VAE gives 4x64x64
+latents, Stable Diffusion's size. A UNet trained on 4x16x16 latents only does not work there (the
+concepts' membership test cannot tell even overfitted members, BENCHMARKS.md), so the server's
+tests at SD's size take a copy of the shipped model whose UNet and text encoder are trained on, at
+256 px (``--base``: the model to continue from; the VAE stays as it is).
 
     python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 60
     python scripts/pretrain_miniature.py --out models/miniature-ldm --unet-minutes 20 --resume
+    python scripts/pretrain_miniature.py --resume --base models/miniature-ldm \
+        --out models/miniature-ldm-256px --image-size 256 --per-class 100 --batch 16 --unet-steps 300
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ def train_unet(
     latents: torch.Tensor,
     captions: list[str],
     minutes: float,
+    max_steps: int,
     batch: int,
     log: list,
     seed: int,
@@ -94,7 +104,7 @@ def train_unet(
     gen = torch.Generator().manual_seed(seed)
     deadline = time.time() + minutes * 60
     step = 0
-    while time.time() < deadline:
+    while time.time() < deadline and not 0 < max_steps <= step:
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
         z0 = latents[idx]
         noise = torch.randn(z0.shape, generator=gen)
@@ -127,26 +137,32 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=500, help="common-domain images per class")
     parser.add_argument("--vae-steps", type=int, default=600)
     parser.add_argument("--unet-minutes", type=float, default=60.0)
+    parser.add_argument(
+        "--unet-steps", type=int, default=0, help="end stage 2 at this step (0: --unet-minutes)"
+    )
+    parser.add_argument("--image-size", type=int, default=64, help="px; 256 gives 4x64x64 latents")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = all cores")
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="continue stage 2 from the model in --out (VAE kept; fresh optimizer and EMA)",
+        help="continue stage 2 from the model in --base (VAE kept; fresh optimizer and EMA)",
     )
+    parser.add_argument("--base", type=Path, help="with --resume: the model (default: --out)")
     args = parser.parse_args()
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.time()
-    images, captions = shapes.pretraining_corpus(args.per_class, args.seed)
+    images, captions = shapes.pretraining_corpus(args.per_class, args.seed, args.image_size)
     print(f"corpus: {len(images)} images in {time.time() - started:.0f} s", flush=True)
     entry = {"args": {k: str(v) for k, v in vars(args).items()}, "images": len(images)}
     if args.resume:
-        ldm = grow_vocabulary(load_ldm(args.out), shapes.pretraining_words())
-        log: list[dict] = json.loads((args.out / "pretrain_log.json").read_text())
+        base = args.base or args.out
+        ldm = grow_vocabulary(load_ldm(base), shapes.pretraining_words())
+        log: list[dict] = json.loads((base / "pretrain_log.json").read_text())
         log.append({**entry, "resumed": True})
     else:
         ldm = build_ldm(MINIATURE, shapes.pretraining_words(), seed=args.seed)
@@ -160,7 +176,14 @@ def main() -> None:
     )
     stage = sum(1 for e in log if "args" in e)  # 1 for a fresh run, +1 per resume
     train_unet(
-        ldm, latents, captions, args.unet_minutes, args.batch, log, seed=args.seed + 1 + stage
+        ldm,
+        latents,
+        captions,
+        args.unet_minutes,
+        args.unet_steps,
+        args.batch,
+        log,
+        seed=args.seed + 1 + stage,
     )
     ldm.save(args.out)
     (args.out / "pretrain_log.json").write_text(json.dumps(log, indent=1))

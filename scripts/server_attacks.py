@@ -121,6 +121,7 @@ MIXTURE_STATISTICS = ("likelihood-ratio", "mean-filter")
 CONCEPTS = "concepts"
 ESPRESSO = "espresso"
 CONDITIONS = "espresso-conditions"  # Espresso's uploaded cross-attention conditions
+CONDITIONING_KINDS = (CONCEPTS, CONDITIONS)  # loss-ratio tests, each with its positive control
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
@@ -354,8 +355,9 @@ def loss_ratio_budgets(
     args: argparse.Namespace, shots: int, epochs: int
 ) -> list[tuple[int, int, int]]:
     """(shots per class, epochs, clients) of a conditioning test: the run's budget with
-    ``replicates`` clients and, unless ``--overfit-shots 0``, the overfitted positive control."""
-    budgets = [(shots, epochs, args.replicates)]
+    ``replicates`` clients (none when 0) and, unless ``--overfit-shots 0``, the overfitted
+    positive control."""
+    budgets = [(shots, epochs, args.replicates)] if args.replicates else []
     if args.overfit_shots:
         budgets.append((args.overfit_shots, args.overfit_epochs, 1))
     return budgets
@@ -388,19 +390,21 @@ def loss_ratio_sides(
 def concept_attacks(
     args: argparse.Namespace,
     cfg: FedBiPConfig,
-    ldm: LDM,
+    models: dict[int, LDM],
     domains: list[str],
     results: dict,
 ) -> None:
     """The loss-ratio test on each client's learned concepts at the run's budget (``replicates``
-    clients per domain) and overfitted (the positive control, one client per domain), at the
-    run's image size and at ``--large-size`` (concepts learned on 4x64x64 latents at 256 px),
-    into ``results[domain]["SIZEpx/concepts/shots=S/epochs=E"]``."""
+    clients per domain) and overfitted (the positive control, one client per domain), at each
+    image size of ``models`` (size: the LDM the clients and the server use there; at 256 px the
+    concepts are learned on 4x64x64 latents), into
+    ``results[domain]["SIZEpx/concepts/shots=S/epochs=E"]``."""
     own = fedbip_settings(cfg)
     budgets = loss_ratio_budgets(args, cfg.shots_per_class, own.concept_epochs)
     settings = SynthesisSettings.from_config(cfg)
-    sizes = [cfg.image_size, *([args.large_size] if args.large_size else [])]
-    for domain, size, (shots, epochs, replicates) in itertools.product(domains, sizes, budgets):
+    for domain, (size, ldm), (shots, epochs, replicates) in itertools.product(
+        domains, models.items(), budgets
+    ):
         budget = own.model_copy(update={"concept_epochs": epochs})
         unseen = shapes.test_set(domain, shots * replicates, seed=cfg.seed, size=size)
         members, non_members, losses = [], [], []
@@ -443,30 +447,43 @@ def concept_attacks(
 
 
 def condition_attacks(
-    args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
+    args: argparse.Namespace,
+    cfg: FedBiPConfig,
+    models: dict[int, LDM],
+    domains: list[str],
+    results: dict,
 ) -> None:
     """The loss-ratio test on Espresso's uploaded conditions, the client step run by the method
     itself and its upload accepted by the server, at the run's budget (``replicates`` clients
-    per domain) and overfitted (the positive control, one client per domain), into
-    ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``. The run's size only:
-    the concepts' control fails at 4x64x64 on a UNet trained at 4x16x16."""
+    per domain) and overfitted (the positive control, one client per domain), at each image
+    size of ``models`` (size: its LDM), into
+    ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``."""
     budgets = loss_ratio_budgets(args, cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs)
-    for domain, (shots, epochs, replicates) in itertools.product(domains, budgets):
+    for domain, (size, ldm), (shots, epochs, replicates) in itertools.product(
+        domains, models.items(), budgets
+    ):
         run = FedBiPConfig.from_flat(
-            {**project_run_config(), "method": ESPRESSO, f"{ESPRESSO}.epochs": epochs}
+            {
+                **project_run_config(),
+                "method": ESPRESSO,
+                f"{ESPRESSO}.epochs": epochs,
+                "image-size": size,
+            }
         )
         method = methods.create_for(run)
-        server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
-        size = run.image_size
+        server = ServerJob(run, list(shapes.CLASSES), lambda model=ldm: model)
         unseen = shapes.test_set(domain, shots * replicates, seed=run.seed, size=size)
         members, non_members, losses = [], [], []
-        for r in tqdm(range(replicates), desc=f"conditions {domain} {shots}x{epochs}"):
+        for r in tqdm(range(replicates), desc=f"conditions {domain} {size}px {shots}x{epochs}"):
             client = shapes.client_train_set(
                 domain, shots, client_index=r, seed=run.seed, size=size
             )
             data = ClientSet(client.images, client.labels, client.classes, domain, f"{domain}-{r}")
             job = ClientJob(
-                run, data, torch.Generator().manual_seed(args.seed * 1_000_003 + r), lambda: ldm
+                run,
+                data,
+                torch.Generator().manual_seed(args.seed * 1_000_003 + r),
+                lambda model=ldm: model,
             )
             sent, report = method.upload(job)
             accepted = method.accept(sent, server)
@@ -845,13 +862,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "server_attacks.json")
     parser.add_argument("--domains", nargs="+", help="default: the run config's")
     parser.add_argument(
-        "--replicates", type=int, default=3, help="clients per domain (96 members each)"
+        "--replicates",
+        type=int,
+        default=3,
+        help="clients per domain (96 members each); 0: the conditioning kinds' controls only",
     )
     parser.add_argument("--reference-per-class", type=int, default=50)
     parser.add_argument(
         "--draws", type=int, nargs="+", default=[10], help="K besides the run config's"
     )
     parser.add_argument("--large-size", type=int, default=256, help="0: skip SD's latent size")
+    parser.add_argument(
+        "--large-model",
+        type=Path,
+        help="concepts, conditions: the LDM at --large-size, its UNet trained there "
+        "(pretrain_miniature.py --image-size; default: the run's model)",
+    )
     parser.add_argument(
         "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
     )
@@ -903,12 +929,22 @@ def main() -> None:
     if args.summarize:
         summarize_seeds(args.summarize)
         return
+    if not args.replicates and not set(args.kinds) <= set(CONDITIONING_KINDS):
+        parser.error(f"--replicates 0 runs only the controls of {', '.join(CONDITIONING_KINDS)}")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     # taken now: the code that runs is the tree as it is at the start
     cfg = FedBiPConfig.from_flat(project_run_config())
     made = provenance.record(ROOT, torch.get_num_threads(), [args.out], model=ROOT / cfg.model)
     ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
+    conditioning_models = {cfg.image_size: ldm}
+    if args.large_size:
+        conditioning_models[args.large_size] = ldm
+    if args.large_size and args.large_model and set(args.kinds) & set(CONDITIONING_KINDS):
+        made["large_model"] = provenance.model_digest(args.large_model)
+        conditioning_models[args.large_size] = load_for_run(
+            str(args.large_model), args.device, cfg.half_precision, args.large_size
+        )
     default_t = SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
     sd = PNDMScheduler.from_pretrained(SD_SCHEDULER, subfolder="scheduler")
     same_schedule = bool(torch.equal(sd.alphas_cumprod, ldm.scheduler.alphas_cumprod))
@@ -936,9 +972,9 @@ def main() -> None:
 
     results: dict = {}
     if CONCEPTS in args.kinds:
-        concept_attacks(args, cfg, ldm, domains, results)
+        concept_attacks(args, cfg, conditioning_models, domains, results)
     if CONDITIONS in args.kinds:
-        condition_attacks(args, cfg, ldm, domains, results)
+        condition_attacks(args, cfg, conditioning_models, domains, results)
     if DP_MIXTURE in args.kinds:
         dp_mixture_attacks(args, cfg, ldm, domains, results)
     if CLASSIFIER in args.kinds:

@@ -10,7 +10,7 @@ from diffusers import StableDiffusionPipeline
 
 from fedbip_flwr.ldm import ALLOW_CPU_ENV, ModelLoadError, load_for_run, load_ldm
 from fedbip_tools.build_ldm import TINY, build_ldm, build_tokenizer, grow_vocabulary
-from tests.helpers import WORDS
+from tests.helpers import WORDS, script
 
 
 def test_saved_tiny_model_loads_like_sd(tiny_model_dir):
@@ -96,3 +96,19 @@ def test_grown_vocabulary_keeps_every_learned_token(tmp_path):
     assert loaded.fingerprint == grown.fingerprint
     assert torch.equal(encode(loaded, "a doodle of a star"), encode(grown, "a doodle of a star"))
     assert grow_vocabulary(grown, ["doodle"]) is grown
+
+
+def test_pretraining_stops_at_its_step_count_and_trains_the_unet():
+    """pretrain_miniature.py --unet-steps: a run reproducible exactly (a time budget is not)."""
+    train_unet = script("pretrain_miniature").train_unet
+    trained = []
+    for _ in range(2):
+        ldm = build_ldm(TINY, WORDS, seed=0)
+        before = [p.clone() for p in ldm.unet.parameters()]
+        latents = torch.randn(8, *ldm.latent_shape(), generator=torch.Generator().manual_seed(0))
+        log: list[dict] = []
+        train_unet(ldm, latents, ["a star"] * 8, 60.0, 3, 2, log, seed=0)
+        assert log[-1]["final"] and log[-1]["step"] == 3
+        assert any(not torch.equal(a, b) for a, b in zip(before, ldm.unet.parameters()))
+        trained.append(ldm.unet.state_dict())
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])

@@ -313,6 +313,16 @@ def test_every_domain_is_learnable_from_one_client(domain: str) -> None:
     assert acc >= 0.80, f"{domain}: oracle accuracy {acc:.3f} < 0.80"
 
 
+def test_the_pretraining_corpus_at_a_larger_size_is_the_same_scenes_and_captions() -> None:
+    """What a UNet trained at SD's latent size (pretrain_miniature.py --image-size) sees."""
+    small, small_captions = ds.pretraining_corpus(per_class=2)
+    large, large_captions = ds.pretraining_corpus(per_class=2, size=128)
+    assert large.shape == (len(small), 3, 128, 128) and large_captions == small_captions
+    pooled = F.avg_pool2d(large, 2)
+    assert (pooled - small).abs().mean() < 0.05 * small.abs().mean()
+    assert (pooled - small.roll(1, 0)).abs().mean() > 0.2 * small.abs().mean()
+
+
 def test_pretraining_captions_never_name_a_rare_domain_but_describe_it() -> None:
     images, captions = ds.pretraining_corpus(per_class=20)
     rare_n = round(20 * ds.PRETRAIN_RARE_SHARE) * len(ds.CLASSES)
