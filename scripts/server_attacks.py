@@ -5,7 +5,9 @@ Upload kinds (``--kinds``): ``zT``, FedBiP's z(T) rows; ``fedbip-mixture``, ``es
 same-class pairs, and plain z(T) with no partner) instead of uploading them; ``concepts`` and
 ``espresso-conditions``, FedBiP's learned concepts and Espresso's learned cross-attention
 conditions, by how far they lower a candidate's diffusion loss below the plain prompt's, at the
-run's budget and overfitted to ``--overfit-shots`` (the positive control); ``fedlmg``, a
+run's budget and overfitted to ``--overfit-shots`` (the positive control), at ``--large-size``
+on ``--large-model`` (a UNet trained at that size: the shipped one, trained at 4x16x16 only,
+fails the control there); ``fedlmg``, a
 client's own trained classifier (Local's and FedLMG's upload, one client step), by its loss
 and, with ``--reference-models``, offline LiRA, at ``--local-epochs`` (the benchmark's budget:
 150) from ``--classifier-init``; ``fedavg`` and ``fedavg-head``, every reply of a FedAvg
