@@ -73,7 +73,7 @@ from fedbip_flwr.instance import (
     noise_instances,
     upload_order,
 )
-from fedbip_flwr.ldm import LDM, load_for_run
+from fedbip_flwr.ldm import ALLOW_CPU_ENV, LDM, cpu_full_size_allowed, load_for_run
 from fedbip_flwr.methods import fedavg, fedbip_mixture, fedld
 from fedbip_flwr.methods.base import ClientJob, ServerJob
 from fedbip_flwr.methods.fedbip import fedbip_settings, personalize
@@ -878,7 +878,7 @@ def main() -> None:
         "--large-model",
         type=Path,
         help="concepts, conditions: the LDM at --large-size, its UNet trained there "
-        "(pretrain_miniature.py --image-size; default: the run's model)",
+        f"(pretrain_miniature.py --image-size; default: the run's model; on a CPU {ALLOW_CPU_ENV}=1)",
     )
     parser.add_argument(
         "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
@@ -1119,7 +1119,9 @@ def main() -> None:
         + ", ".join(args.kinds)
         + "): members vs unseen images of the same domain and classes, scores pooled over the "
         "domain's clients",
-        "command": f"OMP_NUM_THREADS={args.threads} python scripts/server_attacks.py "
+        "command": f"OMP_NUM_THREADS={args.threads} "
+        + (f"{ALLOW_CPU_ENV}=1 " if cpu_full_size_allowed() else "")
+        + "python scripts/server_attacks.py "
         + " ".join(
             f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in vars(args).items()
