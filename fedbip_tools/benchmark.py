@@ -1483,9 +1483,11 @@ Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
 FedBiP's concepts and Espresso's conditions, is tested apart at 4x16x16 ("Privacy of the
-default federation": 0.50-0.57 and 0.55-0.72) and not at 4x64x64, where the concept test's
-positive control fails on a UNet trained at 4x16x16. Not tested: the DP mixture mode's
-concepts, which DP-SGD releases under the rest of its epsilon.
+default federation": 0.50-0.57 and 0.55-0.72) and not yet at 4x64x64: there the concept
+test's positive control fails on the shipped UNet, trained at 4x16x16, and both tests' controls
+pass on a UNet continued at 256 px (`models/miniature-ldm-256px`), whose default-budget runs are
+still to be made. Not tested: the DP mixture mode's concepts, which DP-SGD releases under the
+rest of its epsilon.
 
 {server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
