@@ -151,6 +151,8 @@ def main() -> None:
     )
     parser.add_argument("--base", type=Path, help="with --resume: the model (default: --out)")
     args = parser.parse_args()
+    if args.base and not args.resume:
+        parser.error("--base names the model --resume continues from")
 
     if args.threads:
         torch.set_num_threads(args.threads)
