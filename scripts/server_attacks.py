@@ -6,8 +6,8 @@ same-class pairs, and plain z(T) with no partner) instead of uploading them; ``c
 ``espresso-conditions``, FedBiP's learned concepts and Espresso's learned cross-attention
 conditions, by how far they lower a candidate's diffusion loss below the plain prompt's, at the
 run's budget and overfitted to ``--overfit-shots`` (the positive control), at ``--large-size``
-on ``--large-model`` (a UNet trained at that size: the shipped one, trained at 4x16x16 only,
-fails the control there); ``fedlmg``, a
+on ``--large-model`` (models/miniature-ldm-256px, its UNet continued at that size: the shipped
+one, trained at 4x16x16 only, fails the control there); ``fedlmg``, a
 client's own trained classifier (Local's and FedLMG's upload, one client step), by its loss
 and, with ``--reference-models``, offline LiRA, at ``--local-epochs`` (the benchmark's budget:
 150) from ``--classifier-init``; ``fedavg`` and ``fedavg-head``, every reply of a FedAvg
@@ -877,8 +877,9 @@ def main() -> None:
     parser.add_argument(
         "--large-model",
         type=Path,
+        default=ROOT / "models" / "miniature-ldm-256px",
         help="concepts, conditions: the LDM at --large-size, its UNet trained there "
-        f"(pretrain_miniature.py --image-size; default: the run's model; on a CPU {ALLOW_CPU_ENV}=1)",
+        f"(pretrain_miniature.py --image-size; on a CPU {ALLOW_CPU_ENV}=1)",
     )
     parser.add_argument(
         "--large-timesteps", type=int, nargs="+", default=None, help="default: 999 and PNDM-25's T"
@@ -940,9 +941,7 @@ def main() -> None:
     made = provenance.record(ROOT, torch.get_num_threads(), [args.out], model=ROOT / cfg.model)
     ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
     conditioning_models = {cfg.image_size: ldm}
-    if args.large_size:
-        conditioning_models[args.large_size] = ldm
-    if args.large_size and args.large_model and set(args.kinds) & set(CONDITIONING_KINDS):
+    if args.large_size and set(args.kinds) & set(CONDITIONING_KINDS):
         made["large_model"] = provenance.model_digest(args.large_model)
         conditioning_models[args.large_size] = load_for_run(
             str(args.large_model), args.device, cfg.half_precision, args.large_size
