@@ -461,12 +461,13 @@ def condition_attacks(
     size of ``models`` (size: its LDM), into
     ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``."""
     budgets = loss_ratio_budgets(args, cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs)
+    flat = project_run_config()
     for domain, (size, ldm), (shots, epochs, replicates) in itertools.product(
         domains, models.items(), budgets
     ):
         run = FedBiPConfig.from_flat(
             {
-                **project_run_config(),
+                **flat,
                 "method": ESPRESSO,
                 f"{ESPRESSO}.epochs": epochs,
                 "image-size": size,
