@@ -82,6 +82,7 @@ from fedbip_flwr.methods.oscar import caption_images, class_conditioning
 from fedbip_flwr.mixture import LatentMixture, fit_mixture, from_tensors
 from fedbip_flwr.results import SENT_CONCEPT_LOSSES, SENT_IMAGES
 from fedbip_flwr.sampler import Sampler
+from fedbip_flwr.shared_concepts import Concepts
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
@@ -124,6 +125,7 @@ CONCEPTS = "concepts"
 ESPRESSO = "espresso"
 CONDITIONS = "espresso-conditions"  # Espresso's uploaded cross-attention conditions
 CONDITIONING_KINDS = (CONCEPTS, CONDITIONS)  # loss-ratio tests, each with its positive control
+CONCEPT_ATTACK = f"{CONCEPTS}/loss-ratio"  # the loss-ratio test on uploaded S and V
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
 DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
@@ -389,6 +391,21 @@ def loss_ratio_sides(
     ]
 
 
+def concept_scores(
+    args: argparse.Namespace,
+    ldm: LDM,
+    concepts: Concepts,
+    settings: SynthesisSettings,
+    sides: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    vae_batch_size: int,
+    max_timestep: int,
+) -> list[torch.Tensor]:
+    """Each side's loss-ratio scores under one client's uploaded S and V against the plain
+    prompt they start from (:func:`loss_ratio_sides`)."""
+    states = concept_conditionings(ldm, concepts, concept_layout(ldm, concepts, settings))
+    return loss_ratio_sides(args, ldm, states, sides, vae_batch_size, max_timestep)
+
+
 def concept_attacks(
     args: argparse.Namespace,
     cfg: FedBiPConfig,
@@ -426,11 +443,15 @@ def concept_attacks(
                 generator,
                 budget,
             )
-            concepts = payload.concepts
-            states = concept_conditionings(ldm, concepts, concept_layout(ldm, concepts, settings))
             sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
-            own_scores, other_scores = loss_ratio_sides(
-                args, ldm, states, sides, cfg.vae_batch_size, payload.meta.timestep
+            own_scores, other_scores = concept_scores(
+                args,
+                ldm,
+                payload.concepts,
+                settings,
+                sides,
+                cfg.vae_batch_size,
+                payload.meta.timestep,
             )
             members.append(own_scores)
             non_members.append(other_scores)
@@ -444,7 +465,7 @@ def concept_attacks(
             "clients": replicates,
             "draws": args.concept_draws,
             "concept_loss_first_last_epoch": losses,
-            "attacks": {"concepts/loss-ratio": result.summary()},
+            "attacks": {CONCEPT_ATTACK: result.summary()},
         }
 
 
@@ -589,15 +610,17 @@ def class_mean_attacks(
 def dp_mixture_attacks(
     args: argparse.Namespace, cfg: FedBiPConfig, ldm: LDM, domains: list[str], results: dict
 ) -> None:
-    """The mixture tests on fedbip-mixture's DP upload at each ``--dp-epsilon``, ``replicates``
-    clients per domain, into ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
+    """The server's tests on fedbip-mixture's DP upload at each ``--dp-epsilon``, ``replicates``
+    clients per domain: the mixture tests on its class statistics and the concepts' loss-ratio
+    test on its DP-SGD S and V, into ``results[domain]["64px/fedbip-mixture-dp/epsilon=E"]``."""
     flat = {**project_run_config(), "method": "fedbip-mixture"}
     runs = {
         epsilon: FedBiPConfig.from_flat({**flat, "fedbip-mixture.dp-epsilon": epsilon})
         for epsilon in args.dp_epsilon
     }
     run = FedBiPConfig.from_flat(flat)  # what every epsilon shares: sampler, sizes, the fit
-    t = SynthesisSettings.from_config(run).sampler(ldm).first_timestep(run.start_timestep)
+    settings = SynthesisSettings.from_config(run)
+    t = settings.sampler(ldm).first_timestep(run.start_timestep)
     a = float(ldm.scheduler.alphas_cumprod[t].sqrt())
     size, shots = run.image_size, run.shots_per_class
     encode = lambda images: encode_images(ldm.vae, images, run.vae_batch_size)  # noqa: E731
@@ -642,6 +665,19 @@ def dp_mixture_attacks(
                     a,
                     (PLAIN["gamma_mean"], PLAIN["gamma_std"]),
                     prior,
+                )
+                content = upload.content
+                sides = ((client.images, client.labels), (others, other_labels))
+                scores[CONCEPT_ATTACK] = tuple(
+                    concept_scores(
+                        args,
+                        ldm,
+                        content.concepts,
+                        settings,
+                        sides,
+                        run.vae_batch_size,
+                        content.timestep,
+                    )
                 )
                 pool(pooled, scores)
             entry = {
