@@ -868,6 +868,14 @@ def latent_stats(
     }
 
 
+def shown(value: object) -> object:
+    """An argument as a recorded command gives it: a path inside the project relative to its
+    root, so the command runs from any clone."""
+    if isinstance(value, Path) and value.is_relative_to(ROOT):
+        return value.relative_to(ROOT)
+    return value
+
+
 def summarize_seeds(paths: list[Path]) -> None:
     """Markdown: every (domain, setting, attack) the records share, AUC mean ± sample std over
     them (one per ``--seed``) and TPR at 1% FPR's mean."""
@@ -1159,7 +1167,7 @@ def main() -> None:
         + (f"{ALLOW_CPU_ENV}=1 " if cpu_full_size_allowed() else "")
         + "python scripts/server_attacks.py "
         + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else shown(v)}"
             for k, v in vars(args).items()
             if k != "out" and v is not None
         ),
