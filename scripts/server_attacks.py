@@ -7,7 +7,11 @@ same-class pairs, and plain z(T) with no partner) instead of uploading them; ``c
 conditions, by how far they lower a candidate's diffusion loss below the plain prompt's, at the
 run's budget and overfitted to ``--overfit-shots`` (the positive control), at ``--large-size``
 on ``--large-model`` (models/miniature-ldm-256px, its UNet continued at that size: the shipped
-one, trained at 4x16x16 only, fails the control there); ``fedlmg``, a
+one, trained at 4x16x16 only, fails the control there); ``fedbip-mixture-dp``, the mixture
+mode's DP upload as the method makes and the server accepts it, its class statistics by the
+mixture tests and its DP-SGD concepts by the loss-ratio test; ``fedld-dp`` and
+``fedbip-mixture-dp-stats``, a DP release of class statistics alone; ``fedpft`` and ``oscar``,
+a mean per class of what the server can compute from an image; ``fedlmg``, a
 client's own trained classifier (Local's and FedLMG's upload, one client step), by its loss
 and, with ``--reference-models``, offline LiRA, at ``--local-epochs`` (the benchmark's budget:
 150) from ``--classifier-init``; ``fedavg`` and ``fedavg-head``, every reply of a FedAvg
