@@ -1485,8 +1485,8 @@ or no record. Each row takes its latent upload's test; the learned conditioning 
 FedBiP's concepts and Espresso's conditions, is tested apart at 4x16x16 ("Privacy of the
 default federation": 0.50-0.57 and 0.55-0.72) and not yet at 4x64x64: there the concept
 test's positive control fails on the shipped UNet, trained at 4x16x16, and both tests' controls
-pass on a UNet continued at 256 px (`models/miniature-ldm-256px`), whose default-budget runs are
-still to be made. The DP mixture mode's concepts, which DP-SGD releases under the rest of its
+pass on a UNet continued at 256 px (`models/miniature-ldm-256px`), where the concepts' default
+budget gives 0.571 ± 0.024 (painting, seed 0; its other runs are still to be made). The DP mixture mode's concepts, which DP-SGD releases under the rest of its
 epsilon, are tested apart at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
 
 {server_attack_table(summary, sorted(s.domains))}
