@@ -371,27 +371,34 @@ def loss_ratio_budgets(
     return budgets
 
 
+def encoded_sides(
+    ldm: LDM, sides: tuple[tuple[torch.Tensor, torch.Tensor], ...], vae_batch_size: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Each side's (images, labels) as (z(0), labels): what the server encodes a candidate to."""
+    return tuple((encode_images(ldm.vae, images, vae_batch_size), y) for images, y in sides)
+
+
 def loss_ratio_sides(
     args: argparse.Namespace,
     ldm: LDM,
     states: tuple[torch.Tensor, torch.Tensor],
     sides: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-    vae_batch_size: int,
     max_timestep: int,
 ) -> list[torch.Tensor]:
-    """Each side's (members', unseen images') loss-ratio scores under one client's plain and
-    learned conditioning, with the same ``--concept-draws`` of (t, eps) for every side."""
+    """Each side's (members', unseen images') loss-ratio scores, from its (z(0), labels), under
+    one client's plain and learned conditioning, with the same ``--concept-draws`` of (t, eps)
+    for every side."""
     return [
         conditioning_loss_ratio_scores(
             ldm,
             *states,
-            encode_images(ldm.vae, images, vae_batch_size),
+            latents,
             labels,
             max_timestep=max_timestep,
             draws=args.concept_draws,
             generator=torch.Generator().manual_seed(args.seed + 17),
         )
-        for images, labels in sides
+        for latents, labels in sides
     ]
 
 
@@ -401,13 +408,12 @@ def concept_scores(
     concepts: Concepts,
     settings: SynthesisSettings,
     sides: tuple[tuple[torch.Tensor, torch.Tensor], ...],
-    vae_batch_size: int,
     max_timestep: int,
 ) -> list[torch.Tensor]:
-    """Each side's loss-ratio scores under one client's uploaded S and V against the plain
-    prompt they start from (:func:`loss_ratio_sides`)."""
+    """Each side's loss-ratio scores, from its (z(0), labels), under one client's uploaded S
+    and V against the plain prompt they start from (:func:`loss_ratio_sides`)."""
     states = concept_conditionings(ldm, concepts, concept_layout(ldm, concepts, settings))
-    return loss_ratio_sides(args, ldm, states, sides, vae_batch_size, max_timestep)
+    return loss_ratio_sides(args, ldm, states, sides, max_timestep)
 
 
 def concept_attacks(
@@ -453,8 +459,7 @@ def concept_attacks(
                 ldm,
                 payload.concepts,
                 settings,
-                sides,
-                cfg.vae_batch_size,
+                encoded_sides(ldm, sides, cfg.vae_batch_size),
                 payload.meta.timestep,
             )
             members.append(own_scores)
@@ -523,8 +528,7 @@ def condition_attacks(
                 args,
                 ldm,
                 (start, accepted.content.conditions),
-                sides,
-                run.vae_batch_size,
+                encoded_sides(ldm, sides, run.vae_batch_size),
                 accepted.meta.timestep,
             )
             members.append(own_scores)
@@ -627,10 +631,9 @@ def dp_mixture_attacks(
     t = settings.sampler(ldm).first_timestep(run.start_timestep)
     a = float(ldm.scheduler.alphas_cumprod[t].sqrt())
     size, shots = run.image_size, run.shots_per_class
-    encode = lambda images: encode_images(ldm.vae, images, run.vae_batch_size)  # noqa: E731
     for domain in domains:
         reference = shapes.pretrain_set(domain, args.reference_per_class, seed=run.seed, size=size)
-        reference_z0 = encode(reference.images)
+        reference_z0 = encode_images(ldm.vae, reference.images, run.vae_batch_size)
         prior = LatentReference.of(reference_z0, reference.labels)
         rows = noise_instances(
             ldm.scheduler,
@@ -646,6 +649,16 @@ def dp_mixture_attacks(
             shapes.client_train_set(domain, shots, client_index=r, seed=run.seed, size=size)
             for r in range(args.replicates)
         ]
+        # each client's members and its share of the unseen images as (z(0), labels), the same
+        # at every epsilon
+        sides = [
+            encoded_sides(
+                ldm,
+                ((c.images, c.labels), per_class_chunk(unseen, shots, r)),
+                run.vae_batch_size,
+            )
+            for r, c in enumerate(clients)
+        ]
         for epsilon, private in runs.items():
             method = methods.create_for(private)
             server = ServerJob(private, list(shapes.CLASSES), lambda: ldm)
@@ -658,11 +671,11 @@ def dp_mixture_attacks(
                 blob, _ = method.upload(ClientJob(private, data, generator, lambda: ldm))
                 upload = method.accept(blob, server)
                 uploaded = from_tensors(upload.tensors, tuple(ldm.latent_shape()))
-                others, other_labels = per_class_chunk(unseen, shots, r)
+                (member_z0, labels), (other_z0, other_labels) = sides[r]
                 scores = mixture_attack(
-                    encode(client.images),
-                    encode(others),
-                    client.labels,
+                    member_z0,
+                    other_z0,
+                    labels,
                     other_labels,
                     uploaded,
                     reference_mixture,
@@ -671,16 +684,9 @@ def dp_mixture_attacks(
                     prior,
                 )
                 content = upload.content
-                sides = ((client.images, client.labels), (others, other_labels))
                 scores[CONCEPT_ATTACK] = tuple(
                     concept_scores(
-                        args,
-                        ldm,
-                        content.concepts,
-                        settings,
-                        sides,
-                        run.vae_batch_size,
-                        content.timestep,
+                        args, ldm, content.concepts, settings, sides[r], content.timestep
                     )
                 )
                 pool(pooled, scores)
