@@ -1483,11 +1483,12 @@ Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
 FedBiP's concepts and Espresso's conditions, is tested apart at 4x16x16 ("Privacy of the
-default federation": 0.50-0.57 and 0.55-0.72) and not yet at 4x64x64: there the concept
+default federation": 0.50-0.57 and 0.55-0.72) and at 4x64x64 only in part: there the concept
 test's positive control fails on the shipped UNet, trained at 4x16x16, and both tests' controls
 pass on a UNet continued at 256 px (`models/miniature-ldm-256px`), where the concepts' default
-budget gives 0.571 ± 0.024 (painting, seed 0; its other runs are still to be made). The DP mixture mode's concepts, which DP-SGD releases under the rest of its
-epsilon, are tested apart at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
+budget gives 0.571 ± 0.024 (painting, seed 0; the other runs are still to be made). The DP
+mixture mode's concepts, which DP-SGD releases under the rest of its epsilon, are tested apart
+at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
 
 {server_attack_table(summary, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
