@@ -1023,6 +1023,100 @@ def stand_in_attacks(
     return out
 
 
+# The server's loss-ratio test on the conditioning learnt beside the latents (FedBiP's S and V,
+# Espresso's conditions): scripts/server_attacks.py's records, the first record of a seed that
+# holds a cell counting. At SD's latent size only on the UNet continued at 256 px
+# (CONDITIONING_LARGE_MODEL, named by its digest in a record's provenance): the shipped UNet,
+# trained at 4x16x16, fails the test's positive control there.
+CONDITIONING_RECORDS = (
+    "server_attacks_concepts_h200_seed0.json",
+    "server_attacks_concepts_h200_seed1.json",
+    "server_attacks_concepts_h200_seed2.json",
+    "server_attacks_concepts_256px_control_seed0.json",
+    "server_attacks_concepts_256px_painting_seed0.json",
+    "server_attacks_concepts_256px_quickdraw_seed0.json",
+    "server_attacks_conditions_seed0.json",
+    "server_attacks_conditions_seed1.json",
+    "server_attacks_conditions_seed2.json",
+    "server_attacks_conditions_256px_control_seed0.json",
+)
+CONDITIONING_LARGE_MODEL = Path("models") / "miniature-ldm-256px"
+CONDITIONING_TESTS = {
+    "concepts": "FedBiP's concepts",
+    "espresso-conditions": "Espresso's conditions",
+}
+
+
+@dataclass(frozen=True)
+class ConditioningCell:
+    """One domain's loss-ratio test on one conditioning kind, budget and size, per seed."""
+
+    auc: dict[int, float]
+    tpr_at_low_fpr: dict[int, float]
+    kinds: set[str]  # the machine kinds (a GPU by name) the seeds ran on
+
+    def text(self) -> str:
+        """AUC (± sample std over seeds, where more than one) / mean TPR at 1% FPR (seeds)."""
+        aucs = list(self.auc.values())
+        spread = f" ± {_std(aucs):.3f}" if len(aucs) > 1 else ""
+        seeds = ", ".join(map(str, sorted(self.auc)))
+        tpr = statistics.fmean(self.tpr_at_low_fpr.values())
+        return f"{statistics.fmean(aucs):.3f}{spread} / {tpr:.2f} ({seeds})"
+
+
+def conditioning_attacks(
+    bench: Bench, large_model: str
+) -> dict[tuple[str, int, int, int], dict[str, ConditioningCell]]:
+    """Per (kind, shots per class, epochs, image size px), per domain, the loss-ratio test's
+    figures over the seeds of :data:`CONDITIONING_RECORDS`; a cell at SD's latent size only
+    from a record made on ``large_model`` (a digest)."""
+    out: dict[tuple[str, int, int, int], dict[str, ConditioningCell]] = {}
+    for path in (bench.results / name for name in CONDITIONING_RECORDS):
+        if not path.exists():
+            continue
+        record = json.loads(path.read_text())
+        seed, made = record_seed(record), record["provenance"]
+        kind = made["machine"]["kind"] if record["device"] == "cpu" else record["device"]
+        for domain, settings in record["results"].items():
+            for key, entry in settings.items():
+                size, test, shots, epochs = key.split("/")
+                px = int(size.removesuffix("px"))
+                if px >= LARGE_SIZE and made.get("large_model") != large_model:
+                    continue
+                ((_, found),) = entry["attacks"].items()
+                setting = (test, int(shots.split("=")[1]), int(epochs.split("=")[1]), px)
+                cell = out.setdefault(setting, {}).setdefault(
+                    domain, ConditioningCell({}, {}, set())
+                )
+                if seed not in cell.auc:
+                    cell.auc[seed] = found["auc"]
+                    cell.tpr_at_low_fpr[seed] = found["tpr_at_max_fpr"]
+                    cell.kinds.add(kind)
+    return out
+
+
+def conditioning_table(bench: Bench, domains: Sequence[str]) -> str:
+    """One line per conditioning kind, budget and latent size the records hold."""
+    large_model = provenance.model_digest(project_dir() / CONDITIONING_LARGE_MODEL)
+    found = conditioning_attacks(bench, large_model)
+    lines = [
+        "| upload | budget | latents | " + " | ".join(domains) + " | machine kinds |",
+        "|---" * (len(domains) + 4) + "|",
+    ]
+    tests = list(CONDITIONING_TESTS)
+    for (test, shots, epochs, px), cells in sorted(
+        found.items(), key=lambda item: (tests.index(item[0][0]), item[0][2], item[0][3])
+    ):
+        latents = "4x16x16" if px < LARGE_SIZE else f"4x64x64, UNet continued at {LARGE_SIZE} px"
+        texts = [cells[d].text() if d in cells else "–" for d in domains]
+        kinds = ", ".join(sorted(set().union(*(c.kinds for c in cells.values()))))
+        budget = f"{shots} shots, {epochs} epochs"
+        lines.append(
+            f"| {CONDITIONING_TESTS[test]} | {budget} | {latents} | {' | '.join(texts)} | {kinds} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 @dataclass(frozen=True)
 class Difference:
     """Row ``a`` minus row ``b`` seed by seed, with the mean and its 95% t-interval's
@@ -1482,15 +1576,22 @@ randomness: it stands in for SD's latent size and schedule, not for SD's VAE on 
 Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
-FedBiP's concepts and Espresso's conditions, is tested apart at 4x16x16 ("Privacy of the
-default federation": 0.50-0.57 and 0.55-0.72) and at 4x64x64 only in part: there the concept
-test's positive control fails on the shipped UNet, trained at 4x16x16, and both tests' controls
-pass on a UNet continued at 256 px (`models/miniature-ldm-256px`), where the concepts' default
-budget gives 0.571 ± 0.024 (painting, seed 0; the other runs are still to be made). The DP
+FedBiP's concepts and Espresso's conditions, is tested apart by the loss-ratio test (the table
+after this one). The DP
 mixture mode's concepts, which DP-SGD releases under the rest of its epsilon, are tested apart
 at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
 
 {server_attack_table(summary, sorted(s.domains))}
+The loss-ratio test on the conditioning uploaded beside the latents (`scripts/server_attacks.py
+--kinds concepts espresso-conditions`, commands in "Privacy of the default federation"): AUC
+(± sample std over seeds) / mean TPR at 1% FPR (the seeds). 16 shots, 10 epochs: the run's
+budget, 3 clients a domain, 288 members a side; 4 shots, 200 epochs: the test's positive
+control, overfitted, one client, 24 a side. At 4x64x64 the control fails on the shipped UNet,
+trained at 4x16x16, so the figures there are on a UNet continued at {LARGE_SIZE} px
+(`{CONDITIONING_LARGE_MODEL}`), where both controls pass. A dash: not measured. Records:
+{", ".join(f"`{r}`" for r in CONDITIONING_RECORDS)}.
+
+{conditioning_table(bench, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
 
 ### Published figures (other data: not comparable cell by cell)

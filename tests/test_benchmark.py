@@ -376,6 +376,43 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
     assert "No test (class counts only): Prompts-only." in table
 
 
+def conditioning_record(seed, per_key_auc, *, large_model=None, device="cpu"):
+    made = {"machine": {"kind": "AVX2"}, **({"large_model": large_model} if large_model else {})}
+    return {
+        **attack_record(seed, {}),
+        "device": device,
+        "provenance": made,
+        "results": {
+            "sketch": {
+                key: {"attacks": {"concepts/loss-ratio": {"auc": a, "tpr_at_max_fpr": a / 4}}}
+                for key, a in per_key_auc.items()
+            }
+        },
+    }
+
+
+def test_the_conditioning_table_takes_sd_size_only_from_the_unet_trained_there(tmp_path):
+    """A 4x64x64 cell counts only from a record made on the UNet continued at 256 px (the
+    shipped one fails the test's control there); a seed's first record holds its cell; seeds
+    give mean ± std, a domain no record holds a dash."""
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+    default, large = "64px/concepts/shots=16/epochs=10", "256px/concepts/shots=16/epochs=10"
+    names = benchmark.CONDITIONING_RECORDS
+    shipped_unet = conditioning_record(0, {default: 0.6, large: 0.5}, device="NVIDIA H200")
+    benchmark.write_json(tmp_path / names[0], shipped_unet)
+    benchmark.write_json(tmp_path / names[1], conditioning_record(1, {default: 0.7}))
+    continued = conditioning_record(0, {default: 0.9, large: 0.8}, large_model="abc")
+    benchmark.write_json(tmp_path / names[4], continued)
+    found = benchmark.conditioning_attacks(bench, large_model="abc")
+    assert found[("concepts", 16, 10, 64)]["sketch"].auc == {0: 0.6, 1: 0.7}
+    cell = found[("concepts", 16, 10, 256)]["sketch"]
+    assert cell.auc == {0: 0.8} and cell.kinds == {"AVX2"}
+    assert found[("concepts", 16, 10, 64)]["sketch"].text() == "0.650 ± 0.071 / 0.16 (0, 1)"
+    assert ("concepts", 16, 10, 256) not in benchmark.conditioning_attacks(bench, "other")
+    table = benchmark.conditioning_table(bench, ["painting", "sketch"])
+    assert "| FedBiP's concepts | 16 shots, 10 epochs | 4x16x16 | – | 0.650 ± 0.071" in table
+
+
 def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
     """Every row whose upload is a latent kind has its kind's figures at 4x16x16 and 4x64x64
     (FedPFT's and OSCAR's class means, Local's and FedLMG's classifiers and FedAvg's replies at
