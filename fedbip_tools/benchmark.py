@@ -1047,7 +1047,7 @@ CONDITIONING_TESTS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class ConditioningCell:
     """One domain's loss-ratio test on one conditioning kind, budget and size, per seed."""
 
@@ -1577,19 +1577,18 @@ Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
 FedBiP's concepts and Espresso's conditions, is tested apart by the loss-ratio test (the table
-after this one). The DP
-mixture mode's concepts, which DP-SGD releases under the rest of its epsilon, are tested apart
-at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
+after this one). The DP mixture mode's concepts, which DP-SGD releases under the rest of its
+epsilon, are tested apart at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
 
 {server_attack_table(summary, sorted(s.domains))}
 The loss-ratio test on the conditioning uploaded beside the latents (`scripts/server_attacks.py
 --kinds concepts espresso-conditions`, commands in "Privacy of the default federation"): AUC
-(± sample std over seeds) / mean TPR at 1% FPR (the seeds). 16 shots, 10 epochs: the run's
-budget, 3 clients a domain, 288 members a side; 4 shots, 200 epochs: the test's positive
-control, overfitted, one client, 24 a side. At 4x64x64 the control fails on the shipped UNet,
-trained at 4x16x16, so the figures there are on a UNet continued at {LARGE_SIZE} px
-(`{CONDITIONING_LARGE_MODEL}`), where both controls pass. A dash: not measured. Records:
-{", ".join(f"`{r}`" for r in CONDITIONING_RECORDS)}.
+(± sample std over seeds) / mean TPR at 1% FPR (the seeds). {cfg["shots-per-class"]} shots,
+{cfg["fedbip.concept-epochs"]} epochs: the run's budget, 3 clients a domain, 288 members a side;
+4 shots, 200 epochs: the test's positive control, overfitted, one client, 24 a side. At 4x64x64
+the control fails on the shipped UNet, trained at 4x16x16, so the figures there are on a UNet
+continued at {LARGE_SIZE} px (`{CONDITIONING_LARGE_MODEL}`), where both controls pass. A dash:
+not measured. Records: {", ".join(f"`{r}`" for r in CONDITIONING_RECORDS)}.
 
 {conditioning_table(bench, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
