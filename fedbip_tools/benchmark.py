@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -1048,6 +1048,25 @@ CONDITIONING_TESTS = {
 }
 
 
+class ConditioningSetting(NamedTuple):
+    """A conditioning test's budget and image size, as a server_attacks record keys it."""
+
+    test: str  # a key of CONDITIONING_TESTS
+    shots: int  # per class
+    epochs: int
+    px: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.px}px/{self.test}/shots={self.shots}/epochs={self.epochs}"
+
+    @classmethod
+    def of(cls, key: str) -> ConditioningSetting:
+        size, test, *budget = key.split("/")
+        shots, epochs = (int(part.split("=")[1]) for part in budget)
+        return cls(test, shots, epochs, int(size.removesuffix("px")))
+
+
 @dataclass
 class ConditioningCell:
     """One domain's loss-ratio test on one conditioning kind, budget and size, per seed."""
@@ -1067,11 +1086,11 @@ class ConditioningCell:
 
 def conditioning_attacks(
     bench: Bench, large_model: str
-) -> dict[tuple[str, int, int, int], dict[str, ConditioningCell]]:
-    """Per (kind, shots per class, epochs, image size px), per domain, the loss-ratio test's
+) -> dict[ConditioningSetting, dict[str, ConditioningCell]]:
+    """Per setting, per domain, the loss-ratio test's
     figures over the seeds of :data:`CONDITIONING_RECORDS`; a cell at SD's latent size only
     from a record made on ``large_model`` (a digest)."""
-    out: dict[tuple[str, int, int, int], dict[str, ConditioningCell]] = {}
+    out: dict[ConditioningSetting, dict[str, ConditioningCell]] = {}
     for path in (bench.results / name for name in CONDITIONING_RECORDS):
         if not path.exists():
             continue
@@ -1080,12 +1099,10 @@ def conditioning_attacks(
         kind = made["machine"]["kind"] if record["device"] == "cpu" else record["device"]
         for domain, settings in record["results"].items():
             for key, entry in settings.items():
-                size, test, shots, epochs = key.split("/")
-                px = int(size.removesuffix("px"))
-                if px >= LARGE_SIZE and made.get("large_model") != large_model:
+                setting = ConditioningSetting.of(key)
+                if setting.px >= LARGE_SIZE and made.get("large_model") != large_model:
                     continue
                 ((_, found),) = entry["attacks"].items()
-                setting = (test, int(shots.split("=")[1]), int(epochs.split("=")[1]), px)
                 cell = out.setdefault(setting, {}).setdefault(
                     domain, ConditioningCell({}, {}, set())
                 )
@@ -1106,7 +1123,7 @@ def conditioning_table(bench: Bench, domains: Sequence[str]) -> str:
     ]
     tests = list(CONDITIONING_TESTS)
     for (test, shots, epochs, px), cells in sorted(
-        found.items(), key=lambda item: (tests.index(item[0][0]), item[0][2], item[0][3])
+        found.items(), key=lambda item: (tests.index(item[0].test), item[0].epochs, item[0].px)
     ):
         latents = "4x16x16" if px < LARGE_SIZE else f"4x64x64, UNet continued at {LARGE_SIZE} px"
         texts = [cells[d].text() if d in cells else "–" for d in domains]

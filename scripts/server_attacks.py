@@ -93,6 +93,7 @@ from fedbip_tools import provenance
 from fedbip_tools.benchmark import (
     FEDAVG_KINDS,
     Bench,
+    ConditioningSetting,
     Settings,
     classifier_key,
     fedavg_key,
@@ -468,7 +469,8 @@ def concept_attacks(
         result = membership_result(
             torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
         )
-        results.setdefault(domain, {})[f"{size}px/concepts/shots={shots}/epochs={epochs}"] = {
+        key = ConditioningSetting(CONCEPTS, shots, epochs, size).key
+        results.setdefault(domain, {})[key] = {
             "shots_per_class": shots,
             "concept_epochs": epochs,
             "clients": replicates,
@@ -537,7 +539,7 @@ def condition_attacks(
         result = membership_result(
             torch.cat(members), torch.cat(non_members), statistic="loss-ratio"
         )
-        key = f"{size}px/{CONDITIONS}/shots={shots}/epochs={epochs}"
+        key = ConditioningSetting(CONDITIONS, shots, epochs, size).key
         results.setdefault(domain, {})[key] = {
             "shots_per_class": shots,
             "condition_epochs": epochs,
