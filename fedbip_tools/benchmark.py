@@ -1040,10 +1040,17 @@ CONDITIONING_RECORDS = (
     "server_attacks_conditions_seed1.json",
     "server_attacks_conditions_seed2.json",
     "server_attacks_conditions_256px_control_seed0.json",
+    "server_attacks_dp_seed0.json",
+    "server_attacks_dp_seed1.json",
+    "server_attacks_dp_seed2.json",
 )
 CONDITIONING_LARGE_MODEL = Path("models") / "miniature-ldm-256px"
+# the DP mixture mode's concepts (DP-SGD under the rest of the upload's epsilon): its records key
+# an upload by its epsilon, the concepts' test one of the upload's attacks
+DP_CONCEPTS = "fedbip-mixture-dp"
 CONDITIONING_TESTS = {
     "concepts": "FedBiP's concepts",
+    DP_CONCEPTS: "fedbip-mixture-DP's concepts",
     "espresso-conditions": "Espresso's conditions",
 }
 
@@ -1055,6 +1062,7 @@ class ConditioningSetting(NamedTuple):
     shots: int  # per class
     epochs: int
     px: int
+    epsilon: float | None = None  # a DP upload's
 
     @property
     def key(self) -> str:
@@ -1084,12 +1092,28 @@ class ConditioningCell:
         return f"{statistics.fmean(aucs):.3f}{spread} / {tpr:.2f} ({seeds})"
 
 
+def conditioning_result(
+    key: str, entry: Mapping[str, Any], dp_budget: tuple[int, int]
+) -> tuple[ConditioningSetting, Mapping[str, Any]]:
+    """A record entry's setting and loss-ratio result; a DP upload's (keyed
+    ``SIZEpx/fedbip-mixture-dp/epsilon=E``) trained on ``dp_budget`` (shots, epochs)."""
+    if "epsilon" not in entry:
+        ((_, found),) = entry["attacks"].items()
+        return ConditioningSetting.of(key), found
+    px = int(key.split("/")[0].removesuffix("px"))
+    setting = ConditioningSetting(DP_CONCEPTS, *dp_budget, px, entry["epsilon"])
+    return setting, entry["attacks"][f"{DP_CONCEPTS}/concepts/loss-ratio"]
+
+
 def conditioning_attacks(
     bench: Bench, large_model: str
 ) -> dict[ConditioningSetting, dict[str, ConditioningCell]]:
     """Per setting, per domain, the loss-ratio test's
     figures over the seeds of :data:`CONDITIONING_RECORDS`; a cell at SD's latent size only
-    from a record made on ``large_model`` (a digest)."""
+    from a record made on ``large_model`` (a digest). A DP upload's concepts are trained on the
+    mixture mode's budget in the run config."""
+    cfg = bench.settings.run_config
+    dp_budget = cfg["shots-per-class"], cfg["fedbip-mixture.concept-epochs"]
     out: dict[ConditioningSetting, dict[str, ConditioningCell]] = {}
     for path in (bench.results / name for name in CONDITIONING_RECORDS):
         if not path.exists():
@@ -1099,10 +1123,9 @@ def conditioning_attacks(
         kind = made["machine"]["kind"] if record["device"] == "cpu" else record["device"]
         for domain, settings in record["results"].items():
             for key, entry in settings.items():
-                setting = ConditioningSetting.of(key)
+                setting, found = conditioning_result(key, entry, dp_budget)
                 if setting.px >= LARGE_SIZE and made.get("large_model") != large_model:
                     continue
-                ((_, found),) = entry["attacks"].items()
                 cell = out.setdefault(setting, {}).setdefault(
                     domain, ConditioningCell({}, {}, set())
                 )
@@ -1122,13 +1145,14 @@ def conditioning_table(bench: Bench, domains: Sequence[str]) -> str:
         "|---" * (len(domains) + 4) + "|",
     ]
     tests = list(CONDITIONING_TESTS)
-    for (test, shots, epochs, px), cells in sorted(
+    for (test, shots, epochs, px, epsilon), cells in sorted(
         found.items(), key=lambda item: (tests.index(item[0].test), item[0].epochs, item[0].px)
     ):
         latents = "4x16x16" if px < LARGE_SIZE else f"4x64x64, UNet continued at {LARGE_SIZE} px"
         texts = [cells[d].text() if d in cells else "–" for d in domains]
         kinds = ", ".join(sorted(set().union(*(c.kinds for c in cells.values()))))
-        budget = f"{shots} shots, {epochs} epochs"
+        dp = f", DP-SGD, upload epsilon {epsilon:g}" if epsilon is not None else ""
+        budget = f"{shots} shots, {epochs} epochs{dp}"
         lines.append(
             f"| {CONDITIONING_TESTS[test]} | {budget} | {latents} | {' | '.join(texts)} | {kinds} |"
         )
@@ -1595,8 +1619,8 @@ Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
 FedBiP's concepts and Espresso's conditions, is tested apart by the loss-ratio test (the table
-after this one). The DP mixture mode's concepts, which DP-SGD releases under the rest of its
-epsilon, are tested apart at 4x16x16 ("The DP mode": 0.49-0.51 over three seeds).
+after this one), the DP mixture mode's concepts too (DP-SGD under the rest of the upload's
+epsilon).
 
 {server_attack_table(summary, sorted(s.domains))}
 The loss-ratio test on the conditioning uploaded beside the latents (`scripts/server_attacks.py

@@ -404,13 +404,45 @@ def test_the_conditioning_table_takes_sd_size_only_from_the_unet_trained_there(t
     continued = conditioning_record(0, {default: 0.9, large: 0.8}, large_model="abc")
     benchmark.write_json(tmp_path / names[4], continued)
     found = benchmark.conditioning_attacks(bench, large_model="abc")
-    assert found[("concepts", 16, 10, 64)]["sketch"].auc == {0: 0.6, 1: 0.7}
-    cell = found[("concepts", 16, 10, 256)]["sketch"]
+    run_budget = benchmark.ConditioningSetting("concepts", 16, 10, 64)
+    assert found[run_budget]["sketch"].auc == {0: 0.6, 1: 0.7}
+    cell = found[run_budget._replace(px=256)]["sketch"]
     assert cell.auc == {0: 0.8} and cell.kinds == {"AVX2"}
-    assert found[("concepts", 16, 10, 64)]["sketch"].text() == "0.650 ± 0.071 / 0.16 (0, 1)"
-    assert ("concepts", 16, 10, 256) not in benchmark.conditioning_attacks(bench, "other")
+    assert found[run_budget]["sketch"].text() == "0.650 ± 0.071 / 0.16 (0, 1)"
+    assert run_budget._replace(px=256) not in benchmark.conditioning_attacks(bench, "other")
     table = benchmark.conditioning_table(bench, ["painting", "sketch"])
     assert "| FedBiP's concepts | 16 shots, 10 epochs | 4x16x16 | – | 0.650 ± 0.071" in table
+
+
+def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(tmp_path):
+    """A DP upload's record keys it by epsilon and holds the mixture's tests beside the
+    concepts': the row takes the concepts' test only, on the mixture mode's budget."""
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+    attacks = {"fedbip-mixture-dp/concepts/loss-ratio": 0.48, "fedbip-mixture-dp/mean-filter": 0.9}
+    entry = {
+        "epsilon": 4.0,
+        "attacks": {name: {"auc": a, "tpr_at_max_fpr": 0.01} for name, a in attacks.items()},
+    }
+    record = {
+        **conditioning_record(2, {}),
+        "results": {"sketch": {"64px/fedbip-mixture-dp/epsilon=4": entry}},
+    }
+    benchmark.write_json(tmp_path / "server_attacks_dp_seed2.json", record)
+    cfg = bench.settings.run_config
+    setting = benchmark.ConditioningSetting(
+        "fedbip-mixture-dp",
+        cfg["shots-per-class"],
+        cfg["fedbip-mixture.concept-epochs"],
+        64,
+        4.0,
+    )
+    cell = benchmark.conditioning_attacks(bench, large_model="abc")[setting]["sketch"]
+    assert cell.auc == {2: 0.48}
+    table = benchmark.conditioning_table(bench, ["sketch"])
+    assert (
+        "| fedbip-mixture-DP's concepts | 16 shots, 10 epochs, DP-SGD, upload epsilon 4 | 4x16x16 | 0.480 / 0.01 (2) |"
+        in table
+    )
 
 
 def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
