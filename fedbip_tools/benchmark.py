@@ -1050,6 +1050,7 @@ CONDITIONING_LARGE_MODEL = Path("models") / "miniature-ldm-256px"
 # the DP mixture mode's concepts (DP-SGD under the rest of the upload's epsilon): its records key
 # an upload by its epsilon, the concepts' test one of the upload's attacks
 DP_CONCEPTS = "fedbip-mixture-dp"
+DP_CONCEPTS_METHOD = methods.fedbip_mixture.FedBiPMixture.name
 CONDITIONING_TESTS = {
     "concepts": "FedBiP's concepts",
     DP_CONCEPTS: "fedbip-mixture-DP's concepts",
@@ -1114,8 +1115,8 @@ def conditioning_attacks(
     figures over the seeds of :data:`CONDITIONING_RECORDS`; a cell at SD's latent size only
     from a record made on ``large_model`` (a digest). A DP upload's concepts are trained on the
     mixture mode's budget in the run config."""
-    cfg = bench.settings.run_config
-    dp_budget = cfg["shots-per-class"], cfg["fedbip-mixture.concept-epochs"]
+    cfg = FedBiPConfig.from_flat({**base_values(bench, 0), "method": DP_CONCEPTS_METHOD})
+    dp_budget = cfg.shots_per_class, cfg.settings_of(DP_CONCEPTS_METHOD).concept_epochs
     out: dict[ConditioningSetting, dict[str, ConditioningCell]] = {}
     for path in (bench.results / name for name in CONDITIONING_RECORDS):
         if not path.exists():
