@@ -1049,11 +1049,12 @@ CONDITIONING_RECORDS = (
 CONDITIONING_LARGE_MODEL = Path("models") / "miniature-ldm-256px"
 # the DP mixture mode's concepts (DP-SGD under the rest of the upload's epsilon): its records key
 # an upload by its epsilon, the concepts' test one of the upload's attacks
-DP_CONCEPTS = "fedbip-mixture-dp"
+DP_MIXTURE = "fedbip-mixture-dp"
+CONCEPT_ATTACK = "concepts/loss-ratio"  # the loss-ratio test on uploaded S and V
 DP_CONCEPTS_METHOD = methods.fedbip_mixture.FedBiPMixture.name
 CONDITIONING_TESTS = {
     "concepts": "FedBiP's concepts",
-    DP_CONCEPTS: "fedbip-mixture-DP's concepts",
+    DP_MIXTURE: "fedbip-mixture-DP's concepts",
     "espresso-conditions": "Espresso's conditions",
 }
 
@@ -1073,9 +1074,14 @@ class ConditioningSetting(NamedTuple):
 
     @classmethod
     def of(cls, key: str) -> ConditioningSetting:
-        size, test, *budget = key.split("/")
+        _, test, *budget = key.split("/")
         shots, epochs = (int(part.split("=")[1]) for part in budget)
-        return cls(test, shots, epochs, int(size.removesuffix("px")))
+        return cls(test, shots, epochs, key_px(key))
+
+
+def key_px(key: str) -> int:
+    """The image size of a server_attacks record key (``SIZEpx/...``)."""
+    return int(key.split("/")[0].removesuffix("px"))
 
 
 @dataclass
@@ -1103,9 +1109,8 @@ def conditioning_result(
     if "epsilon" not in entry:
         ((_, found),) = entry["attacks"].items()
         return ConditioningSetting.of(key), found
-    px = int(key.split("/")[0].removesuffix("px"))
-    setting = ConditioningSetting(DP_CONCEPTS, *dp_budget, px, entry["epsilon"])
-    return setting, entry["attacks"][f"{DP_CONCEPTS}/concepts/loss-ratio"]
+    setting = ConditioningSetting(DP_MIXTURE, *dp_budget, key_px(key), entry["epsilon"])
+    return setting, entry["attacks"][f"{DP_MIXTURE}/{CONCEPT_ATTACK}"]
 
 
 def conditioning_attacks(

@@ -91,6 +91,8 @@ from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, concept_layout
 from fedbip_tools import provenance
 from fedbip_tools.benchmark import (
+    CONCEPT_ATTACK,
+    DP_MIXTURE,
     FEDAVG_KINDS,
     Bench,
     ConditioningSetting,
@@ -130,9 +132,7 @@ CONCEPTS = "concepts"
 ESPRESSO = "espresso"
 CONDITIONS = "espresso-conditions"  # Espresso's uploaded cross-attention conditions
 CONDITIONING_KINDS = (CONCEPTS, CONDITIONS)  # loss-ratio tests, each with its positive control
-CONCEPT_ATTACK = f"{CONCEPTS}/loss-ratio"  # the loss-ratio test on uploaded S and V
 MEAN_KINDS = ("fedpft", "oscar")  # uploads of a mean per class of what the server can compute
-DP_MIXTURE = "fedbip-mixture-dp"
 CLASSIFIER = "fedlmg"  # an upload of the client's own trained classifier
 FEDAVG_TESTS = ("loss-first", "loss-last", "loss-drop")
 # A DP upload's class statistics at any latent size and T, released by the method's own code
