@@ -379,6 +379,14 @@ def encoded_sides(
     return tuple((encode_images(ldm.vae, images, vae_batch_size), y) for images, y in sides)
 
 
+def attack_max_timestep(args: argparse.Namespace, upload_timestep: int) -> int:
+    """The largest t the loss-ratio test draws: the upload's T (as the conditioning was
+    learned) or ``--concept-max-timestep`` below it, where a conditioning's effect on the loss
+    concentrates (the prompt matters little once z(t) is mostly noise)."""
+    cap = args.concept_max_timestep
+    return min(cap, upload_timestep) if cap else upload_timestep
+
+
 def loss_ratio_sides(
     args: argparse.Namespace,
     ldm: LDM,
@@ -388,14 +396,14 @@ def loss_ratio_sides(
 ) -> list[torch.Tensor]:
     """Each side's (members', unseen images') loss-ratio scores, from its (z(0), labels), under
     one client's plain and learned conditioning, with the same ``--concept-draws`` of (t, eps)
-    for every side."""
+    for every side, t up to :func:`attack_max_timestep`."""
     return [
         conditioning_loss_ratio_scores(
             ldm,
             *states,
             latents,
             labels,
-            max_timestep=max_timestep,
+            max_timestep=attack_max_timestep(args, max_timestep),
             draws=args.concept_draws,
             generator=torch.Generator().manual_seed(args.seed + 17),
         )
@@ -455,13 +463,14 @@ def concept_attacks(
                 budget,
             )
             sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
+            timestep = payload.meta.timestep
             own_scores, other_scores = concept_scores(
                 args,
                 ldm,
                 payload.concepts,
                 settings,
                 encoded_sides(ldm, sides, cfg.vae_batch_size),
-                payload.meta.timestep,
+                timestep,
             )
             members.append(own_scores)
             non_members.append(other_scores)
@@ -475,6 +484,7 @@ def concept_attacks(
             "concept_epochs": epochs,
             "clients": replicates,
             "draws": args.concept_draws,
+            "max_timestep": attack_max_timestep(args, timestep),
             "concept_loss_first_last_epoch": losses,
             "attacks": {CONCEPT_ATTACK: result.summary()},
         }
@@ -526,12 +536,13 @@ def condition_attacks(
                 ldm, run.prompt_template, domain, list(client.classes), method.settings.clusters
             )
             sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
+            timestep = accepted.meta.timestep
             own_scores, other_scores = loss_ratio_sides(
                 args,
                 ldm,
                 (start, accepted.content.conditions),
                 encoded_sides(ldm, sides, run.vae_batch_size),
-                accepted.meta.timestep,
+                timestep,
             )
             members.append(own_scores)
             non_members.append(other_scores)
@@ -546,6 +557,7 @@ def condition_attacks(
             "clusters": method.settings.clusters,
             "clients": replicates,
             "draws": args.concept_draws,
+            "max_timestep": attack_max_timestep(args, timestep),
             "condition_loss_first_last_epoch": losses,
             "attacks": {f"{CONDITIONS}/loss-ratio": result.summary()},
         }
@@ -954,6 +966,12 @@ def main() -> None:
     )
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--concept-draws", type=int, default=16, help="(t, eps) per candidate")
+    parser.add_argument(
+        "--concept-max-timestep",
+        type=int,
+        default=0,
+        help="concepts, conditions: draw t ~ U{1..this} (0, or above the upload's T: its T)",
+    )
     parser.add_argument(
         "--overfit-shots", type=int, default=4, help="concepts, conditions: 0: no positive control"
     )

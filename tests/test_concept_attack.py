@@ -9,12 +9,15 @@ espresso-conditions."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from fedbip_flwr.concepts import diffusion_loss, initial_concepts, prompt_layout
 from fedbip_flwr.conditions import initial_conditions
 from fedbip_flwr.shared_concepts import Concepts
 from fedbip_tools.privacy import concept_conditionings, conditioning_loss_ratio_scores
+from tests.helpers import script
 
 CLASSES = ["circle", "square", "star"]
 TEMPLATE = "a {S} style of a {V}"
@@ -92,3 +95,37 @@ def test_a_class_counts_its_best_condition_and_plain_conditions_give_nothing(tin
     assert torch.equal(scores_of(plain, learned), first.clamp_min(0))
     assert (first != 0).all()
     assert torch.equal(scores_of(plain, plain), torch.zeros(6, dtype=torch.float64))
+
+
+def test_the_attack_draws_t_up_to_its_cap_and_no_further_than_the_upload(tiny_ldm):
+    """scripts/server_attacks.py --concept-max-timestep: both sides' scores are the test's
+    at t ~ U{1..min(cap, T)}; 0, or a cap above the upload's T, is the upload's T."""
+    attacks = script("server_attacks")
+    plain = initial_conditions(tiny_ldm, TEMPLATE, "sketch", CLASSES, 1)
+    learned = plain + 0.05 * plain.abs().mean() * torch.randn(
+        plain.shape, generator=torch.Generator().manual_seed(3)
+    )
+    sides = (latents(tiny_ldm, 3, 0), latents(tiny_ldm, 3, 1))
+
+    def sides_at(cap: int) -> list[torch.Tensor]:
+        args = argparse.Namespace(concept_draws=2, seed=0, concept_max_timestep=cap)
+        return attacks.loss_ratio_sides(args, tiny_ldm, (plain, learned), sides, 981)
+
+    def direct(max_timestep: int) -> list[torch.Tensor]:
+        return [
+            conditioning_loss_ratio_scores(
+                tiny_ldm,
+                plain,
+                learned,
+                *side,
+                max_timestep=max_timestep,
+                draws=2,
+                generator=torch.Generator().manual_seed(17),
+            )
+            for side in sides
+        ]
+
+    for cap, drawn in ((0, 981), (5000, 981), (50, 50)):
+        for got, expected in zip(sides_at(cap), direct(drawn), strict=True):
+            assert torch.equal(got, expected)
+    assert not torch.equal(direct(50)[0], direct(981)[0])
