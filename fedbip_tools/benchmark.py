@@ -1034,6 +1034,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_concepts_h200_seed2.json",
     "server_attacks_concepts_256px_control_seed0.json",
     "server_attacks_concepts_256px_control_quickdraw_seed0.json",
+    "server_attacks_concepts_256px_control_quickdraw_seed1.json",
     "server_attacks_concepts_256px_control_sketch_seed0.json",
     "server_attacks_concepts_256px_control_sketch_seed1.json",
     "server_attacks_concepts_256px_painting_seed0.json",
