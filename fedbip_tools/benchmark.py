@@ -1047,6 +1047,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_conditions_seed1.json",
     "server_attacks_conditions_seed2.json",
     "server_attacks_conditions_256px_control_seed0.json",
+    "server_attacks_conditions_256px_control_painting_seed1.json",
     "server_attacks_conditions_256px_control_quickdraw_seed0.json",
     "server_attacks_conditions_256px_control_sketch_seed0.json",
     "server_attacks_conditions_256px_painting_seed0.json",
