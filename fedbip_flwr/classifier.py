@@ -173,26 +173,47 @@ def batches_per_epoch(n: int, batch_size: int) -> int:
 class Precision:
     """How the classifier computes. ``auto``: on CUDA channels_last and fp16 autocast with a
     GradScaler; on a CPU with native bfloat16 channels_last and bf16 autocast (no scaler: bf16
-    has float32's range); float32 elsewhere. The ResNet's BatchNorm and the loss stay float32
-    under autocast, and the weights are float32 throughout."""
+    has float32's range) at inputs where that trains soundly (:func:`cpu_bf16_trains_soundly`);
+    float32 elsewhere. The ResNet's BatchNorm and the loss stay float32 under autocast, and the
+    weights are float32 throughout."""
 
     autocast: torch.dtype | None = None
     channels_last: bool = False
 
     @classmethod
-    def for_device(cls, device: torch.device | str, mode: PrecisionMode = "float32") -> Precision:
+    def for_device(
+        cls, device: torch.device | str, mode: PrecisionMode, image_size: int
+    ) -> Precision:
         kind = torch.device(device).type
         if mode == "float32":
             return cls()
         if kind == "cuda":
             return cls(autocast=torch.float16, channels_last=True)
-        if kind == "cpu" and ldm.cpu_has_bf16():
+        if kind == "cpu" and ldm.cpu_has_bf16() and cpu_bf16_trains_soundly(image_size):
             return cls(autocast=torch.bfloat16, channels_last=True)
         return cls()
 
     @property
     def memory_format(self) -> torch.memory_format:
         return torch.channels_last if self.channels_last else torch.contiguous_format
+
+
+# ResNet-18 has halved its input four times (stem conv, max-pool, layer2, layer3) when layer4's
+# first, strided 3x3 convolution reads it.
+_RESNET_REDUCTION_BEFORE_LAYER4 = 16
+
+
+def cpu_bf16_trains_soundly(image_size: int) -> bool:
+    """Whether bf16 autocast on a CPU computes the classifier's weight gradients at this input.
+
+    oneDNN's AVX512-BF16 kernel (3.12 in torch 2.14.1, still in 3.13.3 in torch 2.15.0) gets a
+    bf16 strided convolution's weight gradient wrong when that convolution's input is a single
+    pixel: a tap that sees only padding comes back as whatever memory the process freed last, up
+    to 1e33 or NaN and different from call to call. The forward pass, the input's gradient,
+    float32, fp16 and the AVX2 kernels are right. ResNet-18's layer4 reads one pixel at inputs
+    of 16 px and less (scripts/bf16_weight_gradient_check.py shows it).
+    """
+    return image_size > _RESNET_REDUCTION_BEFORE_LAYER4
 
 
 # Soft targets: (a batch at the classifier's input, the source client id of each row) -> logits.
@@ -432,7 +453,17 @@ def train_classifier(
     """
     data = images if labels is None else TensorImages(images, labels)
     device = torch.device(device)
-    precision = precision or Precision.for_device(device, settings.precision)
+    precision = precision or Precision.for_device(device, settings.precision, settings.image_size)
+    if (
+        device.type == "cpu"
+        and precision.autocast == torch.bfloat16
+        and not cpu_bf16_trains_soundly(settings.image_size)
+    ):
+        raise ValueError(
+            f"bf16 autocast on the CPU computes wrong weight gradients at {settings.image_size} "
+            "px (cpu_bf16_trains_soundly): train at "
+            f"{_RESNET_REDUCTION_BEFORE_LAYER4 + 1} px or more, or in float32"
+        )
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model.to(device, memory_format=precision.memory_format).train()

@@ -458,7 +458,7 @@ def case_classifier(args: argparse.Namespace, name: str) -> dict:
         precision = (
             Precision(torch.bfloat16, True)
             if name == "classifier-bf16"
-            else Precision.for_device(device, "auto" if device.type == "cuda" else "float32")
+            else Precision.for_device(device, "auto" if device.type == "cuda" else "float32", size)
         )
 
         def train():

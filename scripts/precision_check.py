@@ -85,7 +85,8 @@ def classifier(
         d: (s.images, s.labels)
         for d, s in dataset.load_test_sets(base.data, base.domain_list).items()
     }
-    print(f"classifier: auto = {Precision.for_device('cpu', 'auto')}")
+    auto = Precision.for_device("cpu", "auto", base.classifier_image_size)
+    print(f"classifier: auto = {auto}")
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for seed in seeds:
         for mode in modes:  # interleaved: both precisions see the same machine state

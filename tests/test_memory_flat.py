@@ -24,6 +24,7 @@ from fedbip_flwr.classifier import (
     _augment,
     _train_step,
     build_classifier,
+    cpu_bf16_trains_soundly,
     evaluate,
     fit_to_classifier,
     shrink,
@@ -197,12 +198,15 @@ def test_test_sets_held_at_classifier_size_score_the_same():
 @pytest.mark.parametrize("bf16_cpu", [True, False])
 def test_auto_precision_is_half_where_the_device_computes_it(bf16_cpu, monkeypatch):
     monkeypatch.setattr(ldm_module, "cpu_has_bf16", lambda: bf16_cpu)
-    assert Precision.for_device("cuda", "auto") == Precision(torch.float16, channels_last=True)
-    cpu = Precision(torch.bfloat16, channels_last=True) if bf16_cpu else Precision()
-    assert Precision.for_device("cpu", "auto") == cpu
-    assert Precision.for_device("mps", "auto") == Precision()
-    for device in ("cuda", "cpu", "mps"):
-        assert Precision.for_device(device, "float32") == Precision()
+    for size in (16, 64):
+        cuda = Precision(torch.float16, channels_last=True)
+        assert Precision.for_device("cuda", "auto", size) == cuda
+        assert Precision.for_device("mps", "auto", size) == Precision()
+        for device in ("cuda", "cpu", "mps"):
+            assert Precision.for_device(device, "float32", size) == Precision()
+    bf16 = Precision(torch.bfloat16, channels_last=True) if bf16_cpu else Precision()
+    assert Precision.for_device("cpu", "auto", 64) == bf16
+    assert Precision.for_device("cpu", "auto", 16) == Precision()  # see cpu_bf16_trains_soundly
 
 
 def test_the_run_config_chooses_the_global_classifier_precision_not_the_judges():
@@ -223,7 +227,7 @@ def test_mixed_precision_step_shapes_and_dtypes_on_cpu(dtype):
     # a small initial scale: GradScaler's default (2**16) overflows fp16 and skips a first step
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, enabled=dtype == torch.float16)
     before = model.fc.weight.detach().clone()
-    x = _augment(torch.rand(4, 3, 16, 16) * 2 - 1, torch.Generator().manual_seed(0))
+    x = _augment(torch.rand(4, 3, 32, 32) * 2 - 1, torch.Generator().manual_seed(0))
     loss = _train_step(
         model,
         optimizer,
@@ -240,20 +244,41 @@ def test_mixed_precision_step_shapes_and_dtypes_on_cpu(dtype):
 
 
 def test_train_classifier_runs_the_mixed_precision_path(synthesized):
+    """bf16 autocast and channels_last train the same weights every time, near float32's.
+
+    Repeats catch a kernel that reads memory it does not own (oneDNN's bf16 weight gradient
+    at 16 px gave different, often huge or NaN, weights on most calls)."""
     _, _, _, shards = synthesized
-    torch.manual_seed(0)
-    model = build_classifier(3, "random")
+    images, labels = synthetic_dataset(shards, 32)[torch.arange(10)]
+
+    def trained(precision: Precision) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = build_classifier(3, "random")
+        return train_classifier(
+            model, images, labels, settings(image_size=32), seed=0, precision=precision
+        )
+
+    half = [trained(Precision(torch.bfloat16, channels_last=True)) for _ in range(3)]
+    full = trained(Precision())
+    assert all(same(weights(half[0]), weights(model)) for model in half[1:])
+    assert all(torch.isfinite(p).all() for p in half[0].parameters())
+    assert max((a - b).abs().max() for a, b in zip(half[0].parameters(), full.parameters())) < 0.5
+    assert half[0].conv1.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_bf16_training_on_the_cpu_refuses_inputs_its_kernel_gets_wrong(synthesized):
+    _, _, _, shards = synthesized
     images, labels = synthetic_dataset(shards, 16)[torch.arange(10)]
-    train_classifier(
-        model,
-        images,
-        labels,
-        settings(),
-        seed=0,
-        precision=Precision(torch.bfloat16, channels_last=True),
-    )
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not cpu_bf16_trains_soundly(16) and cpu_bf16_trains_soundly(17)
+    with pytest.raises(ValueError, match="16 px"):
+        train_classifier(
+            build_classifier(3, "random"),
+            images,
+            labels,
+            settings(),
+            seed=0,
+            precision=Precision(torch.bfloat16, channels_last=True),
+        )
 
 
 def test_shard_dataset_rejects_float_shards(tmp_path):
