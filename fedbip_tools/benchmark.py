@@ -1051,6 +1051,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_conditions_256px_control_quickdraw_seed0.json",
     "server_attacks_conditions_256px_control_sketch_seed0.json",
     "server_attacks_conditions_256px_painting_seed0.json",
+    "server_attacks_conditions_256px_painting_seed1.json",
     "server_attacks_conditions_256px_quickdraw_seed0.json",
     "server_attacks_conditions_256px_sketch_seed0.json",
     "server_attacks_dp_seed0.json",
