@@ -1042,6 +1042,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_concepts_256px_painting_seed1.json",
     "server_attacks_concepts_256px_painting_seed2.json",
     "server_attacks_concepts_256px_quickdraw_seed0.json",
+    "server_attacks_concepts_256px_quickdraw_seed1.json",
     "server_attacks_concepts_256px_sketch_seed0.json",
     "server_attacks_conditions_seed0.json",
     "server_attacks_conditions_seed1.json",
