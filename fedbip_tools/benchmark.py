@@ -1046,6 +1046,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_concepts_256px_quickdraw_seed2.json",
     "server_attacks_concepts_256px_sketch_seed0.json",
     "server_attacks_concepts_256px_sketch_seed1.json",
+    "server_attacks_concepts_256px_sketch_seed2.json",
     "server_attacks_conditions_seed0.json",
     "server_attacks_conditions_seed1.json",
     "server_attacks_conditions_seed2.json",
