@@ -104,15 +104,21 @@ def nearest_distances(
 
     Both sides go through ``torch.cdist`` a chunk at a time, so the extra memory is a few
     chunk-sized blocks: cdist's matrix-product path copies its inputs, and a whole synthetic
-    set copied is what would not fit.
+    set copied is what would not fit. That path finds the neighbour but loses float32 digits
+    to cancellation (|a|^2 + |b|^2 - 2ab) exactly where DCR looks, at close pairs, by amounts
+    that differ between CPU kinds; the distance to the neighbour it finds is recomputed as a
+    difference.
     """
     queries, references = queries.flatten(1), references.flatten(1)
     if not len(references):
         raise ValueError("no reference rows to measure distances to")
     nearest = []
     for block in queries.split(chunk):
-        per_chunk = [torch.cdist(block, part).amin(dim=1) for part in references.split(chunk)]
-        nearest.append(torch.stack(per_chunk, dim=1).amin(dim=1))
+        found = [torch.cdist(block, part).min(dim=1) for part in references.split(chunk)]
+        distance = torch.stack([f.values for f in found], dim=1)
+        index = torch.stack([f.indices + k * chunk for k, f in enumerate(found)], dim=1)
+        best = index.gather(1, distance.argmin(dim=1, keepdim=True)).squeeze(1)
+        nearest.append((block - references[best]).norm(dim=1))
     return torch.cat(nearest) if nearest else queries.new_empty(0)
 
 
