@@ -1056,6 +1056,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_conditions_256px_control_sketch_seed0.json",
     "server_attacks_conditions_256px_painting_seed0.json",
     "server_attacks_conditions_256px_painting_seed1.json",
+    "server_attacks_conditions_256px_painting_seed2.json",
     "server_attacks_conditions_256px_quickdraw_seed0.json",
     "server_attacks_conditions_256px_quickdraw_seed1.json",
     "server_attacks_conditions_256px_sketch_seed0.json",
@@ -1607,6 +1608,10 @@ image. DCR: each member's and non-member's distance to the nearest synthetic ima
 client, as a membership AUC and the share of members nearer than every non-member; in brackets
 the AUC's difference from {NO_DATA_CONTROL}'s on the same seeds, which sees no client image (the
 member and non-member images alone move an AUC off 0.5 by a few hundredths).
+Rows recorded before 97630ea took a DCR distance as cdist's own (|a|^2 + |b|^2 - 2ab), not
+the difference to the neighbour it finds: on both EPYC kinds that is off by at most 0.08% at
+close pairs (600 random 3x64x64 images, 96 queries at noise 0.01; far pairs 3e-7), so such an
+AUC can move only by the share of member / non-member pairs that close; none was remade.
 Reconstruction: where the server's synthetic image i is denoised from private image i's z(T)
 (FedBiP), its PSNR and SSIM against image i and against an image of the same class no client
 holds (what knowing the class alone gives); then the same for the mean of all the server's
