@@ -3,37 +3,47 @@
 # throwaway credentials, a SuperLink with TLS and SuperNode authentication, N registered
 # SuperNodes (one per institution, each with its own image folder, domain phrase, client id
 # and output folder in its node config; the server holds no image), and `flwr run` of this
-# project through them with dataset "imagefolder".
+# project through them with dataset "imagefolder". The run asks for a DP upload by default
+# (fedbip-mixture at epsilon 4, what each institution's default upload policy requires) and binds
+# every client id to its registered node (client-nodes), both written by
+# docker/register-supernodes.sh, as in compose.
 #
-#   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] WORK_DIR [flwr run options...]
+#   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] [-c I:NODE_CONFIG]... WORK_DIR [flwr run options...]
 #
 #   -n  SuperNodes to start (default 3)
 #   -p  SuperLink port on 127.0.0.1 (default 9093); SuperNode i uses PORT+1+i for its local API
 #   -k  training images per class in each institution's folder (default 16)
 #   -t  held-out images per class in each institution's folder (default 50)
-#   WORK_DIR receives credentials/ (reused if present), logs/, data/institution-I/ (institution
-#   I's folder: domain sketch, quickdraw or painting of the built-in world, written by
-#   `fedbip shapes-folder` unless it exists), institutions/institution-I/ (where institution I
-#   keeps the classifier it gets back) and flwr-home/ (the flwr CLI's connection "fedbip-tls").
-#   Remaining options go to `flwr run`, e.g. --run-config 'multiplier=5'.
+#   -c  more node config for institution I (0-based), e.g. its upload policy:
+#       -c 2:'max-dp-epsilon=1' (docs/institutions.md); repeat it for more institutions
+#   WORK_DIR receives credentials/ (reused if present; credentials/operator/run-config is the
+#   run config registration wrote), logs/, data/institution-I/ (institution I's folder: domain
+#   sketch, quickdraw or painting of the built-in world, written by `fedbip shapes-folder` unless
+#   it exists), institutions/institution-I/ (where institution I keeps the classifier it gets
+#   back and the record of what it uploaded) and flwr-home/ (the flwr CLI's connection
+#   "fedbip-tls"). Remaining options go to `flwr run` after the run config above, so they win,
+#   e.g. --run-config 'fedbip-mixture.dp-epsilon=2.0'. FedBiP's own upload (z(T), no guarantee)
+#   is --run-config 'method="fedbip"' with -c I:'require-dp=false' for every institution I.
 #
 # Exit status 0 only if the run finished with status finished:completed.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(dirname "$here")
-usage() { echo "usage: $0 [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] WORK_DIR [flwr run options...]" >&2; exit 2; }
+usage() { echo "usage: $0 [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] [-c I:NODE_CONFIG]... WORK_DIR [flwr run options...]" >&2; exit 2; }
 
 num=3
 port=9093
 shots=16
 test_per_class=50
-while getopts "n:p:k:t:" opt; do
+declare -A own_config=()
+while getopts "n:p:k:t:c:" opt; do
   case $opt in
     n) num=$OPTARG ;;
     p) port=$OPTARG ;;
     k) shots=$OPTARG ;;
     t) test_per_class=$OPTARG ;;
+    c) [[ $OPTARG =~ ^([0-9]+):(.*)$ ]] || usage; own_config[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]} ;;
     *) usage ;;
   esac
 done
@@ -107,20 +117,28 @@ address = "127.0.0.1:$port"
 root-certificates = "$creds/ca/ca.crt"
 EOF
 
-# 4. Register every institution's public key, then start its SuperNode with its private key.
-for ((i = 0; i < num; i++)); do
-  flwr supernode register "$creds/supernode-$i/node.key.pub" "$connection" --name "institution-$i" \
-    >>"$logs/register.log" 2>&1 || fail "could not register supernode-$i" "$logs/register.log"
-done
+# 4. Register every institution's public key under its client id (the operator's step, which
+#    also writes the run config binding each client id to its node id), then start its
+#    SuperNode with its private key.
 domains=(sketch quickdraw painting)
+client_ids=()
+keys=$work/keys
+rm -rf "$keys" && mkdir -p "$keys"
+for ((i = 0; i < num; i++)); do
+  client_ids+=("${domains[i % ${#domains[@]}]}-$((i / ${#domains[@]}))")
+  cp "$creds/supernode-$i/node.key.pub" "$keys/${client_ids[i]}.pub"
+done
+run_config=$creds/operator/run-config
+mkdir -p "$creds/operator"
+sh "$root/docker/register-supernodes.sh" "$keys" "$run_config" >>"$logs/register.log" 2>&1 ||
+  fail "could not register the SuperNodes" "$logs/register.log"
 for ((i = 0; i < num; i++)); do
   domain=${domains[i % ${#domains[@]}]}
-  client_id=$domain-$((i / ${#domains[@]}))
   data=$work/data/institution-$i
   [[ -d $data/train ]] || fedbip shapes-folder "$domain" "$data" --shots "$shots" \
     --test-per-class "$test_per_class" --client-index $((i / ${#domains[@]})) >>"$logs/data.log"
-  node_config="data-root=\"$data\" domain=\"$domain\" client-id=\"$client_id\""
-  node_config+=" output-dir=\"$work/institutions/institution-$i\""
+  node_config="data-root=\"$data\" domain=\"$domain\" client-id=\"${client_ids[i]}\""
+  node_config+=" output-dir=\"$work/institutions/institution-$i\" ${own_config[$i]:-}"
   "$here/supernode.sh" "$creds/supernode-$i" "127.0.0.1:$port" "$node_config" \
     --port $((port + 1 + i)) >"$logs/supernode-$i.log" 2>&1 &
   pids+=($!)
@@ -143,9 +161,11 @@ echo "demo: SuperLink on 127.0.0.1:$port (TLS, SuperNode authentication), $num S
 
 # 6. The run, streamed; its final status decides the exit code.
 cd "$root"
-# The run config names the shared classes; each institution named its own data above.
+# The run config: registration's (the upload, client-nodes) and the shared classes; each
+# institution named its own data above.
 classes=$(python3 -c 'from fedbip_flwr.shapes import CLASSES; print(",".join(CLASSES))')
-flwr run . "$connection" --stream --run-config "dataset=\"imagefolder\" classes=\"$classes\"" "$@" 2>&1 |
+flwr run . "$connection" --stream \
+  --run-config "$(cat "$run_config") dataset=\"imagefolder\" classes=\"$classes\"" "$@" 2>&1 |
   tee "$logs/flwr-run.log"
 run_id=$(sed -n 's/.*Successfully started run \([0-9]\+\).*/\1/p' "$logs/flwr-run.log" | head -n 1)
 [[ -n $run_id ]] || fail "flwr run did not start a run" "$logs/flwr-run.log"

@@ -3,8 +3,9 @@
 #
 #   deploy/make-credentials.sh [-o OWNER] OUT_DIR NUM_SUPERNODES [EXTRA_SAN_NAME...]
 #
-#   -o OWNER  chown the SuperLink's and SuperNodes' folders to OWNER (e.g. 49999, the user in
-#             Flower's container images, which must read the mounted private keys; needs root)
+#   -o OWNER  chown the SuperLink's, SuperNodes' and operator's folders to OWNER (e.g. 49999,
+#             the user in Flower's container images, which must read the mounted private keys
+#             and write the operator's run config; needs root)
 #
 # Writes, with openssl and ssh-keygen:
 #   OUT_DIR/ca/ca.crt                       the demo CA's certificate. Its private key is made
@@ -22,6 +23,9 @@
 #   OUT_DIR/supernode-I/node.key, node.key.pub  SuperNode I's EC P-384 key pair, OpenSSH format
 #                                           (read by flower-supernode and `flwr supernode register`)
 #   OUT_DIR/supernode-I/ca.crt              copy of the CA certificate (--root-certificates)
+#   OUT_DIR/operator/                       empty: where the operator's registration
+#                                           (docker/register-supernodes.sh) writes the run
+#                                           config binding each client id to its node id
 # Each folder holds exactly what one party needs, so it can be handed over (or mounted) alone;
 # the only private keys anywhere in OUT_DIR are server.key and each node.key, in their owners'
 # folders.
@@ -52,7 +56,7 @@ if [[ -e $out/ca/ca.crt ]]; then
 fi
 
 umask 077
-mkdir -p "$out/ca" "$out/superlink"
+mkdir -p "$out/ca" "$out/superlink" "$out/operator"
 days=30
 # The CA's private key and serial file live only here, removed on exit (also on failure).
 ca_private=$(mktemp -d)
@@ -91,6 +95,6 @@ done
 chmod 644 "$out"/ca/ca.crt "$out"/superlink/*.pem "$out"/*/ca.crt "$out"/supernode-*/node.key.pub
 chmod 755 "$out" "$out"/*/
 if [[ -n $owner ]]; then
-  chown -R "$owner:$owner" "$out/superlink" "$out"/supernode-*
+  chown -R "$owner:$owner" "$out/superlink" "$out"/supernode-* "$out/operator"
 fi
 echo "credentials in $out: CA, SuperLink certificate for $sans, $num SuperNode key pair(s)"

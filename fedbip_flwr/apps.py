@@ -55,6 +55,8 @@ class _Rounds:
         return server_run.run_rounds(self.method, grid, cfg, folder, device)
 
     def train(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
+        # a refusal fails the round's reply, which Flower's strategy leaves out of the average
+        client_run.check_policy(self.method, cfg, node)
         return self.method.client_round(msg, cfg, node, select_device(cfg.device))
 
     def evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:

@@ -4,9 +4,12 @@ sent back, which it keeps.
 
 Who this node is and where its data lives come from its own node config
 (:class:`~fedbip_flwr.config.NodeConfig`): a real institution names its folder, domain phrase
-and client id there; a simulated node gets a partition id. Its randomness never comes from
-anything the server sets (:func:`fedbip_flwr.seeds.client_generator`). An exception here becomes
-a Flower error reply whose reason the server records.
+and client id there; a simulated node gets a partition id. So does what it lets leave it (its
+upload policy, :mod:`fedbip_flwr.policy`), checked before any image is read or model loaded;
+every upload it sends is recorded in its own output folder (:mod:`fedbip_flwr.upload_record`).
+Its randomness never comes from anything the server sets
+(:func:`fedbip_flwr.seeds.client_generator`). An exception here becomes a Flower error reply
+whose reason the server records.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from collections.abc import Iterator
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 
-from . import dataset
+from . import dataset, upload_record
 from .classifier import load_classifier_bytes
 from .client import kept_classifier_path, score_classifier
 from .config import FedBiPConfig, NodeConfig
 from .folders import UnreadableImages
 from .ldm import LDM, load_for_run, release_cached_memory, select_device
-from .methods import Method, institution_upload
+from .methods import Method, MultiRound, institution_upload
+from .policy import REFUSAL_PREFIX, PolicyRefusal, UploadRequest
 from .results import SENT_ACCURACY
 from .storage import atomic_write
 from .wire import (
@@ -35,6 +39,7 @@ from .wire import (
     classifier_bytes,
     message_config,
     payload_content,
+    refused_content,
     skipped_content,
 )
 
@@ -64,21 +69,40 @@ def names_stay_here() -> Iterator[None]:
         raise err.for_server() from None
 
 
+def check_policy(method: Method | MultiRound, cfg: FedBiPConfig, node: NodeConfig) -> None:
+    """The run's request against this institution's upload policy, from the run config alone:
+    :class:`~fedbip_flwr.policy.PolicyRefusal` where the policy refuses it."""
+    request = UploadRequest(
+        method=method.name,
+        kinds=method.uploads,
+        guarantee=method.settings.guarantee,
+        # the institution's own seed, not the run's, then draws its noise
+        replayable_noise=cfg.replayable_client_noise and node.seed is None,
+    )
+    node.upload_policy.check_request(request)
+
+
 def upload_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
-    """The one upload (or, where the server already holds it, the note that it does)."""
+    """The one upload (or, where the server already holds it, the note that it does; or, where
+    this institution's policy refuses it, why), recorded in its own folder as it leaves."""
     _, client_id = dataset.institution_identity(cfg.data, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return skipped_content(client_id)
     ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
-    log.info(
-        "[%s] computing its upload (%s) with %d torch threads",
-        client_id,
-        method.name,
-        torch.get_num_threads(),
-    )
-    device = select_device(cfg.device)
-    blob, metrics = institution_upload(cfg, node, ldm, device)
+    try:
+        check_policy(method, cfg, node)
+        log.info(
+            "[%s] computing its upload (%s) with %d torch threads",
+            client_id,
+            method.name,
+            torch.get_num_threads(),
+        )
+        device = select_device(cfg.device)
+        blob, metrics = institution_upload(cfg, node, ldm, device, node.upload_policy)
+    except PolicyRefusal as refusal:
+        log.warning("[%s] %s%s", client_id, REFUSAL_PREFIX, refusal.detail)
+        return refused_content(client_id, refusal.reason)
     if (released := release_cached_memory(device)) is not None:
         log.info(
             "[%s] CUDA memory reserved after the step: %.0f MiB, %.0f MiB once the cache was "
@@ -88,8 +112,17 @@ def upload_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConf
             released[1] / 2**20,
             torch.cuda.memory_allocated(device) / 2**20,
         )
-    log.info("[%s] uploading %.2f MB once", client_id, len(blob) / 1e6)
+    record = upload_record.sent(blob, msg.metadata.run_id)
+    kept = upload_record.keep(record, upload_record.records_path(_own_folder(cfg, node), client_id))
+    for line in upload_record.record_lines(record):
+        log.info("[%s] %s", client_id, line)
+    log.info("[%s] uploading %.2f MB once; recorded in %s", client_id, len(blob) / 1e6, kept)
     return payload_content(blob, metrics, client_id)
+
+
+def _own_folder(cfg: FedBiPConfig, node: NodeConfig) -> str:
+    """Where this institution keeps what it gets back and what it sent: its own output-dir."""
+    return node.output_dir or cfg.output_dir
 
 
 def score_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
@@ -101,7 +134,7 @@ def score_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfi
     test = dataset.institution_test_set(cfg.data, node, domain)
     scores = score_classifier(model, test, cfg.classifier_image_size, method.settings.private)
     run_folder = message_config(msg)[RUN_FOLDER]
-    kept = kept_classifier_path(node.output_dir or cfg.output_dir, run_folder, client_id)
+    kept = kept_classifier_path(_own_folder(cfg, node), run_folder, client_id)
     atomic_write(kept, blob)
     log.info(
         "[%s] classifier accuracy %.3f on %d held-out images; kept as %s",

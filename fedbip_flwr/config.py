@@ -29,6 +29,7 @@ from pydantic import (
 from .flat import ConfigError as ConfigError  # what from_flat raises; callers catch it from here
 from .flat import FlatConfig, kebab, problems
 from .method_settings import DEFAULT_METHOD, METHOD_SETTINGS, MethodSettings
+from .policy import ALL_KINDS, UploadPolicy, parse_kinds
 from .sampler import SchedulerName, TimestepSpacing
 from .specs import FEATURE, OWN_FOLDER, SPECS
 
@@ -544,7 +545,8 @@ class NodeConfig(FlatConfig):
 
     A simulation gives every node ``partition-id`` / ``num-partitions`` and the run config picks
     its data; a real institution names its own folder, domain phrase and client id instead, and
-    may name its own model copy, device, precision, seed and output folder.
+    may name its own model copy, device, precision, seed and output folder, and what it lets
+    leave it (its upload policy, :mod:`fedbip_flwr.policy`).
     """
 
     WHAT: ClassVar[str] = "node config"
@@ -571,8 +573,61 @@ class NodeConfig(FlatConfig):
         "institution. Unset: the operating system's entropy.",
     )
     output_dir: str = Field(
-        "", description='Where the classifier sent back is kept; "" = the run\'s output-dir.'
+        "",
+        description="Where the classifier sent back and the record of every upload are kept; "
+        '"" = the run\'s output-dir.',
     )
+
+    # --- its upload policy: checked before any image is read or any model loaded ----------
+    allow_uploads: str = Field(
+        ALL_KINDS,
+        description="Which kinds of upload may leave this institution: all, or a comma-separated "
+        "list of images, latents, statistics, concepts, text, classifier, counts (docs/"
+        "institutions.md says which method uploads which). A run whose method uploads another "
+        "kind is refused.",
+    )
+    require_dp: bool | None = Field(
+        None,
+        description="Whether an upload must carry a differential-privacy guarantee of at most "
+        "max-dp-epsilon and max-dp-delta per image. Unset: yes for an institution with its own "
+        "data (no partition-id), no for a simulated partition.",
+    )
+    max_dp_epsilon: float = Field(
+        4.0, gt=0.0, le=100.0, description="With require-dp: the weakest epsilon accepted."
+    )
+    max_dp_delta: float = Field(
+        1e-5, gt=0.0, lt=1.0, description="With require-dp: the weakest delta accepted."
+    )
+    max_upload_images: int = Field(
+        0, ge=0, description="The most private images one upload may stand for; 0 = no cap."
+    )
+    max_upload_mb: float = Field(
+        0.0, ge=0.0, description="The most MiB one upload may take; 0 = no cap."
+    )
+
+    @field_validator("allow_uploads")
+    @classmethod
+    def _kinds(cls, text: str) -> str:
+        parse_kinds(text)
+        return text
+
+    @property
+    def simulated(self) -> bool:
+        """A simulation's partition, not an institution with its own data."""
+        return self.partition_id is not None
+
+    @property
+    def upload_policy(self) -> UploadPolicy:
+        """This institution's upload policy, its defaults resolved: a real institution requires
+        a DP guarantee unless it says otherwise; a simulated partition does not."""
+        return UploadPolicy(
+            kinds=parse_kinds(self.allow_uploads),
+            require_dp=not self.simulated if self.require_dp is None else self.require_dp,
+            max_epsilon=self.max_dp_epsilon,
+            max_delta=self.max_dp_delta,
+            max_images=self.max_upload_images,
+            max_bytes=int(self.max_upload_mb * 2**20),
+        )
 
     # the run-config keys an institution may set for itself: its paths and its hardware
     RUN_KEYS: ClassVar[dict[str, str]] = {

@@ -12,9 +12,10 @@ import gc
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
@@ -86,9 +87,7 @@ class LDM:
 
     def latent_shape(self, image_size: int | None = None) -> tuple[int, int, int]:
         """(C, H, W) of z for an image of ``image_size`` pixels (VAE downsampling factor)."""
-        size = image_size or self.image_size
-        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        return (int(self.vae.config.latent_channels), size // factor, size // factor)
+        return vae_latent_shape(self.vae.config, image_size or self.image_size)
 
     def freeze(self) -> LDM:
         """FedBiP never updates the LDM: no gradients, eval mode."""
@@ -115,6 +114,27 @@ class LDM:
         self.scheduler.save_pretrained(folder / "scheduler")
         _write_model_index(folder)
         return folder
+
+
+def vae_latent_shape(config: Mapping[str, Any], image_size: int) -> tuple[int, int, int]:
+    """(C, H, W) of the latent a VAE of ``config`` gives an image of ``image_size`` pixels."""
+    factor = 2 ** (len(config["block_out_channels"]) - 1)
+    return (int(config["latent_channels"]), image_size // factor, image_size // factor)
+
+
+def configured_latent_shape(model: str, image_size: int) -> tuple[int, int, int]:
+    """The latent shape of the run config's ``model`` (a folder, or a hub id in the local cache)
+    at ``image_size``, read from its VAE's config alone: no weight is loaded."""
+    local = resolve(model)
+    try:
+        config = AutoencoderKL.load_config(
+            str(local) if local.exists() else model, subfolder="vae", local_files_only=True
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(
+            f"Could not read the VAE config of the base model '{model}': {err}"
+        ) from None
+    return vae_latent_shape(config, image_size)
 
 
 def _write_model_index(folder: Path) -> None:

@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from typing_extensions import Self
 
 from .flat import FlatConfig
+from .policy import Guarantee
 
 CLASS_SLOT = "{class}"  # where fedlmg's prompt takes the class name
 # Class concepts per class at most: a sub-cluster per image of a 16-shot class.
@@ -36,10 +37,15 @@ class MethodSettings(FlatConfig):
     WHAT: ClassVar[str] = "method settings"
 
     @property
+    def guarantee(self) -> Guarantee | None:
+        """The upload's (epsilon, delta)-DP guarantee per private image; None: it has none."""
+        return None
+
+    @property
     def private(self) -> bool:
         """Whether the upload is differentially private: then nothing leaves the client that its
         guarantee does not cover, its evaluation reply included."""
-        return False
+        return self.guarantee is not None
 
 
 class FreshNoiseSettings(MethodSettings):
@@ -162,8 +168,8 @@ class DPMixtureSettings(MixtureSettings):
     )
 
     @property
-    def private(self) -> bool:
-        return self.dp_epsilon > 0
+    def guarantee(self) -> Guarantee | None:
+        return Guarantee(self.dp_epsilon, self.dp_delta) if self.dp_epsilon > 0 else None
 
 
 class FedLDSettings(DPMixtureSettings, FreshNoiseSettings):
@@ -407,8 +413,8 @@ class FedPFTSettings(MethodSettings):
     )
 
     @property
-    def private(self) -> bool:
-        return self.dp_epsilon > 0
+    def guarantee(self) -> Guarantee | None:
+        return Guarantee(self.dp_epsilon, self.dp_delta) if self.dp_epsilon > 0 else None
 
     @field_validator("covariance_type")
     @classmethod

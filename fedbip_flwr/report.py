@@ -130,13 +130,8 @@ def _accuracy_per_institution(record: RunResults) -> list[str]:
     )
     lines = ["## Accuracy per institution", "", intro, "", *_table(header, rows, "lrrll")]
     mean = _percent(evaluation.weighted_mean)
-    counted = all(s.counted for s in evaluation.per_client.values() if isinstance(s, Scored))
-    how = (
-        "weighted by test images"
-        if counted
-        else "unweighted (a DP run's institutions send their accuracy alone)"
-    )
-    return [*lines, "", f"Mean {how}: **{mean}**."]
+    # each institution's test-image count is its own claim (fedbip_flwr.results.institutions_mean)
+    return [*lines, "", f"Mean over the institutions, each weighing one: **{mean}**."]
 
 
 def _clients(record: RunResults) -> list[str]:

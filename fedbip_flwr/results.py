@@ -26,7 +26,7 @@ FILE_NAME = "metrics.json"
 MAX_PROBLEMS = 3  # validation problems quoted in an error; the rest are counted
 
 RunStatus = Literal["completed", "failed"]
-UploadStatus = Literal["accepted", "kept", "rejected", "failed", "missing"]
+UploadStatus = Literal["accepted", "kept", "rejected", "refused", "failed", "missing"]
 ConfigValue = bool | int | float | str  # what a Flower run-config value can be
 WireMetric = int | float | list[int] | list[float]  # what a Flower MetricRecord value can be
 T = TypeVar("T")
@@ -58,7 +58,9 @@ class ClientOutcome(_Part):
     """What happened to one client's upload in the one round."""
 
     node_id: int
-    status: UploadStatus  # kept: uploaded before a restart, not asked again
+    # kept: uploaded before a restart, not asked again; refused: by the institution's own
+    # upload policy (fedbip_flwr.policy), before it computed anything
+    status: UploadStatus
     reason: str = ""
     client_id: str = ""
     domain: str = ""
@@ -162,13 +164,15 @@ class Evaluation(_Part):
 
     where: Literal["clients", "both"]  # the run config's ``evaluation``
     per_client: dict[str, InstitutionScore]  # empty where a strategy reports only the mean
+    # the institutions' mean, each weighing one (:func:`institutions_mean`); the key keeps the
+    # name records have always had
     weighted_mean: float
     round: int | None = None  # a multi-round method: the round whose model they scored
 
     @classmethod
     def of(cls, where: str, per_client: Mapping[str, Scored | Unscored]) -> Evaluation:
-        """Per-institution scores and their mean weighted by test images."""
-        mean = weighted_mean(per_client)
+        """Per-institution scores and their mean, each institution weighing one."""
+        mean = institutions_mean(per_client)
         return cls(where=where, per_client=dict(per_client), weighted_mean=mean)
 
 
@@ -214,7 +218,7 @@ class RunResults(_Part):
                 for c, s in sorted(self.evaluation.per_client.items())
             )
             mean = self.evaluation.weighted_mean
-            parts.append(f"institutions' weighted mean {mean:.3f} ({scored})")
+            parts.append(f"institutions' mean {mean:.3f} ({scored})")
         return "; ".join(parts)
 
 
@@ -243,16 +247,18 @@ def read_fidelity(run_dir: str | Path) -> Fidelity | None:
     return _validated(path, Fidelity.model_validate) if path.exists() else None
 
 
-def weighted_mean(per_client: Mapping[str, Scored | Unscored]) -> float:
-    """Mean accuracy over the institutions that scored the classifier, weighted by their test
-    images; the plain mean where one sent its accuracy alone (a DP run's institutions)."""
+def institutions_mean(per_client: Mapping[str, Scored | Unscored]) -> float:
+    """Mean accuracy over the institutions that scored the classifier, each weighing one.
+
+    Not weighted by test images: an institution's count of its held-out images is its own
+    claim, which the server cannot check (a self-consistent 100,000 of 100,000 correct passes
+    every check a reply can be held to), so weighting by it would let one institution outweigh
+    all the others. The server knows only that each institution took part: an inflated reply
+    moves this mean by at most 1 / (institutions that scored)."""
     scored = [s for s in per_client.values() if isinstance(s, Scored)]
     if not scored:
         return math.nan
-    if not all(s.counted for s in scored):
-        return math.fsum(s.accuracy for s in scored) / len(scored)
-    total = sum(s.num_examples or 0 for s in scored)
-    return sum(s.accuracy * (s.num_examples or 0) for s in scored) / total
+    return math.fsum(s.accuracy for s in scored) / len(scored)
 
 
 def write(results: RunResults, target: str | Path) -> Path:

@@ -8,8 +8,9 @@ that dies mid-round loses no upload, and its restart sends ``train`` only to the
 upload is not on disk (nodes that reconnect under a new id are told which client ids are held,
 and answer without personalizing). Institutions that connect while the round is open are sent
 ``train`` too. Messages live as long as the round (``reply-timeout-s``), not Flower's 12-hour
-default. A failed, missing or invalid reply is recorded with its reason; nothing a client
-sends can crash the server.
+default. A failed, missing or invalid reply is recorded with its reason, and so is an
+institution's refusal of the run's request under its own upload policy
+(:mod:`fedbip_flwr.policy`); nothing a client sends can crash the server.
 
 After training, :meth:`OneShotStrategy.evaluate_at_institutions` sends the classifier back to
 every node that uploaded, in one ``evaluate`` message each, and records the metrics they reply.
@@ -18,9 +19,11 @@ every node that uploaded, in one ``evaluate`` message each, and records the metr
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import get_args
 
 from flwr.app import (
     ArrayRecord,
@@ -34,12 +37,14 @@ from flwr.serverapp.strategy import Result, Strategy
 from pydantic import ValidationError
 
 from .methods import Upload
-from .results import SCORE_KEYS, ClientOutcome, Scored, Unscored
+from .policy import REFUSAL_PREFIX
+from .results import SCORE_KEYS, ClientOutcome, Scored, Unscored, UploadStatus
 from .server import RunFolder
 from .storage import atomic_write, write_json
-from .upload import PayloadError
+from .upload import CLIENT_ID_PATTERN, PayloadError, printable
 from .wire import (
     CLIENT_ID,
+    REFUSED,
     blob_record,
     carries_payload,
     evaluate_content,
@@ -139,10 +144,7 @@ class OneShotStrategy(Strategy):
         for reply in replies:
             self._replied.add(reply.metadata.src_node_id)
             self.outcomes.append(self._take(reply))
-        counts = {
-            s: sum(o.status == s for o in self.outcomes)
-            for s in ("accepted", "kept", "rejected", "failed", "missing")
-        }
+        counts = {s: sum(o.status == s for o in self.outcomes) for s in get_args(UploadStatus)}
         return None, MetricRecord(counts)
 
     def configure_evaluate(
@@ -237,6 +239,8 @@ class OneShotStrategy(Strategy):
             log.warning("client on node %d failed: %s", node, reply.error.reason)
             reason = f"client error {reply.error.code}: {reply.error.reason}"
             return ClientOutcome(node_id=node, status="failed", reason=reason)
+        if REFUSED in (config := message_config(reply)):
+            return _refused(node, config)
         outcome = ClientOutcome(node_id=node, status="rejected")
         try:
             outcome.metrics = reply_metrics(reply)
@@ -348,6 +352,16 @@ class OneShotStrategy(Strategy):
             if isinstance(score, Unscored):
                 log.warning("%s could not score the classifier: %s", client, score.reason)
         return results
+
+
+def _refused(node: int, config: dict) -> ClientOutcome:
+    """A reply saying the institution's own upload policy refuses what the run asks: recorded
+    with its reason (and the client id it names, where that is one), never a failure of ours."""
+    reason = f"{REFUSAL_PREFIX}{printable(config[REFUSED])}"
+    claimed = str(config.get(CLIENT_ID, ""))
+    client_id = claimed if re.fullmatch(CLIENT_ID_PATTERN, claimed) else ""
+    log.warning("client %s on node %d: %s", client_id or "?", node, reason)
+    return ClientOutcome(node_id=node, status="refused", reason=reason, client_id=client_id)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ CONFIG_RECORD = "fedbip.config"
 BLOB_STYPE = "raw/safetensors"
 UPLOADED = "uploaded"  # train config: client ids whose upload the server already holds
 CLIENT_ID = "client-id"  # reply config: who answered
+REFUSED = "refused"  # reply config: why the institution's upload policy refuses the run's upload
 RUN_FOLDER = "run-folder"  # evaluate config: the run's folder name, kept by the institutions too
 
 
@@ -45,6 +46,11 @@ def payload_content(blob: bytes, metrics: dict, client_id: str) -> RecordDict:
 def skipped_content(client_id: str) -> RecordDict:
     """A client's reply to ``train`` when the server already holds its upload: no payload."""
     return RecordDict({CONFIG_RECORD: ConfigRecord({CLIENT_ID: client_id})})
+
+
+def refused_content(client_id: str, reason: str) -> RecordDict:
+    """A client's reply to ``train`` when its own upload policy refuses what the run asks."""
+    return RecordDict({CONFIG_RECORD: ConfigRecord({CLIENT_ID: client_id, REFUSED: reason})})
 
 
 def train_content(uploaded: list[str]) -> RecordDict:

@@ -103,8 +103,9 @@ def _positive_float(text: str) -> float:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    """Print metadata and a tensor table for a valid upload (any method); one line on stderr
-    otherwise."""
+    """Print metadata, a tensor table and what an institution records of it (digest, kinds,
+    guarantee, the measured membership figure) for a valid upload (any method); one line on
+    stderr otherwise."""
     try:
         blob = read_capped(args.payload, int(args.max_mb * 2**20))
         upload = audit_upload(blob, int(args.max_mb * 2**20))
@@ -129,6 +130,11 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(line)
     print()
     print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
+    print()
+    from fedbip_flwr.upload_record import describe, record_lines  # what an institution records
+
+    for line in record_lines(describe(blob)):
+        print(line)
     print()
     return _server_verdict(blob, args.run_config)
 

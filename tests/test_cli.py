@@ -111,7 +111,17 @@ def test_inspect_valid_payload_prints_metadata_and_tensors(
         if line.split() == ["name", "shape", "dtype", "mean", "std"]
     )
     table = {line.split()[0]: line for line in lines[head + 1 : head + 5]}
-    assert lines[head + 5 :] == [
+    record = lines[head + 6 : head + 13]  # what an institution records of it (upload_record)
+    assert record[0].startswith("upload: fedbip from partition-0, ")
+    assert record[1:] == [
+        "kinds: concepts, counts, latents",
+        "DP guarantee: none",
+        "the server's membership test, as measured (4x8x8; AUC 0.5 = chance):",
+        "  concepts: no record at this latent size and guarantee",
+        "  counts: no record at this latent size and guarantee",
+        "  latents: no record at this latent size and guarantee",
+    ]
+    assert lines[head + 13 :] == [
         "",
         "verdict: structure valid; not checked against a run's base model and "
         "plausibility bounds (give the federation's --run-config for the server's verdict)",

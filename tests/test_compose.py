@@ -15,6 +15,7 @@ cache (only the layers after a changed file), and the versions they replace are 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -213,6 +214,7 @@ def topology(tiny_model_dir):
         seconds_up = time.monotonic() - started
         yield {
             "env": env,
+            "credentials": work / "credentials",
             "project": project,
             "compose": compose,
             "seconds_up": seconds_up,
@@ -268,15 +270,19 @@ def flwr_json(topology, *args: str) -> dict:
 
 
 def test_compose_federation_runs_to_completion(topology):
-    # The "register" service registers the three keys; each SuperNode is then accepted.
+    # The "register" service registers the three keys, each SuperNode is then accepted, and it
+    # writes the run config binding them.
     deadline = time.monotonic() + 600
     statuses: list[str] = []
-    while statuses.count("online") < INSTITUTIONS:
+    written = topology["credentials"] / "operator" / "run-config"
+    while statuses.count("online") < INSTITUTIONS or not written.exists():
         assert time.monotonic() < deadline, f"SuperNodes: {statuses}\n{logs(topology)}"
         time.sleep(5)
         statuses = [n["status"] for n in flwr_json(topology, "supernode", "ls").get("nodes", [])]
 
-    # The default federation, shrunk, on the institutions' own folders: the server holds none.
+    # The deployment's federation, shrunk, on the institutions' own folders (the server holds
+    # none): the run config "register" wrote (the DP upload, client-nodes), then the test's.
+    registered = written.read_text().strip()
     values = {
         **SMALL,
         "model": '"models/tiny-ldm"',
@@ -287,7 +293,17 @@ def test_compose_federation_runs_to_completion(topology):
     values.pop("replayable-client-noise")  # institutions keep the private default
     run_started = time.monotonic()
     output = run(
-        [FLWR, "run", ".", "fedbip-compose", "--stream", "--run-config", as_run_config(values)],
+        [
+            FLWR,
+            "run",
+            ".",
+            "fedbip-compose",
+            "--stream",
+            "--run-config",
+            registered,
+            "--run-config",
+            as_run_config(values),
+        ],
         topology["env"],
         1800,
         "flwr run",
@@ -303,14 +319,18 @@ def test_compose_federation_runs_to_completion(topology):
     folder = volume_path(topology, "server-outputs") / "compose"
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["status"] == "completed"
+    assert metrics["config"]["method"] == "fedbip-mixture"
+    assert metrics["config"]["fedbip-mixture.dp-epsilon"] == 4.0
     accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
     assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
+    bound = dict(pair.split("=") for pair in metrics["config"]["client-nodes"].split(","))
+    uploaders = json.loads((folder / "uploaders.json").read_text())
+    assert {client: node for node, client in uploaders.items()} == bound
     assert "per_domain" not in metrics["accuracy"], "the server scored on data it cannot hold"
     per_client = metrics["evaluation"]["per_client"]
     assert sorted(per_client) == accepted
-    assert all(
-        r["status"] == "ok" and r["num_examples"] == 6 * TEST_PER_CLASS for r in per_client.values()
-    ), per_client
+    # a DP upload's institution replies its accuracy alone
+    assert all(r["status"] == "ok" and "num_examples" not in r for r in per_client.values())
     assert sorted(p.name for p in (folder / "payloads").glob("*.safetensors")) == [
         "painting-0.safetensors",
         "quickdraw-0.safetensors",
@@ -325,6 +345,10 @@ def test_compose_federation_runs_to_completion(topology):
             / "classifier.safetensors"
         )
         assert kept.read_bytes() == (folder / "classifier.safetensors").read_bytes()
+        records = volume_path(topology, f"institution-{index}-outputs") / "institutions"
+        [line] = (records / f"{domain}-0" / "uploads.jsonl").read_text().splitlines()
+        stored = (folder / "payloads" / f"{domain}-0.safetensors").read_bytes()
+        assert json.loads(line)["sha256"] == hashlib.sha256(stored).hexdigest()
     assert "/app/data" not in container_mounts(topology, "serverapp")
     assert "/app/data" in container_mounts(topology, "clientapp-0")
     print(

@@ -7,6 +7,7 @@ Every process a test starts is stopped by PID, on failure too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
@@ -35,10 +36,19 @@ DEPLOY = ROOT / "deploy"
 NUM_SUPERNODES = 3
 
 
+# Institution 2 (painting-0) requires epsilon <= 1, stricter than the demo's default upload at
+# epsilon 4. Its model does not exist and its folder's train/ is empty: loading either fails
+# its job, so a refusal recorded as such proves it refused before touching them.
+STRICT = 2
+STRICT_POLICY = 'model="/nonexistent/model" max-dp-epsilon=1.0'
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory, tiny_model_dir):
-    """deploy/demo.sh end to end: credentials, SuperLink, 3 registered SuperNodes, the run."""
+    """deploy/demo.sh end to end: credentials, SuperLink, 3 registered SuperNodes, the run (the
+    demo's default DP upload, client ids bound to the registered nodes)."""
     work = tmp_path_factory.mktemp("demo")
+    (work / "data" / f"institution-{STRICT}" / "train").mkdir(parents=True)
     port = free_port_block(1 + NUM_SUPERNODES)
     values = {
         **SMALL,
@@ -46,6 +56,7 @@ def demo(tmp_path_factory, tiny_model_dir):
         "output-dir": f'"{work / "outputs"}"',
         "run-name": '"deployment"',
     }
+    values.pop("replayable-client-noise")  # institutions keep the private default
     env = flwr_env(work / "flwr-home")
     proc = subprocess.Popen(
         [
@@ -58,6 +69,8 @@ def demo(tmp_path_factory, tiny_model_dir):
             "3",
             "-t",
             "4",
+            "-c",
+            f"{STRICT}:{STRICT_POLICY}",
             str(work),
             "--run-config",
             as_run_config(values),
@@ -85,9 +98,13 @@ def demo(tmp_path_factory, tiny_model_dir):
     }
 
 
+CLIENTS = ("sketch-0", "quickdraw-0", "painting-0")  # institution i's client id
+
+
 def test_demo_runs_the_federation_to_completion(demo):
     """Three institutions, each with its own image folder and identity in its node config; the
-    server holds no image, so the scores come from the institutions themselves."""
+    server holds no image, so the scores come from the institutions themselves. The demo's
+    default upload carries a DP guarantee, and each client id is bound to its node."""
     assert demo["returncode"] == 0, demo["output"][-6000:]
     assert "finished:completed" in demo["output"]
     assert f"{NUM_SUPERNODES} SuperNodes online" in demo["output"]
@@ -98,27 +115,73 @@ def test_demo_runs_the_federation_to_completion(demo):
     assert record.config["dataset"] == "imagefolder"
     assert record.config["evaluation"] == "clients"
     assert record.config["model"] == demo["model"]  # the run config reached the ServerApp
+    assert record.config["method"] == "fedbip-mixture"
+    assert record.config["fedbip-mixture.dp-epsilon"] == 4.0
     accepted = sorted(c.client_id for c in record.clients if c.status == "accepted")
-    assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
+    assert accepted == ["quickdraw-0", "sketch-0"]
+    uploaders = json.loads((run / "uploaders.json").read_text())
+    bound = dict(pair.split("=") for pair in record.config["client-nodes"].split(","))
+    assert sorted(bound) == sorted(CLIENTS)
+    assert {client: bound[client] for client in uploaders.values()} == {
+        client: node for node, client in uploaders.items()
+    }, "each upload came from the node its client id is bound to"
     assert record.accuracy.per_domain is None, "the server scored on data it cannot hold"
     per_client = record.evaluation.per_client
     assert sorted(per_client) == accepted
     for client, score in per_client.items():
         assert isinstance(score, Scored), (client, score)
-        assert score.num_examples == 6 * 4  # the institution's own test/ folder
+        assert score.num_examples is None  # a DP upload's institution sends its accuracy alone
     assert 0.0 <= record.evaluation.weighted_mean <= 1.0
     for i in range(NUM_SUPERNODES):
-        client = ("sketch-0", "quickdraw-0", "painting-0")[i]
-        kept = (
-            demo["work"]
-            / "institutions"
-            / f"institution-{i}"
-            / "deployment"
-            / "institutions"
-            / client
-            / "classifier.safetensors"
-        )
+        if i == STRICT:
+            continue
+        own = demo["work"] / "institutions" / f"institution-{i}"
+        kept = own / "deployment" / "institutions" / CLIENTS[i] / "classifier.safetensors"
         assert kept.read_bytes() == (run / "classifier.safetensors").read_bytes()
+
+
+def test_an_institution_whose_policy_refuses_the_upload_computes_nothing(demo):
+    """Institution 2 requires epsilon <= 1: it refused before opening its folder or loading
+    its model (either would have failed its job instead), the run completed with the others,
+    and the refusal is in clients.json and report.md."""
+    assert demo["returncode"] == 0, demo["output"][-6000:]
+    run = demo["work"] / "outputs" / "deployment"
+    [refused] = [c for c in results.read_clients(run / "clients.json") if c.status == "refused"]
+    assert refused.client_id == CLIENTS[STRICT]
+    assert refused.reason == (
+        "refused by the institution's policy: the run's upload is (4, 1e-05)-DP per image, "
+        "weaker than this institution's epsilon <= 1, delta <= 1e-05 per image (node config "
+        "max-dp-epsilon, max-dp-delta)"
+    )
+    report = (run / "report.md").read_text()
+    assert "refused by the institution's policy: the run's upload is (4, 1e-05)-DP" in report
+    assert not (demo["work"] / "institutions" / f"institution-{STRICT}").exists(), (
+        "the refusing institution kept nothing: it uploaded nothing and got nothing back"
+    )
+
+
+def test_every_accepted_upload_is_recorded_by_its_institution(demo):
+    """The record each institution keeps of what left it, beside the bytes the server holds."""
+    run = demo["work"] / "outputs" / "deployment"
+    for i in range(NUM_SUPERNODES):
+        if i == STRICT:
+            continue
+        own = demo["work"] / "institutions" / f"institution-{i}"
+        [line] = (own / "institutions" / CLIENTS[i] / "uploads.jsonl").read_text().splitlines()
+        record = json.loads(line)
+        stored = (run / "payloads" / f"{CLIENTS[i]}.safetensors").read_bytes()
+        assert record["sha256"] == hashlib.sha256(stored).hexdigest()
+        assert (record["method"], record["bytes"]) == ("fedbip-mixture", len(stored))
+        # the accountant's epsilon, just below the one asked for
+        assert record["dp"]["epsilon"] == pytest.approx(4.0, abs=1e-3)
+        assert (record["dp"]["delta"], record["dp"]["void"]) == (1e-05, False)
+        assert record["kinds"] == ["concepts", "counts", "statistics"]
+        measured = {m["kind"]: (m["auc"], m["epsilon"]) for m in record["membership"]}
+        assert measured == {  # the tiny model at 32 px: 4x16x16 latents, as the miniature's
+            "concepts": ([0.49, 0.51], 4.0),
+            "counts": (None, None),
+            "statistics": ([0.50, 0.52], 4.0),
+        }
 
 
 def test_demo_secured_every_connection(demo):

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from flwr.common.config import parse_config_args
 
+from fedbip_flwr.client_run import check_policy
+from fedbip_flwr.config import FedBiPConfig, NodeConfig
+from fedbip_flwr.methods import create_for
+from fedbip_flwr.policy import Guarantee, PolicyRefusal
+from fedbip_tools.cli import project_run_config
 from tests.helpers import ROOT
 
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
@@ -213,3 +219,35 @@ def test_superlink_script_warns_on_every_interface(fake_superlink):
     proc = fake_superlink("--host", "0.0.0.0", "--port", "9093")
     assert proc.returncode == 0, proc.stderr
     assert "warning" in proc.stderr and "Control API" in proc.stderr
+
+
+def test_the_shipped_deployment_binds_client_ids_and_asks_for_a_dp_upload():
+    """Issue 91: the demo and compose both register through docker/register-supernodes.sh,
+    whose run config binds every client id to its registered node (client-nodes) and asks by
+    default for an upload a real institution's default policy accepts; FedBiP's own it
+    refuses. tests/test_deployment.py runs the script for real."""
+    script = (ROOT / "docker" / "register-supernodes.sh").read_text()
+    default = re.search(r': "\$\{FEDBIP_RUN_CONFIG:=(.*)\}"\n', script).group(1).replace('\\"', '"')
+    assert 'client-nodes="%s"' in script and '"$FEDBIP_RUN_CONFIG" "$bound"' in script
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["register"]
+    assert compose["entrypoint"][1:] == [
+        "/app/register-supernodes.sh",
+        "/app/keys",
+        "/app/operator/run-config",
+    ]
+    targets = [resolve(volume, {}).split(":")[1] for volume in compose["volumes"]]
+    assert [t for t in targets if t.startswith("/app/keys/")] == [
+        f"/app/keys/{client}.pub" for client in ("sketch-0", "quickdraw-0", "painting-0")
+    ], "each key is registered under its institution's client id"
+    demo = (DEPLOY / "demo.sh").read_text()
+    assert 'register-supernodes.sh" "$keys" "$run_config"' in demo
+    assert '--run-config "$(cat "$run_config")' in demo
+
+    node = NodeConfig.from_flat({"data-root": "/srv/data", "domain": "x", "client-id": "a"})
+    run = {**project_run_config(), "dataset": "imagefolder", "classes": "a,b"}
+    cfg = FedBiPConfig.from_flat({**run, **parse_config_args([default])})
+    assert cfg.settings_of(cfg.method).guarantee == Guarantee(4.0, 1e-5)
+    check_policy(create_for(cfg), cfg, node)  # accepted
+    fedbip = FedBiPConfig.from_flat({**run, **parse_config_args([default, 'method="fedbip"'])})
+    with pytest.raises(PolicyRefusal, match="without a DP guarantee"):
+        check_policy(create_for(fedbip), fedbip, node)

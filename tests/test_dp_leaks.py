@@ -27,7 +27,7 @@ from fedbip_flwr.classifier import build_classifier
 from fedbip_flwr.concepts import DPSGD, _private_epoch
 from fedbip_flwr.dp import gaussian_guarantee, noisy_estimate
 from fedbip_flwr.folders import TEST_FRACTION, own_folder_split
-from fedbip_flwr.results import Scored, Unscored, weighted_mean
+from fedbip_flwr.results import Scored, Unscored, institutions_mean
 from fedbip_flwr.strategy import ScoreBounds, _scores
 from fedbip_flwr.wire import RUN_FOLDER, blob_record, evaluate_content, reply_metrics
 from fedbip_tools.cli import project_run_config
@@ -140,8 +140,8 @@ def test_the_mean_of_scores_without_counts_is_unweighted() -> None:
     counted = Scored(
         accuracy=0.5, num_examples=30, per_class_correct=[15, 0], per_class_total=[15, 15]
     )
-    assert weighted_mean({"a": counted, "b": Scored(accuracy=0.91)}) == pytest.approx(0.705)
-    assert weighted_mean({"a": counted, "b": counted}) == pytest.approx(0.5)
+    assert institutions_mean({"a": counted, "b": Scored(accuracy=0.91)}) == pytest.approx(0.705)
+    assert institutions_mean({"a": counted, "b": counted}) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="together or not at all"):
         Scored(accuracy=0.5, num_examples=30)
 

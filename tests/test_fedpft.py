@@ -185,6 +185,13 @@ def _meta(key, value):
     return lambda _t, meta: meta.update({f"fedbip.{key}": json.dumps(value)})
 
 
+def _as_diag(tensors, meta):
+    """A diag upload, consistent in itself, where the server asks for spherical ones."""
+    _meta("covariance_type", "diag")(tensors, meta)
+    spherical = tensors["gmm_covariances"]
+    tensors["gmm_covariances"] = torch.full((*spherical.shape, 512), fedpft.REG_COVAR)
+
+
 HOSTILE = {
     "negative variance": (_set("gmm_covariances", (0, 0), -1.0), "below the fit's floor"),
     "zero variance": (_set("gmm_covariances", (1, 0), 0.0), "below the fit's floor"),
@@ -204,10 +211,7 @@ HOSTILE = {
         _meta("encoder", "0123456789abcdef"),
         "encoder '0123456789abcdef' does not match",
     ),
-    "another covariance type": (
-        _meta("covariance_type", "diag"),
-        "covariance type 'diag' does not match",
-    ),
+    "another covariance type": (_as_diag, "covariance type 'diag' does not match"),
     "another image size": (_meta("image_size", 64), "image size 64 does not match"),
     "negative count": (_set("class_counts", 0, -2), "must be non-negative"),
 }

@@ -16,12 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 from fedbip_flwr import results, server_run, shapes
+from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods import create_for
 from fedbip_flwr.mixture import MIXTURE_MEANS, MIXTURE_VARIANCES, MIXTURE_WEIGHTS
 from fedbip_flwr.results import ClientOutcome, RunResults, Seconds
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.upload import PayloadError, encode_tensors
+from fedbip_tools.cli import main
 from tests.helpers import client_job, method_config, server_job, tampered
 
 MIXTURES = ("fedld", "fedbip-mixture", "espresso")
@@ -79,7 +81,7 @@ def _rows(keep: int):
 def test_a_mixture_with_fewer_class_rows_than_the_servers_classes_is_refused(method, tiny_ldm):
     cfg, blob = upload_of(method, tiny_ldm)
     reason = refusal(cfg, tampered(blob, method, cfg, _rows(2)), tiny_ldm)
-    assert "the server's 6 classes" in reason, reason
+    assert "its header's 6 classes" in reason, reason  # the server's, checked before
 
 
 def test_more_components_than_stated_are_refused(tiny_ldm):
@@ -113,6 +115,59 @@ def test_classes_claimed_empty_are_checked_when_the_server_synthesizes_them(meth
     assert "class 1, component 0" in refusal(cfg, lie, tiny_ldm)
     unused = method_config(method, **{f"{method}.images-per-class": 0})
     create_for(unused).accept(lie, server_job(unused, tiny_ldm))
+
+
+# --- fedbip inspect, without a run config: what no client could have fitted (issue 91) ---------
+
+# each mixture method's tensor names: weights, variances (FedPFT's spherical covariances)
+MIXTURE_TENSORS = {
+    **{method: (MIXTURE_WEIGHTS, MIXTURE_VARIANCES) for method in MIXTURES},
+    "fedpft": ("gmm_weights", "gmm_covariances"),
+}
+
+
+@pytest.fixture(scope="module")
+def honest_mixtures(tiny_model_dir) -> dict:
+    """Each mixture method's upload by the real client code on the tiny model."""
+    ldm = load_ldm(tiny_model_dir)
+    return {method: upload_of(method, ldm, model=str(tiny_model_dir)) for method in MIXTURE_TENSORS}
+
+
+def _negative_variance_in(variances: str):
+    def change(tensors, _meta):
+        tensors[variances] = tensors[variances].clone()
+        tensors[variances].view(-1)[0] = -1.0
+
+    return change
+
+
+def _weights_tripled_in(weights: str):
+    def change(tensors, _meta):
+        tensors[weights] = tensors[weights] * 3
+
+    return change
+
+
+@pytest.mark.parametrize("method", MIXTURE_TENSORS)
+def test_inspect_alone_calls_a_mixture_no_client_could_fit_invalid(
+    method, honest_mixtures, tmp_path, capsys
+):
+    """Negative variances and weights summing to 3 need no model to be refused: ``fedbip
+    inspect`` without --run-config checks the mixture its header states."""
+    cfg, blob = honest_mixtures[method]
+    weights, variances = MIXTURE_TENSORS[method]
+    path = tmp_path / "upload.safetensors"
+    path.write_bytes(blob)
+    assert main(["inspect", str(path)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    for change, reason in (
+        (_negative_variance_in(variances), "variance"),
+        (_weights_tripled_in(weights), "sum to 1 +- 2"),
+    ):
+        path.write_bytes(tampered(blob, method, cfg, change))
+        assert main(["inspect", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("invalid payload: ") and reason in err, err
 
 
 # --- after acceptance: a failure costs only its own client, now and after a restart ---------
@@ -298,19 +353,7 @@ def _times_50(tensors, _meta):
     tensors["latents"] = tensors["latents"] * 50
 
 
-def _negative_variance(tensors, _meta):
-    variances = tensors[MIXTURE_VARIANCES].clone()
-    variances[0, 0, 0] = -1.0
-    tensors[MIXTURE_VARIANCES] = variances
-
-
-@pytest.mark.parametrize(
-    ("method", "lie", "reason"),
-    [
-        ("fedbip", _times_50, "latents"),
-        ("fedld", _negative_variance, "variance <= 0"),
-    ],
-)
+@pytest.mark.parametrize(("method", "lie", "reason"), [("fedbip", _times_50, "latents")])
 def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(
     method, lie, reason, tiny_model_dir, tiny_ldm, tmp_path, capsys
 ):

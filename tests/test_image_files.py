@@ -320,7 +320,13 @@ def test_an_error_reply_to_the_server_neither_counts_nor_names_the_bad_files(
         "classes": ",".join(CLASSES),
         "image-size": SIZE,
     }
-    node = {"data-root": str(own_folder), "domain": "sketch", "client-id": "inst"}
+    # an institution that lets counts leave without a DP guarantee (prompts-only's upload)
+    node = {
+        "data-root": str(own_folder),
+        "domain": "sketch",
+        "client-id": "inst",
+        "require-dp": False,
+    }
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
     message = Message(
         content=RecordDict({"config": ConfigRecord({})}),

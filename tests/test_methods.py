@@ -23,6 +23,7 @@ from fedbip_flwr.methods.base import (
     encode_upload,
     fresh_noise_labels,
 )
+from fedbip_flwr.policy import UploadKind
 from fedbip_flwr.server import RunFolder, evaluate_models
 from fedbip_flwr.storage import read_tensors
 from fedbip_flwr.upload import PayloadError, UploadMeta
@@ -73,6 +74,7 @@ class Toy(methods.Method):
     trains on nothing of it."""
 
     name = "toy"
+    uploads = frozenset({UploadKind.COUNTS})  # what an institution's upload policy weighs
     meta_model = ToyMeta
     tensor_names = ("class_counts",)
 
@@ -86,13 +88,17 @@ class Toy(methods.Method):
 
 def test_a_new_method_is_its_settings_entry_one_module_and_its_registration(monkeypatch, tiny_ldm):
     """What adding a method takes: its name and settings model in METHOD_SETTINGS, and a class
-    with @register (here into a copy of the registry); then the run config (its own table
-    too), create() and the shared upload checks know it by name."""
+    declaring the kinds of its upload, with @register (here into a copy of the registry); then
+    the run config (its own table too), create(), the shared upload checks and the
+    institutions' upload policies know it by name."""
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     with pytest.raises(ValueError, match="'toy' has no settings in method_settings"):
         base.register(Toy)
     monkeypatch.setitem(METHOD_SETTINGS, "toy", ToySettings)
+    with pytest.raises(ValueError, match="'toy' declares no upload kinds"):
+        base.register(type("Kindless", (Toy,), {"uploads": frozenset()}))
     base.register(Toy)
+    assert methods.upload_kinds("toy") == {UploadKind.COUNTS}
     cfg = method_config("toy", **{"toy.scale": 3})
     blob, _ = methods.create_for(cfg).upload(client_job(cfg, tiny_ldm))
     upload = create("toy").accept(blob, server_job(cfg, tiny_ldm))

@@ -42,7 +42,7 @@ def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: 
     assert re.search(
         r"\| painting-0 +\| +n/a +\| +\| failed +\| no reply before the timeout", report
     )
-    assert "Mean weighted by test images: **65.0%**." in report
+    assert "Mean over the institutions, each weighing one: **65.0%**." in report
 
     linked = linked_images(report)
     expected = {f"grid-{c}.png" for c in ACCEPTED} | {f"concept-loss-{c}.png" for c in ACCEPTED}

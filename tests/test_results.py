@@ -79,13 +79,27 @@ def test_phases_come_in_the_order_they_run() -> None:
     ]
 
 
-def test_the_weighted_mean_counts_only_institutions_that_scored(tmp_path: Path) -> None:
+def test_an_inflated_evaluation_reply_weighs_as_one_institution(tmp_path: Path) -> None:
+    """Issue 91: 100,000 of 100,000 correct is self-consistent and within max-images-per-client,
+    so it passes every check a reply is held to; weighted by its claimed test images it would
+    outweigh every honest institution (the mean 0.9997). Each institution weighs one; one that
+    did not score counts not at all."""
+    honest = Scored(
+        accuracy=0.5, num_examples=24, per_class_correct=[6, 6], per_class_total=[12, 12]
+    )
+    inflated = Scored(
+        accuracy=1.0,
+        num_examples=100_000,
+        per_class_correct=[50_000, 50_000],
+        per_class_total=[50_000, 50_000],
+    )
     per_client = {
-        "a": Scored(accuracy=0.5, num_examples=10, per_class_correct=[5], per_class_total=[10]),
-        "b": Scored(accuracy=1.0, num_examples=30, per_class_correct=[30], per_class_total=[30]),
+        "a": honest,
+        "b": honest,
+        "liar": inflated,
         "c": Unscored(reason="not connected under the node id it uploaded from"),
     }
-    assert Evaluation.of("both", per_client).weighted_mean == pytest.approx(0.875)
+    assert Evaluation.of("both", per_client).weighted_mean == pytest.approx((0.5 + 0.5 + 1.0) / 3)
     nobody = Evaluation.of("clients", {"c": per_client["c"]})
     record = RunResults(status="completed", config={}, accuracy=Accuracy(), evaluation=nobody)
     assert math.isnan(results.read(results.write(record, tmp_path)).evaluation.weighted_mean)

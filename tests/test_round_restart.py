@@ -122,9 +122,9 @@ class Topology:
         data = self.work / "data" / client_id
         if shots:
             shapes.write_image_folder(data, domain, shots, 2, size=32)
-        node_config = (
+        node_config = (  # institutions that let FedBiP's z(T) leave without a DP guarantee
             f'data-root="{data}" domain="{domain}" client-id="{client_id}" '
-            f'output-dir="{self.work / "kept" / client_id}"'
+            f'output-dir="{self.work / "kept" / client_id}" require-dp=false'
         )
         _, log = self.start(
             client_id,

@@ -22,6 +22,7 @@ from ..config import FedBiPConfig, NodeConfig
 from ..dp import EPSILON_METRIC
 from ..ldm import LDM
 from ..partitions import DataError
+from ..policy import UploadPolicy
 from ..results import SENT_BYTES, SENT_IMAGES, SENT_SECONDS, SENT_SKIPPED
 from ..seeds import client_generator
 from ..upload import PayloadError, upload_method
@@ -52,6 +53,7 @@ from .base import (
     names,
     one_shot_for,
     register,
+    upload_kinds,
 )
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "oscar",
     "prompts_only",
     "register",
+    "upload_kinds",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,11 +107,16 @@ def institution_upload(
     node: NodeConfig,
     ldm: Callable[[], LDM],
     device: torch.device | None = None,
+    policy: UploadPolicy | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """An institution's whole job: its own images -> the one upload's bytes, and the metrics
     sent beside it, for the run's method. The ClientApp and ``fedbip personalize`` both call
-    this, so what an institution computes and audits offline is exactly what it would upload."""
+    this, so what an institution computes and audits offline is exactly what it would upload.
+    The ClientApp passes the institution's ``policy``: its caps on images and bytes are checked
+    once the images are counted, before the model loads, and on the upload before it leaves
+    (:class:`~fedbip_flwr.policy.PolicyRefusal`); offline, nothing leaves."""
     started = time.perf_counter()
+    method = one_shot_for(cfg)
     data = dataset.institution_data(cfg.data, node)
     if (
         len(data) > cfg.max_images_per_client
@@ -119,10 +127,14 @@ def institution_upload(
             f"{cfg.max_images_per_client} (counted in its own log): the server refuses an upload that "
             "stands for more (ask its operator to raise it, or hold fewer images)"
         )
+    if policy is not None:
+        policy.check_before_compute(len(data), lambda: method.upload_floor(cfg, len(data)))
     log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
-    blob, metrics = one_shot_for(cfg).upload(job)
+    blob, metrics = method.upload(job)
+    if policy is not None:
+        policy.check_size(len(blob))
     if (
         EPSILON_METRIC in metrics
     ):  # a DP upload: nothing beside it that its guarantee does not cover

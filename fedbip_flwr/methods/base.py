@@ -45,6 +45,7 @@ from ..dataset import ClientSet
 from ..ldm import LDM
 from ..method_settings import METHOD_SETTINGS, FreshNoiseSettings, MethodSettings
 from ..mixture import LatentMixture, draw
+from ..policy import UploadKind
 from ..results import Accuracy, RunResults
 from ..seeds import client_seed
 from ..server import RunFolder, ShardMode, WorkUnit, keyed_shard, shard_key
@@ -82,6 +83,7 @@ __all__ = [
     "names",
     "one_shot_for",
     "register",
+    "upload_kinds",
 ]
 
 
@@ -131,10 +133,13 @@ class Upload:
 
 
 class Registered:
-    """What every registered method has: its name and its own run-config settings, of the
-    model :data:`~fedbip_flwr.method_settings.METHOD_SETTINGS` lists under its name."""
+    """What every registered method has: its name, the kinds of what its clients upload (what
+    an institution's upload policy allows or refuses, :mod:`fedbip_flwr.policy`) and its own
+    run-config settings, of the model :data:`~fedbip_flwr.method_settings.METHOD_SETTINGS`
+    lists under its name."""
 
     name: ClassVar[str]
+    uploads: ClassVar[frozenset[UploadKind]]
 
     def __init__(self, settings: MethodSettings | None = None) -> None:
         self.settings = METHOD_SETTINGS[self.name]() if settings is None else settings
@@ -196,6 +201,12 @@ class Method(Registered, ABC):
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         """The method's own schema (shapes, dtypes, ranges); returns the upload to keep."""
         return upload
+
+    def upload_floor(self, cfg: FedBiPConfig, images: int) -> int:
+        """The fewest bytes a client's upload of ``images`` private images can take, known
+        before computing it (an institution's byte cap refuses early with it); 0 where the
+        method's upload does not grow with the images."""
+        return 0
 
     @abstractmethod
     def train_set(
@@ -292,6 +303,8 @@ def register(cls: T) -> T:
     a name :data:`~fedbip_flwr.method_settings.METHOD_SETTINGS` lists with its settings."""
     if cls.name not in METHOD_SETTINGS:
         raise ValueError(f"method {cls.name!r} has no settings in method_settings.METHOD_SETTINGS")
+    if not getattr(cls, "uploads", None):
+        raise ValueError(f"method {cls.name!r} declares no upload kinds (its class's uploads)")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"method {cls.name!r} is registered already, by {_REGISTRY[cls.name]}")
     _REGISTRY[cls.name] = cls
@@ -301,18 +314,27 @@ def register(cls: T) -> T:
 def create(name: str, settings: MethodSettings | Mapping[str, Any] | None = None) -> AnyMethod:
     """The method registered under ``name`` (the run config's ``method``) with its own
     settings: a validated model, its table's kebab-case keys, or None for its defaults."""
-    try:
-        cls = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}"
-        ) from None
+    cls = _registered(name)
     model = METHOD_SETTINGS[name]
     if isinstance(settings, Mapping):
         settings = model.from_flat(settings)
     if settings is not None and not isinstance(settings, model):
         raise ValueError(f"method {name!r} takes {model.__name__}, got {type(settings).__name__}")
     return cls(settings)
+
+
+def upload_kinds(name: str) -> frozenset[UploadKind]:
+    """The kinds of what the method registered under ``name`` uploads."""
+    return _registered(name).uploads
+
+
+def _registered(name: str) -> type[AnyMethod]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown method {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
 
 
 def create_for(cfg: FedBiPConfig) -> AnyMethod:
@@ -383,22 +405,28 @@ def check_labels(upload: Upload, name: str = "labels") -> torch.Tensor:
     return check_index(name, labels, len(upload.meta.class_names), "one per class name")
 
 
-def check_class_counts(
-    upload: Upload, server: ServerJob, name: str = "class_counts"
-) -> torch.Tensor:
-    """(C,) int64 per-class counts, non-negative, each and their sum within the server's run
-    config max-images-per-client (it synthesizes as many images as they claim), summing to the
-    upload's num_examples."""
-    cap = server.cfg.max_images_per_client
+def check_counts(upload: Upload, name: str = "class_counts") -> torch.Tensor:
+    """(C,) int64 per-class counts of the upload's own classes, non-negative, summing to its
+    num_examples: what counts are whatever the server (``fedbip inspect`` checks them alone)."""
     counts = check_tensor(upload, name, torch.int64, (len(upload.meta.class_names),))
     values = counts.tolist()  # Python ints: their sum cannot wrap around as int64's can
     if min(values, default=0) < 0:
         raise PayloadError(f"{name} {values} must be non-negative")
-    for class_name, count in zip(upload.meta.class_names, values, strict=True):
-        check_image_count(count, cap, f"{name} of class {class_name!r}")
-    check_image_count(sum(values), cap, f"{name} in all")
     if sum(values) != upload.meta.num_examples:
         raise PayloadError(f"{name} {values} must sum to num_examples {upload.meta.num_examples}")
+    return counts
+
+
+def check_class_counts(
+    upload: Upload, server: ServerJob, name: str = "class_counts"
+) -> torch.Tensor:
+    """:func:`check_counts`, each and their sum within the server's run config
+    max-images-per-client (it synthesizes as many images as they claim)."""
+    cap = server.cfg.max_images_per_client
+    counts = check_counts(upload, name)
+    for class_name, count in zip(upload.meta.class_names, counts.tolist(), strict=True):
+        check_image_count(count, cap, f"{name} of class {class_name!r}")
+    check_image_count(upload.meta.num_examples, cap, f"{name} in all")
     return counts
 
 

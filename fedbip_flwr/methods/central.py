@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..policy import UploadKind
 from ..server import keyed_shard, shard_key
 from ..upload import UploadMeta
 from ..viz import dequantize, quantize
@@ -34,6 +35,8 @@ class CentralMeta(UploadMeta):
 @register
 class Central(Method):
     name = "central"
+    # uploads: the images themselves, with their labels
+    uploads = frozenset({UploadKind.IMAGES, UploadKind.COUNTS})
     meta_model = CentralMeta
     tensor_names = ("images", "labels")
 

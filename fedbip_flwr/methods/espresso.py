@@ -43,6 +43,7 @@ from ..instance import personalize_instances
 from ..method_settings import EspressoSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import ROUNDING, adam_step_bound
+from ..policy import UploadKind
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..synthesis import ZSampling
@@ -60,6 +61,7 @@ from .base import (
     register,
 )
 from .fedld import (
+    MixtureChecks,
     MixtureMeta,
     check_mixture_upload,
     first_timestep,
@@ -99,8 +101,10 @@ class EspressoUpload:
 
 
 @register
-class Espresso(Method):
+class Espresso(MixtureChecks, Method):
     name = "espresso"
+    # uploads: per class a mixture of its z(T), conditions per sub-cluster, class counts
+    uploads = frozenset({UploadKind.STATISTICS, UploadKind.CONCEPTS, UploadKind.COUNTS})
     settings: EspressoSettings
     meta_model = EspressoMeta
     tensor_names = ("class_counts", CONDITIONS, *MIXTURE_TENSOR_NAMES)

@@ -46,6 +46,7 @@ from ..client import score_classifier
 from ..clusters import public_encoder
 from ..config import FedBiPConfig, NodeConfig
 from ..method_settings import FedAvgSettings, FedPFTSettings
+from ..policy import UploadKind
 from ..results import SENT_ACCURACY, SENT_IMAGES, Accuracy, Evaluation, RunResults, Seconds
 from ..seeds import client_generator
 from ..server import RunFolder, train_settings
@@ -64,6 +65,8 @@ _SHOWN_NAMES = 4  # names an error lists at most (a hostile record may hold thou
 @register
 class FedAvg(MultiRound):
     name = "fedavg"
+    # uploads: its trained weights, every round
+    uploads = frozenset({UploadKind.CLASSIFIER})
     settings: FedAvgSettings
 
     @property

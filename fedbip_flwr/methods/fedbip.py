@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from ..concepts import (
 from ..config import FedBiPConfig
 from ..expectations import expectations
 from ..instance import personalize_instances, upload_order
-from ..ldm import LDM
+from ..ldm import LDM, configured_latent_shape
 from ..method_settings import FedBiPFamily, FedBiPSettings, PassSettings
 from ..payload import (
     TENSOR_NAMES,
@@ -44,6 +45,7 @@ from ..payload import (
     encode_payload,
     payload_tensor_names,
 )
+from ..policy import UploadKind
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
@@ -251,6 +253,8 @@ def fedbip_settings(cfg: FedBiPConfig) -> FedBiPSettings:
 @register
 class FedBiP(Method):
     name = "fedbip"
+    # uploads: z(T) per image, S and V, labels
+    uploads = frozenset({UploadKind.LATENTS, UploadKind.CONCEPTS, UploadKind.COUNTS})
     settings: FedBiPSettings
     meta_model = PayloadMeta
     tensor_names = TENSOR_NAMES
@@ -276,6 +280,14 @@ class FedBiP(Method):
             "concept-drift-s": report.concept_drift["s"],
             "concept-drift-v": report.concept_drift["v"],
         }
+
+    def upload_floor(self, cfg: FedBiPConfig, images: int) -> int:
+        """The z(T) alone: latents-per-image rows per image, each a latent of the run's model
+        at image-size, in the table's latent-dtype (read from the model's VAE config only)."""
+        own = self.settings
+        values = math.prod(configured_latent_shape(cfg.model, cfg.image_size))
+        itemsize = torch.finfo(getattr(torch, own.latent_dtype)).bits // 8
+        return images * own.latents_per_image * values * itemsize
 
     def tensor_names_of(self, server: ServerJob, metadata: Mapping[str, str]) -> tuple[str, ...]:
         """With class-clusters > 1 a payload also holds each z(T)'s sub-cluster, as its

@@ -58,6 +58,7 @@ from ..payload import (
     check_expectations,
     refuse_mismatch,
 )
+from ..policy import UploadKind
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import WorkUnit
@@ -79,6 +80,7 @@ from .fedld import (
     MIN_NOISE_MULTIPLIER,
     STATS_RELEASES,
     DPRelease,
+    MixtureChecks,
     MixtureMeta,
     check_claimed_epsilon,
     check_mixture_upload,
@@ -161,8 +163,10 @@ class MixtureUpload:
 
 
 @register
-class FedBiPMixture(Method):
+class FedBiPMixture(MixtureChecks, Method):
     name = "fedbip-mixture"
+    # uploads: per class a mixture of its z(T), S and V, class counts
+    uploads = frozenset({UploadKind.STATISTICS, UploadKind.CONCEPTS, UploadKind.COUNTS})
     settings: FedBiPMixtureSettings
     meta_model = FedBiPMixtureMeta
     tensor_names = ("class_counts", *CONCEPTS, *MIXTURE_TENSOR_NAMES)

@@ -69,6 +69,7 @@ from ..payload import (
     latent_bounds,
     sampling_checks,
 )
+from ..policy import UploadKind
 from ..seeds import client_seed
 from ..synthesis import SynthesisSettings, encode_texts
 from ..upload import PayloadError, UploadMeta, refuse_mismatch
@@ -78,6 +79,7 @@ from .base import (
     ServerJob,
     Upload,
     check_class_counts,
+    check_counts,
     class_counts,
     common_meta,
     encode_upload,
@@ -148,6 +150,36 @@ def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
     return SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
 
 
+def stated_mixture(upload: Upload) -> LatentMixture:
+    """The mixture of a :class:`MixtureMeta` upload as its own header states it, which needs no
+    model or run config: weights (classes, components), each class's a distribution; means and
+    variances (classes, components, D) for its latent shape, every variance > 0; all finite
+    float32. PayloadError otherwise."""
+    meta = upload.meta
+    try:
+        mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
+    except ValueError as err:
+        raise PayloadError(str(err).rstrip(".")) from None
+    stated = (len(meta.class_names), meta.components)
+    if tuple(mixture.weights.shape) != stated:
+        raise PayloadError(
+            f"the mixture has {tuple(mixture.weights.shape)} (classes, components); its header's "
+            f"{stated[0]} classes and {stated[1]} components need {stated}"
+        )
+    return mixture
+
+
+class MixtureChecks:
+    """``check_alone`` of every method that uploads a :class:`MixtureMeta` mixture (FedLD,
+    fedbip-mixture, Espresso): its class counts and :func:`stated_mixture`, so an upload
+    audited without a run config (``fedbip inspect``) is held to them too."""
+
+    def check_alone(self, upload: Upload) -> Upload:
+        check_counts(upload)
+        stated_mixture(upload)
+        return upload
+
+
 def check_mixture_upload(
     upload: Upload, server: ServerJob, own: MixtureSettings, expect: Expectations
 ) -> LatentMixture:
@@ -174,16 +206,7 @@ def check_mixture_upload(
         ]
     )
     counts = check_class_counts(upload, server)
-    try:
-        mixture = from_tensors(upload.tensors, tuple(meta.latent_shape))
-    except ValueError as err:
-        raise PayloadError(str(err).rstrip(".")) from None
-    wanted = (len(server.class_names), own.components)
-    if tuple(mixture.weights.shape) != wanted:
-        raise PayloadError(
-            f"the mixture has {tuple(mixture.weights.shape)} (classes, components); the server's "
-            f"{wanted[0]} classes and the method's {own.components} components need {wanted}"
-        )
+    mixture = stated_mixture(upload)  # of the server's classes and components, checked above
     # every class the server will draw from: the held ones, or all with images-per-class > 0
     every_class = isinstance(own, FreshNoiseSettings) and own.images_per_class > 0
     synthesized = torch.ones_like(counts, dtype=torch.bool) if every_class else counts > 0
@@ -200,8 +223,10 @@ def check_mixture_upload(
 
 
 @register
-class FedLD(Method):
+class FedLD(MixtureChecks, Method):
     name = "fedld"
+    # uploads: per class a mixture of its z(T), and class counts
+    uploads = frozenset({UploadKind.STATISTICS, UploadKind.COUNTS})
     settings: FedLDSettings
     meta_model = FedLDMeta
     tensor_names = ("class_counts", *MIXTURE_TENSOR_NAMES)

@@ -49,6 +49,7 @@ from ..concepts import unconditional_embedding
 from ..config import FedBiPConfig
 from ..ldm import LDM
 from ..method_settings import CLASS_SLOT, FedLMGSettings
+from ..policy import UploadKind
 from ..seeds import client_seed
 from ..server import keyed_shard, shard_key
 from ..synthesis import decode_latents, encode_texts
@@ -354,6 +355,8 @@ def guided_key(
 @register
 class FedLMG(Method):
     name = "fedlmg"
+    # uploads: its own classifier and class counts
+    uploads = frozenset({UploadKind.CLASSIFIER, UploadKind.COUNTS})
     settings: FedLMGSettings
     meta_model = FedLMGMeta
     tensor_names = ("class_counts",)  # and the classifier's own names under PREFIX

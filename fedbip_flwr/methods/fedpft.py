@@ -56,9 +56,10 @@ from ..dp import (
     noisy_estimate,
 )
 from ..ldm import fingerprint
-from ..method_settings import FedPFTSettings
+from ..method_settings import FEDPFT_COVARIANCES, FedPFTSettings
 from ..mixture import WEIGHT_SUM_TOLERANCE
 from ..payload import ROUNDING
+from ..policy import UploadKind
 from ..seeds import client_seed
 from ..storage import read_tensors
 from ..upload import PayloadError, UploadMeta, refuse_mismatch
@@ -68,6 +69,7 @@ from .base import (
     ServerJob,
     Upload,
     check_class_counts,
+    check_counts,
     check_tensor,
     class_counts,
     common_meta,
@@ -289,6 +291,8 @@ def check_moments(mixture: FeatureMixture) -> None:
 @register
 class FedPFT(Method):
     name = "fedpft"
+    # uploads: per class a mixture of its features, and class counts
+    uploads = frozenset({UploadKind.STATISTICS, UploadKind.COUNTS})
     settings: FedPFTSettings
     meta_model = FedPFTMeta
     tensor_names = ("class_counts", WEIGHTS, MEANS, COVARIANCES)
@@ -356,19 +360,37 @@ class FedPFT(Method):
             ]
         )
         check_class_counts(upload, server)
-        shape = (len(server.class_names), own.components)
-        cov_shape = shape if own.covariance_type == "spherical" else (*shape, dim)
+        # check_alone built it from the header's shapes, which now are the server's
+        mixture = upload.content
+        self._check_release(meta.dp, mixture, dim)
+        return upload
+
+    def check_alone(self, upload: Upload) -> Upload:
+        """Counts and mixture as the header states them, which needs no server: the tensors of
+        its classes, components and feature width, and the mixture's :func:`check_moments`."""
+        meta = upload.meta
+        check_counts(upload)
+        if meta.covariance_type not in FEDPFT_COVARIANCES:
+            raise PayloadError(
+                f"covariance type {meta.covariance_type!r} is not one of {list(FEDPFT_COVARIANCES)}"
+            )
+        shape = (len(meta.class_names), meta.components)
+        spherical = meta.covariance_type == "spherical"
+        cov_shape = shape if spherical else (*shape, meta.feature_dim)
         mixture = FeatureMixture(
             check_tensor(upload, WEIGHTS, torch.float32, shape, "(classes, components)"),
             check_tensor(
-                upload, MEANS, torch.float32, (*shape, dim), "(classes, components, features)"
+                upload,
+                MEANS,
+                torch.float32,
+                (*shape, meta.feature_dim),
+                "(classes, components, features)",
             ),
             check_tensor(
-                upload, COVARIANCES, torch.float32, cov_shape, f"{own.covariance_type} covariances"
+                upload, COVARIANCES, torch.float32, cov_shape, f"{meta.covariance_type} covariances"
             ),
         )
         check_moments(mixture)
-        self._check_release(meta.dp, mixture, dim)
         return dataclasses.replace(upload, content=mixture)
 
     def _check_release(self, release: DPRelease | None, mixture: FeatureMixture, dim: int) -> None:

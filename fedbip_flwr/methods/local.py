@@ -16,6 +16,7 @@ from torch import nn
 
 from ..classifier import build_classifier, train_classifier
 from ..method_settings import LocalSettings
+from ..policy import UploadKind
 from ..server import train_settings
 from ..upload import UploadMeta
 from .base import (
@@ -71,6 +72,8 @@ def check_classifier(upload: Upload, prefix: str = "") -> nn.Module:
 @register
 class Local(Method):
     name = "local"
+    # uploads: its own classifier
+    uploads = frozenset({UploadKind.CLASSIFIER})
     settings: LocalSettings
     meta_model = LocalMeta
     tensor_names = ()  # the classifier's own names, for the run's classes

@@ -33,6 +33,7 @@ from torch import nn
 from ..captioner import Captioner, load_captioner
 from ..ldm import LDM
 from ..method_settings import OSCARSettings
+from ..policy import UploadKind
 from ..synthesis import encode_texts
 from ..upload import PayloadError, UploadMeta
 from .base import (
@@ -65,6 +66,8 @@ class OscarMeta(UploadMeta):
 @register
 class OSCAR(Method):
     name = "oscar"
+    # uploads: per class the mean encoding of its captions, and class counts
+    uploads = frozenset({UploadKind.TEXT, UploadKind.COUNTS})
     settings: OSCARSettings
     meta_model = OscarMeta
     tensor_names = ("class_counts", "conditioning")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from ..concepts import plain_prompt
 from ..method_settings import FreshNoiseSettings
+from ..policy import UploadKind
 from ..synthesis import encode_texts
 from ..upload import UploadMeta
 from .base import (
@@ -35,6 +36,8 @@ class PromptsOnlyMeta(UploadMeta):
 @register
 class PromptsOnly(Method):
     name = "prompts-only"
+    # uploads: its class counts alone
+    uploads = frozenset({UploadKind.COUNTS})
     settings: FreshNoiseSettings
     meta_model = PromptsOnlyMeta
     tensor_names = ("class_counts",)
