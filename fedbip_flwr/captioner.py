@@ -21,16 +21,19 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BlipForConditionalGeneration, BlipProcessor, CLIPTokenizer
 
 from .ldm import ModelLoadError, fingerprint
 from .paths import resolve
 from .viz import to_uint8
+
+if TYPE_CHECKING:
+    from transformers import BlipForConditionalGeneration, BlipProcessor, CLIPTokenizer
 
 MINIATURE_TYPE = "fedbip-miniature-captioner"
 WEIGHTS = "model.safetensors"
@@ -55,6 +58,8 @@ def load_captioner(source: str, device: torch.device | str = "cpu") -> Captioner
     config = local / "config.json"
     if config.is_file() and json.loads(config.read_text()).get("model_type") == MINIATURE_TYPE:
         return MiniatureCaptioner.load(local, label).to(device)
+    from transformers import BlipForConditionalGeneration, BlipProcessor
+
     try:
         path = str(local) if local.exists() else source
         model = BlipForConditionalGeneration.from_pretrained(path)
@@ -255,6 +260,8 @@ class MiniatureCaptioner(Captioner):
 
     @classmethod
     def load(cls, folder: Path, name: str) -> MiniatureCaptioner:
+        from transformers import CLIPTokenizer
+
         values = json.loads((folder / "config.json").read_text())
         values.pop("model_type")
         values["channels"] = tuple(values["channels"])

@@ -20,11 +20,10 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from safetensors.torch import load as load_safetensors
 from torch import nn
 from torch.optim.swa_utils import update_bn
@@ -36,18 +35,27 @@ from .paths import resolve
 from .storage import read_small_tensor, read_tensors, tensor_location, write_tensors
 from .viz import dequantize, quantize
 
+if TYPE_CHECKING:
+    import torchvision
+
 
 class ClassifierInitError(RuntimeError):
     """ImageNet weights were asked for but cannot be had; the message says what to set."""
 
 
-IMAGENET_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 PrecisionMode = Literal["auto", "float32"]
+
+
+def imagenet_weights() -> torchvision.models.ResNet18_Weights:
+    """torchvision's ResNet-18 ImageNet weights (IMAGENET1K_V1): ``classifier-init = imagenet``."""
+    import torchvision
+
+    return torchvision.models.ResNet18_Weights.IMAGENET1K_V1
 
 
 def imagenet_weights_path() -> Path:
     """Where torchvision looks for the ResNet-18 ImageNet weights: $TORCH_HOME/hub/checkpoints."""
-    return Path(torch.hub.get_dir()) / "checkpoints" / IMAGENET_WEIGHTS.url.rsplit("/", 1)[-1]
+    return Path(torch.hub.get_dir()) / "checkpoints" / imagenet_weights().url.rsplit("/", 1)[-1]
 
 
 # The backbone a base model ships for classifier-init = "pretrained", inside its folder.
@@ -82,7 +90,7 @@ def check_classifier_init(init: str, model: str | Path = "") -> None:
         raise ClassifierInitError(
             f'classifier-init = "imagenet" needs the ResNet-18 ImageNet weights at {path} '
             f"(torch's hub cache, $TORCH_HOME/hub/checkpoints), which is missing: download "
-            f"{IMAGENET_WEIGHTS.url} there once where the network is reachable, or set run "
+            f"{imagenet_weights().url} there once where the network is reachable, or set run "
             'config classifier-init = "random".'
         )
     if init == "pretrained" and not backbone_path(model).is_file():
@@ -103,6 +111,8 @@ def save_backbone(
 
 def load_backbone(path: str | Path) -> nn.Module:
     """A ResNet-18 with the backbone's weights (float16 -> float32) and its own ``fc``."""
+    import torchvision
+
     path = Path(path)
     if not path.is_file():
         raise _missing_backbone(path)
@@ -120,11 +130,13 @@ def build_classifier(num_classes: int, init: str = "imagenet", model: str | Path
     """ResNet-18 with a fresh ``num_classes`` head: ImageNet-initialised (``imagenet``), from
     the backbone shipped with the base ``model`` (``pretrained``: :func:`backbone_path`), or
     ``random``."""
+    import torchvision
+
     if init == "pretrained":
         net = load_backbone(backbone_path(model))
         net.fc = nn.Linear(net.fc.in_features, num_classes)
         return net
-    weights = IMAGENET_WEIGHTS if init == "imagenet" else None
+    weights = imagenet_weights() if init == "imagenet" else None
     try:
         net = torchvision.models.resnet18(weights=weights)
     except (OSError, RuntimeError) as err:  # URLError is an OSError

@@ -18,7 +18,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.cluster import AgglomerativeClustering
 from torch import nn
 
 # _prepare is the classifier's own input step (train_classifier and evaluate both call it);
@@ -129,6 +128,8 @@ def _cluster_class(points: np.ndarray, clusters: int, linkage: Linkage) -> torch
     # sklearn refuses a single point, and n <= J points have only one partition into n clusters.
     if len(points) <= clusters:
         return torch.arange(len(points))
+    from sklearn.cluster import AgglomerativeClustering
+
     found = AgglomerativeClustering(n_clusters=clusters, linkage=linkage).fit_predict(points)
     return torch.from_numpy(_in_order_of_appearance(found))
 

@@ -20,15 +20,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from diffusers import PNDMScheduler
-from transformers import CLIPTokenizer
 
 from .config import CONCEPT_SLOT_S, CONCEPT_SLOT_V
 from .dp import clip_rows
 from .ldm import LDM
+
+if TYPE_CHECKING:
+    from diffusers import PNDMScheduler
+    from transformers import CLIPTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import dp_accounting
 import torch
-from dp_accounting.pld import PLDAccountant
+
+if TYPE_CHECKING:  # dp-accounting (scipy) takes a second to import; only DP uploads account
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
 
 Adjacency = Literal["add/remove one image"]
 Statistic = Literal["sum", "sum of squares", "count"]
@@ -66,12 +68,17 @@ def _check_releases(releases: int) -> None:
 def gaussian_releases(noise_multiplier: float, releases: int = 1) -> dp_accounting.DpEvent:
     """``releases`` Gaussian mechanisms on the same data, each of noise std ``noise_multiplier``
     times its sensitivity."""
+    import dp_accounting
+
     return dp_accounting.SelfComposedDpEvent(
         dp_accounting.GaussianDpEvent(noise_multiplier), releases
     )
 
 
 def _accountant() -> PLDAccountant:
+    import dp_accounting
+    from dp_accounting.pld import PLDAccountant
+
     return PLDAccountant(
         dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
         value_discretization_interval=PLD_INTERVAL,
@@ -84,6 +91,8 @@ def _accountant() -> PLDAccountant:
 def noise_multiplier_for(epsilon: float, delta: float, releases: int = 1) -> float:
     """The smallest noise multiplier (within 1e-6) at which ``releases`` Gaussian mechanisms are
     (``epsilon``, ``delta``)-DP; dp-accounting guarantees the result never exceeds ``epsilon``."""
+    import dp_accounting
+
     _check_positive("epsilon", epsilon)
     _check_delta(delta)
     _check_releases(releases)
@@ -104,6 +113,8 @@ def dp_sgd_steps_per_epoch(sample_rate: float) -> int:
 def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
     """``steps`` steps of DP-SGD: each a Gaussian mechanism of this noise multiplier on a batch
     that holds each image with probability ``sample_rate``."""
+    import dp_accounting
+
     sampled = dp_accounting.PoissonSampledDpEvent(
         sample_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
     )
@@ -112,6 +123,8 @@ def dp_sgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> dp_
 
 def composed_epsilon(delta: float, *events: dp_accounting.DpEvent) -> float:
     """The epsilon at ``delta`` of ``events`` all made on the same data."""
+    import dp_accounting
+
     _check_delta(delta)
     return _accountant().compose(dp_accounting.ComposedDpEvent(list(events))).get_epsilon(delta)
 
@@ -154,6 +167,8 @@ def split_budget(
     multipliers. Both are then scaled by the one factor at which the composition is
     (``epsilon``, ``delta``)-DP (below 1: composing is cheaper than adding epsilons).
     """
+    import dp_accounting
+
     _check_positive("epsilon", epsilon)
     _check_delta(delta)
     _check_releases(stats_releases)

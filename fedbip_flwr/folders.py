@@ -34,7 +34,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .config import BadImagePolicy
 from .images import BadImage, find_unreadable, image_files, is_hidden, open_rgb
@@ -46,10 +45,17 @@ log = logging.getLogger(__name__)
 TEST_FRACTION = 0.2  # held out per class where a dataset ships no official test split
 SPLIT_SEED = 0  # fixed: the test split must not move with the run seed
 HOLDOUT_KEY = b"fedbip-flwr held-out split"  # an institution's own folder: held_out_by_content
-IMAGE_SUFFIXES = frozenset(IMG_EXTENSIONS)  # torchvision's ImageFolder convention
 MEDMNIST_SIZES = (28, 64, 128, 224)
 SPLITS = ("train", "test")
 LAYOUT_HELP = "see docs/datasets.md for the expected layout"
+
+
+@functools.cache
+def image_suffixes() -> frozenset[str]:
+    """torchvision's ImageFolder convention."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return frozenset(IMG_EXTENSIONS)
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,7 @@ def _class_folder_pool(spec: DatasetSpec, domain_dir: Path) -> Pool:
                 f"{spec.name}: class folder '{folder}' is missing in {domain_dir} "
                 f"(class folders must match exactly); {LAYOUT_HELP}"
             )
-        files = image_files(domain_dir / folder, IMAGE_SUFFIXES)
+        files = image_files(domain_dir / folder, image_suffixes())
         if not files:
             raise DataError(f"{spec.name}: class folder {domain_dir / folder} holds no images")
         paths += files
@@ -231,7 +237,7 @@ def _own_class_files(folder: Path, classes: Sequence[str]) -> tuple[list[Path], 
     paths: list[Path] = []
     labels: list[int] = []
     for name in present:
-        files = image_files(folder / name, IMAGE_SUFFIXES)
+        files = image_files(folder / name, image_suffixes())
         paths += files
         labels += [classes.index(name)] * len(files)
     if not paths:

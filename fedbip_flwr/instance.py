@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import AutoencoderKL, SchedulerMixin
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, SchedulerMixin
 
 log = logging.getLogger(__name__)
 

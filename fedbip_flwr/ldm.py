@@ -15,13 +15,15 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
-from transformers import CLIPTextModel, CLIPTokenizer
 
 from .paths import resolve
+
+if TYPE_CHECKING:
+    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
 
 # Stable Diffusion v1-x scheduler settings: the noise schedule that z(T) and synthesis share.
 SD_SCHEDULER_CONFIG = {
@@ -125,6 +127,8 @@ def vae_latent_shape(config: Mapping[str, Any], image_size: int) -> tuple[int, i
 def configured_latent_shape(model: str, image_size: int) -> tuple[int, int, int]:
     """The latent shape of the run config's ``model`` (a folder, or a hub id in the local cache)
     at ``image_size``, read from its VAE's config alone: no weight is loaded."""
+    from diffusers import AutoencoderKL
+
     local = resolve(model)
     try:
         config = AutoencoderKL.load_config(
@@ -184,6 +188,9 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
     ``source`` is a hub id (``CompVis/stable-diffusion-v1-4``) or a local diffusers folder.
     The scheduler is always PNDM (the paper's sampler) built from the model's scheduler config.
     """
+    from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTokenizer
+
     source = str(source)
     local = Path(source).expanduser()
     if (

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sklearn.mixture import GaussianMixture
 
 # Tensor names of the upload (safetensors keys).
 MIXTURE_WEIGHTS = "mixture_weights"
@@ -195,6 +194,8 @@ def _fit_class(
     rows: np.ndarray, components: int, seed: int, reg_covar: float, rows_per_component: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(weights, means, variances) of one class, padded to ``components``."""
+    from sklearn.mixture import GaussianMixture
+
     if not len(rows):
         dim = rows.shape[1]
         return _pad(np.ones(1), np.zeros((1, dim)), np.ones((1, dim)), components)

@@ -3,6 +3,9 @@
 Subcommands register themselves in :func:`build_parser`; each sets ``func`` to a handler that
 takes the parsed arguments and returns the exit status. ``fedbip inspect`` lets anyone audit
 exactly what a client uploads (or what a server stored) before trusting it.
+
+Handlers import what they use when they run: the models, data and synthesis modules take
+seconds to import, which ``fedbip --help`` and ``fedbip inspect`` should not pay.
 """
 
 from __future__ import annotations
@@ -15,25 +18,11 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import click
 import torch
-from flwr.common.config import flatten_dict, get_project_config, parse_config_args
-from pydantic import BaseModel
 
-from fedbip_flwr import dataset, distributed, methods, shapes
-from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
-from fedbip_flwr.ldm import ModelLoadError, load_for_run, select_device
-from fedbip_flwr.logs import setup_logging
-from fedbip_flwr.methods import ServerJob, audit_upload, institution_upload
-from fedbip_flwr.partitions import DataError
-from fedbip_flwr.paths import project_dir
-from fedbip_flwr.payload import load_payload
-from fedbip_flwr.report import write_report
-from fedbip_flwr.results import SENT_IMAGES, SENT_SKIPPED
-from fedbip_flwr.server import RunFolder
-from fedbip_flwr.storage import atomic_write
+from fedbip_flwr import shapes
 from fedbip_flwr.upload import (
     DEFAULT_MAX_BYTES,
     PayloadError,
@@ -42,8 +31,9 @@ from fedbip_flwr.upload import (
     printable,
     read_capped,
 )
-from fedbip_tools.judges import judge_run, load_judges, write_fidelity
-from fedbip_tools.textual_inversion import ExportError, example_prompt, export_concepts
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 _TABLE_COLUMNS = ("name", "shape", "dtype", "mean", "std")
 
@@ -106,6 +96,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
     """Print metadata, a tensor table and what an institution records of it (digest, kinds,
     guarantee, the measured membership figure) for a valid upload (any method); one line on
     stderr otherwise."""
+    from fedbip_flwr.methods import audit_upload
+    from fedbip_flwr.upload_record import describe, record_lines  # what an institution records
+
     try:
         blob = read_capped(args.payload, int(args.max_mb * 2**20))
         upload = audit_upload(blob, int(args.max_mb * 2**20))
@@ -131,8 +124,6 @@ def _run_inspect(args: argparse.Namespace) -> int:
     print()
     print(_format_table([tensor_summary(name, t) for name, t in upload.tensors.items()]))
     print()
-    from fedbip_flwr.upload_record import describe, record_lines  # what an institution records
-
     for line in record_lines(describe(blob)):
         print(line)
     print()
@@ -148,12 +139,19 @@ def _server_verdict(blob: bytes, run_config: list[str] | None) -> int:
             "bounds (give the federation's --run-config for the server's verdict)"
         )
         return 0
+    import click
+    from flwr.common.config import parse_config_args
+
+    from fedbip_flwr import dataset, methods
+    from fedbip_flwr.config import ConfigError, FedBiPConfig
+    from fedbip_flwr.ldm import ModelLoadError, load_for_run
+
     try:
         cfg = FedBiPConfig.from_flat({**project_run_config(), **parse_config_args(run_config)})
         loader = functools.cache(
             functools.partial(load_for_run, cfg.model, "cpu", False, cfg.image_size)
         )
-        job = ServerJob(cfg, dataset.class_names(cfg.data), loader)
+        job = methods.ServerJob(cfg, dataset.class_names(cfg.data), loader)
         methods.one_shot_for(cfg).accept(blob, job)
     except PayloadError as err:
         print(f"verdict: the run's server refuses it: {err.reason}")
@@ -225,6 +223,10 @@ def _add_report(subcommands: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _run_report(args: argparse.Namespace) -> int:
+    from fedbip_flwr.report import write_report
+    from fedbip_flwr.server import RunFolder
+    from fedbip_tools.judges import judge_run, load_judges, write_fidelity
+
     try:
         if args.judges is not None:
             folder = RunFolder(args.run_dir)
@@ -254,6 +256,9 @@ def _add_export_concepts(subcommands: argparse._SubParsersAction[argparse.Argume
 
 def _run_export_concepts(args: argparse.Namespace) -> int:
     """One line per token written, then a prompt that uses them."""
+    from fedbip_flwr.payload import load_payload
+    from fedbip_tools.textual_inversion import ExportError, example_prompt, export_concepts
+
     try:
         payload = load_payload(args.payload)
         exported = export_concepts(payload, args.out_dir)
@@ -383,6 +388,16 @@ def _add_personalize(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
 
 def _run_personalize(args: argparse.Namespace) -> int:
     """Write the payload and say how to audit it; one line on stderr for a bad config or folder."""
+    import click
+    from flwr.common.config import parse_config_args
+
+    from fedbip_flwr.config import ConfigError, FedBiPConfig, NodeConfig
+    from fedbip_flwr.ldm import ModelLoadError, load_for_run, select_device
+    from fedbip_flwr.methods import institution_upload
+    from fedbip_flwr.partitions import DataError
+    from fedbip_flwr.results import SENT_IMAGES, SENT_SKIPPED
+    from fedbip_flwr.storage import atomic_write
+
     node_values = {
         "data-root": str(args.data_root.resolve()),
         "domain": args.domain,
@@ -455,6 +470,8 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _run_benchmark(args: argparse.Namespace) -> int:
+    from fedbip_flwr.logs import setup_logging
+    from fedbip_flwr.paths import project_dir
     from fedbip_tools import benchmark, provenance
 
     setup_logging()
@@ -506,6 +523,12 @@ def _add_synthesize(subcommands: argparse._SubParsersAction[argparse.ArgumentPar
 
 def _run_synthesize(args: argparse.Namespace) -> int:
     """This process's share of the run's work units; the main process reports the whole."""
+    from fedbip_flwr import distributed
+    from fedbip_flwr.config import ConfigError
+    from fedbip_flwr.ldm import ModelLoadError
+    from fedbip_flwr.logs import setup_logging
+    from fedbip_flwr.server import RunFolder
+
     setup_logging()
     folder = RunFolder(args.run_dir)
     try:
@@ -541,6 +564,10 @@ def _run_synthesize(args: argparse.Namespace) -> int:
 def project_run_config() -> dict[str, Any]:
     """This project's run-config defaults ([tool.flwr.app.config] of its pyproject.toml), its
     method tables as Flower hands them over (dotted keys)."""
+    from flwr.common.config import flatten_dict, get_project_config
+
+    from fedbip_flwr.paths import project_dir
+
     folder = project_dir() or Path.cwd()
     return flatten_dict(get_project_config(folder)["tool"]["flwr"]["app"]["config"])
 

@@ -169,6 +169,47 @@ def test_inspect_in_process_respects_max_mb(
     assert capsys.readouterr().err.endswith("above --max-mb 0.001 (1048 bytes)\n")  # the CLI's knob
 
 
+# Seconds each to import: what only personalizing, synthesis, training or reports use.
+SLOW_IMPORTS = (
+    "diffusers",
+    "transformers",
+    "torchvision",
+    "sklearn",
+    "dp_accounting",
+    "accelerate",
+    "matplotlib",
+)
+IMPORT_AUDIT = """
+import contextlib, io, json, sys
+loaded = lambda: sorted(set(sys.argv[2:]) & set(sys.modules))
+import fedbip_tools.cli as cli
+found = {"import": loaded()}
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    cli.main(["--help"])
+found["--help"] = loaded()
+with contextlib.redirect_stdout(io.StringIO()):
+    found["status"] = cli.main(["inspect", sys.argv[1]])
+found["inspect"] = loaded()
+print(json.dumps(found))
+"""
+
+
+def test_help_and_inspect_import_no_model_library(tmp_path: Path) -> None:
+    """``fedbip --help`` and ``fedbip inspect`` answer in about torch's import time: neither
+    they nor importing the CLI load the LDM's libraries or another slow one (a fresh process,
+    as a user runs them)."""
+    path = save_payload(make_payload(), tmp_path / "p.safetensors")
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_AUDIT, str(path), *SLOW_IMPORTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"import": [], "--help": [], "status": 0, "inspect": []}
+
+
 def test_cli_requires_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([])

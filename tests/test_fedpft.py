@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import sklearn.mixture
 import torch
 
 from fedbip_flwr.classifier import backbone_path, evaluate, load_backbone
@@ -55,13 +56,13 @@ def test_the_defaults_are_the_flower_baselines_and_reach_gaussian_mixture(
         1000,
     )
     made = []
-    real = fedpft.GaussianMixture
+    real = sklearn.mixture.GaussianMixture  # looked up when the mixtures are fitted
 
     def recording(**kwargs):
         made.append(kwargs)
         return real(**kwargs)
 
-    monkeypatch.setattr(fedpft, "GaussianMixture", recording)
+    monkeypatch.setattr(sklearn.mixture, "GaussianMixture", recording)
     upload_of(config(tiny_model_dir))
     assert len(made) == 6, "one mixture per held class"
     assert {(k["n_components"], k["covariance_type"], k["tol"], k["max_iter"]) for k in made} == {

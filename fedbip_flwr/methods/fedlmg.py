@@ -36,11 +36,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
-from diffusers import DDIMScheduler
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -67,6 +66,9 @@ from .base import (
     register,
 )
 from .local import check_classifier, classifier_names, classifier_tensors, train_local_classifier
+
+if TYPE_CHECKING:
+    from diffusers import DDIMScheduler
 
 PREFIX = "classifier."  # the uploaded model's tensors, beside class_counts
 Shift = Literal["noise", "latents"]
@@ -186,6 +188,8 @@ def guidance_terms(classifier: nn.Module, images: torch.Tensor, labels: torch.Te
 def ddim_scheduler(ldm: LDM) -> DDIMScheduler:
     """DDIM on the LDM's own noise schedule, stepping from epsilon (the sampler converts a
     v-prediction) without clipping x0: its state is (x_t, eps), so an edit of x_t is safe."""
+    from diffusers import DDIMScheduler
+
     return DDIMScheduler.from_config(
         ldm.scheduler.config, prediction_type="epsilon", clip_sample=False, thresholding=False
     )

@@ -43,7 +43,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
-from sklearn.mixture import GaussianMixture
 from torch import nn
 
 from ..classifier import backbone_path, load_backbone
@@ -158,6 +157,8 @@ def fit_class_mixtures(
     rows: one per row), padded to ``own.components`` with weight-0 copies of the first; a class
     with no rows a placeholder (weight 1 at 0, variance ``REG_COVAR``). Each class's seed is
     drawn from ``generator``."""
+    from sklearn.mixture import GaussianMixture
+
     rows = features.detach().cpu().double().numpy()
     labels = labels.cpu().long().numpy()
     seeds = torch.randint(_SEED_BOUND, (num_classes,), generator=generator).tolist()
