@@ -197,10 +197,19 @@ def synthetic_dataset(synthetic: Mapping[str, Sequence[Path]], image_size: int) 
     return ShardImages([p for _, p in shards], image_size, groups=[c for c, _ in shards])
 
 
-def first_images(paths: Sequence[Path], n: int = 12) -> torch.Tensor:
-    """The first ``n`` synthetic images of a client as stored (for its grid PNG)."""
+def class_columns(labels: torch.Tensor, classes: int, per_class: int) -> torch.Tensor:
+    """Rows of the first ``per_class`` images of each class, class by class: a grid's
+    columns, so that rows picked from two sets line up class for class (a class with fewer
+    images fills what it has)."""
+    return torch.cat(
+        [torch.nonzero(labels == c).flatten()[:per_class] for c in range(classes)]
+    ).long()
+
+
+def synthetic_by_class(paths: Sequence[Path], classes: int, per_class: int) -> torch.Tensor:
+    """A client's synthetic images as stored, ``per_class`` of each class in class order."""
     shards = ShardImages(paths, image_size=0)
-    return shards.read(torch.arange(min(n, len(shards))))
+    return shards.read(class_columns(shards.labels, classes, per_class))
 
 
 def train_global(
@@ -329,8 +338,12 @@ def save_grid(
     folder: RunFolder, client_id: str, real: torch.Tensor | None, synthetic: torch.Tensor
 ) -> Path:
     """PNG for a person: real images of the client's domain (where the server has them, as in
-    a simulation) above its synthetic ones."""
+    a simulation) above its synthetic ones, both in the same class order (:func:`class_columns`)
+    so each real image stands above synthetic ones of its class."""
     rows, labels = ([real], ["real"]) if real is not None else ([], [])
     return image_grid(
-        [*rows, synthetic], folder.grid_path(client_id), row_labels=[*labels, "synthetic"]
+        [*rows, synthetic],
+        folder.grid_path(client_id),
+        row_labels=[*labels, "synthetic"],
+        columns=len(synthetic),
     )

@@ -42,10 +42,11 @@ from .results import (
 )
 from .server import (
     RunFolder,
+    class_columns,
     evaluate_models,
-    first_images,
     load_persisted,
     save_grid,
+    synthetic_by_class,
     train_global,
 )
 from .storage import remove_partial_writes, write_json
@@ -53,7 +54,7 @@ from .strategy import NotEnoughClients, OneShotStrategy, ScoreBounds
 from .wire import RUN_FOLDER
 
 log = logging.getLogger("fedbip_flwr.server_app")  # what the ServerApp logs, under its name
-GRID_COLUMNS = 12  # images per row of grid-<client>.png
+GRID_PER_CLASS = 2  # images of each class per row of grid-<client>.png
 GLOBAL = "global"  # the one classifier trained on the training set
 TestSets = dict[str, tuple[torch.Tensor, torch.Tensor]]  # domain -> (images, labels)
 
@@ -258,11 +259,12 @@ def _test_sets_and_grids(
 ) -> TestSets | None:
     """The server's test sets of the uploads' domains (None where the run config scores only
     at the institutions), and a grid per client: real images of its domain, where the server
-    holds them, above the first of its synthetic ones."""
+    holds them, above its synthetic ones, class for class."""
     tests, real_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}))
+    classes = len(cfg.class_list)
     for client_id, upload in sorted(uploads.items()):
         if training_set.get(client_id):
-            synthetic = first_images(training_set[client_id], GRID_COLUMNS)
+            synthetic = synthetic_by_class(training_set[client_id], classes, GRID_PER_CLASS)
             save_grid(folder, client_id, real_rows.get(upload.domain), synthetic)
     return tests
 
@@ -362,7 +364,9 @@ def _test_sets(
     tests, grid_rows = {}, {}
     for domain in domains:
         test = dataset.load_test_sets(cfg.data, [domain])[domain]
-        grid_rows[domain] = test.images[:GRID_COLUMNS].clone()
+        grid_rows[domain] = test.images[
+            class_columns(test.labels, len(cfg.class_list), GRID_PER_CLASS)
+        ].clone()
         tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
     return tests, grid_rows
 

@@ -34,7 +34,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.ldm import load_ldm
 from fedbip_flwr.methods.fedbip import personalize, synthesize_all
 from fedbip_flwr.seeds import client_seed
-from fedbip_flwr.server import RunFolder, first_images, synthetic_dataset, train_settings
+from fedbip_flwr.server import RunFolder, synthetic_by_class, synthetic_dataset, train_settings
 from fedbip_flwr.storage import read_tensors, write_tensors
 from fedbip_flwr.synthesis import SynthesisSettings, draw_etas
 from fedbip_flwr.viz import quantize
@@ -109,9 +109,12 @@ def test_dataset_returns_exactly_the_images_synthesis_wrote(synthesized, size):
         assert got.dtype == torch.uint8 and got.shape == (len(batch), 3, size, size)
         assert torch.equal(got, images[batch]) and torch.equal(got_labels, labels[batch])
     assert torch.equal(data.read(rows[:5]), torch.cat([w["images"] for w in written])[rows[:5]])
-    assert torch.equal(
-        first_images(shards["painting-0"], 12), torch.cat([w["images"] for w in written[:2]])[:12]
-    )
+    stored = [read_tensors(p) for p in shards["painting-0"]]
+    stored_images = torch.cat([w["images"] for w in stored])
+    stored_labels = torch.cat([w["labels"] for w in stored])
+    firsts = torch.cat([torch.nonzero(stored_labels == c).flatten()[:2] for c in range(3)])
+    grid = synthetic_by_class(shards["painting-0"], classes=3, per_class=2)
+    assert torch.equal(grid, stored_images[firsts]), "two of each class, class by class"
     assert len(pickle.dumps(data)) < 4096, "the dataset holds paths and labels, no images"
     with pytest.raises(IndexError):
         data[torch.tensor([len(data)])]
