@@ -6,6 +6,7 @@ path every other method shares (:mod:`fedbip_flwr.server_run`, :mod:`fedbip_flwr
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,16 @@ def _path(cfg: FedBiPConfig) -> _OneShot | _Rounds:
 def serve(grid: Grid, context: Context) -> RunResults:
     """One run: its folder and checks, the method's work, then the report."""
     setup_logging()
+    started = time.perf_counter()
     cfg = FedBiPConfig.from_flat(context.run_config)
     folder = server_run.open_run_folder(cfg, context.run_id)
     dataset.verify(cfg.data)
     check_classifier_init(cfg.classifier_init, cfg.model)  # fails now, not after synthesis
     record = _path(cfg).serve(grid, cfg, folder, select_device(cfg.device))
-    write_report(folder.root)
-    log.info("done: %s; results in %s", record.headline(), folder.root)
+    report = write_report(folder.root)
+    log.info(
+        "done in %.0f s: %s; report: %s", time.perf_counter() - started, record.headline(), report
+    )
     return record
 
 

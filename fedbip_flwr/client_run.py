@@ -92,12 +92,6 @@ def upload_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConf
     ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
     try:
         check_policy(method, cfg, node)
-        log.info(
-            "[%s] computing its upload (%s) with %d torch threads",
-            client_id,
-            method.name,
-            torch.get_num_threads(),
-        )
         device = select_device(cfg.device)
         blob, metrics = institution_upload(cfg, node, ldm, device, node.upload_policy)
     except PolicyRefusal as refusal:
@@ -114,9 +108,7 @@ def upload_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConf
         )
     record = upload_record.sent(blob, msg.metadata.run_id)
     kept = upload_record.keep(record, upload_record.records_path(_own_folder(cfg, node), client_id))
-    for line in upload_record.record_lines(record):
-        log.info("[%s] %s", client_id, line)
-    log.info("[%s] uploading %.2f MB once; recorded in %s", client_id, len(blob) / 1e6, kept)
+    log.info("[%s] uploading %s; recorded in %s", client_id, upload_record.summary(record), kept)
     return payload_content(blob, metrics, client_id)
 
 
@@ -137,9 +129,9 @@ def score_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfi
     kept = kept_classifier_path(_own_folder(cfg, node), run_folder, client_id)
     atomic_write(kept, blob)
     log.info(
-        "[%s] classifier accuracy %.3f on %d held-out images; kept as %s",
+        "[%s] the classifier scores %.1f%% on its %d held-out images; kept as %s",
         client_id,
-        scores[SENT_ACCURACY],
+        100 * scores[SENT_ACCURACY],
         len(test.labels),
         kept,
     )

@@ -617,9 +617,4 @@ def _result(
     s, v, s0, v0 = (x.detach().float().cpu() for x in (s, v, s0, v0))
     domain_drift = relative_drift(s, s0)
     class_drift = sum(relative_drift(a, b) for a, b in zip(v, v0, strict=True)) / len(v)
-    log.info(
-        "concepts moved: ||S-S0||/||S0|| = %.3f, mean ||V-V0||/||V0|| = %.3f",
-        domain_drift,
-        class_drift,
-    )
     return LearnedConcepts(s, v, losses, domain_drift, class_drift)

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
-from tqdm.auto import tqdm
 
 from . import dataset
 from .config import ConfigError, FedBiPConfig
 from .ldm import load_for_run, select_device
 from .methods import Method, ServerJob, Upload, one_shot_for
+from .progress import Progress
 from .server import RunFolder, ShardMode, ShardPending, WorkUnit, load_persisted
 
 log = logging.getLogger(__name__)
@@ -159,17 +159,12 @@ def synthesize_share(run: RunSynthesis, state: PartialState) -> list[WorkUnit]:
     todo = [run.pending(run.units()) if state.is_main_process else None]
     broadcast_object_list(todo)
     mine = my_share(todo[0], state)
-    desc = f"synthesis (process {state.process_index + 1} of {state.num_processes})"
-    with tqdm(
-        total=sum(u.images for u in mine),
-        desc=desc,
-        unit="img",
-        disable=not state.is_main_process,
-        mininterval=5,
-    ) as bar:
-        for unit in mine:
-            run.make(unit)
-            bar.update(unit.images)
+    what = f"synthesis (process {state.process_index + 1} of {state.num_processes})"
+    progress = Progress(log, what, sum(u.images for u in mine), "images")
+    for unit in mine:
+        run.make(unit)
+        progress.update(unit.images)
+    progress.finish()
     state.wait_for_everyone()
     return mine
 

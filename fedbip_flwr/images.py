@@ -26,16 +26,16 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
-from tqdm.auto import tqdm
 
 from .logs import short_reason
+from .progress import Progress
 
 log = logging.getLogger(__name__)
 
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
-PROGRESS_FROM = 200  # files: a folder this large gets a progress bar while it is checked
+PROGRESS_FROM = 200  # files: a folder this large reports its check's progress
 
 
 class UnsupportedImage(ValueError):
@@ -124,17 +124,14 @@ def why_unreadable(path: Path) -> str | None:
 
 
 def find_unreadable(paths: Sequence[Path], where: Path) -> list[BadImage]:
-    """Every file of ``paths`` that does not decode, in order; a progress bar for large folders."""
+    """Every file of ``paths`` that does not decode, in order; progress lines for large folders."""
     bad = []
-    checked = tqdm(
-        paths,
-        desc=f"checking images in {where}",
-        unit="file",
-        disable=len(paths) < PROGRESS_FROM,
-        leave=False,
-    )
-    for path in checked:
+    progress = Progress(log, f"checking images in {where}", len(paths), "files")
+    for path in paths:
         reason = why_unreadable(path)
         if reason is not None:
             bad.append(BadImage(path, reason))
+        progress.update()
+    if len(paths) >= PROGRESS_FROM:
+        progress.finish()
     return bad

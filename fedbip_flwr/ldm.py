@@ -190,6 +190,7 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
     """
     from diffusers import AutoencoderKL, PNDMScheduler, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTokenizer
+    from transformers.utils import logging as transformers_logging
 
     source = str(source)
     local = Path(source).expanduser()
@@ -206,6 +207,8 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
         raise ModelLoadError(f"The model folder '{source}' does not exist; set run config 'model'.")
     path = str(local) if local.exists() else source
     kwargs = {"local_files_only": not allow_download} if not local.exists() else {}
+    if local.exists():  # nothing downloads: transformers' bar per load says nothing
+        transformers_logging.disable_progress_bar()
     try:
         vae = AutoencoderKL.from_pretrained(path, subfolder="vae", **kwargs)
         unet = UNet2DConditionModel.from_pretrained(path, subfolder="unet", **kwargs)

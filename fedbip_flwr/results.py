@@ -210,15 +210,15 @@ class RunResults(_Part):
         """One line of results: server-side per domain, the institutions' own, or both."""
         parts = []
         if self.accuracy is not None and self.accuracy.per_domain is not None:
-            domains = ", ".join(f"{d} {a:.3f}" for d, a in self.accuracy.per_domain.items())
-            parts.append(f"server-side mean accuracy {self.accuracy.mean:.3f} over {domains}")
+            domains = ", ".join(f"{d} {100 * a:.1f}%" for d, a in self.accuracy.per_domain.items())
+            parts.append(f"accuracy {domains} (mean {100 * self.accuracy.mean:.1f}%)")
         if self.evaluation is not None:
             scored = ", ".join(
-                f"{c} {s.accuracy:.3f}" if isinstance(s, Scored) else f"{c} failed"
+                f"{c} {100 * s.accuracy:.1f}%" if isinstance(s, Scored) else f"{c} failed"
                 for c, s in sorted(self.evaluation.per_client.items())
             )
             mean = self.evaluation.weighted_mean
-            parts.append(f"institutions' mean {mean:.3f} ({scored})")
+            parts.append(f"institutions' own scores {scored} (mean {100 * mean:.1f}%)")
         return "; ".join(parts)
 
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from .classifier import (
     Distillation,
@@ -35,6 +34,7 @@ from .classifier import (
     train_classifier,
 )
 from .config import FedBiPConfig
+from .progress import Progress
 from .storage import read_metadata, write_json, write_tensors_streamed
 from .upload import PayloadError
 from .viz import image_grid, quantize
@@ -174,7 +174,7 @@ def keyed_shard(
         itertools.chain([first], quantized),
         {SHARD_KEY: key},
     )
-    log.info("%s written (%d images)", path.name, len(labels))
+    log.debug("%s written (%d images)", path.name, len(labels))
     return path
 
 
@@ -234,25 +234,26 @@ def train_global(
     torch.manual_seed(cfg.seed)
     model = build_classifier(len(class_names), cfg.classifier_init, cfg.model)
     losses: list[float] = []
+    progress = Progress(log, "classifier", settings.epochs_for(len(data)), "epochs")
 
     def on_epoch(_epoch: int, loss: float) -> None:
         losses.append(loss)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        bar.update()
+        progress.update(note=f"loss {loss:.3f}")
 
-    with tqdm(
-        total=settings.epochs_for(len(data)), desc="classifier", unit="epoch", mininterval=5
-    ) as bar:
-        train_classifier(
-            model,
-            data,
-            None,
-            settings,
-            seed=cfg.seed,
-            device=device,
-            on_epoch=on_epoch,
-            distillation=distillation,
-        )
+    train_classifier(
+        model,
+        data,
+        None,
+        settings,
+        seed=cfg.seed,
+        device=device,
+        on_epoch=on_epoch,
+        distillation=distillation,
+    )
+    progress.finish(
+        f"{settings.steps_for(len(data))} SGD steps on {len(data)} images, "
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    )
     save_classifier(model, folder.classifier, {"class_names": ",".join(class_names)})
     return model, {
         "num_synthetic_images": len(data),
@@ -291,10 +292,13 @@ def evaluate_on_server(
     for domain, (x, y) in sorted(test_sets.items()):
         result = evaluate(model, x, y, image_size, device=device)
         per_domain[domain] = result.accuracy
-        log.info("accuracy on %s: %.3f", domain, result.accuracy)
         if result.predictions.unique().numel() == 1:
             log.warning("the classifier predicts one class for every %s image", domain)
     mean = sum(per_domain.values()) / len(per_domain) if per_domain else float("nan")
+    log.info(
+        "accuracy on the server's test sets: %s",
+        ", ".join(f"{d} {100 * a:.1f}%" for d, a in per_domain.items()),
+    )
     return {"per_domain": per_domain, "mean": mean}
 
 

@@ -273,6 +273,31 @@ def record_lines(record: UploadRecord) -> list[str]:
     return lines
 
 
+def summary(record: UploadRecord) -> str:
+    """The record in one line, for the log as the upload leaves: size, what it holds, its
+    guarantee and the measured membership figures of its kinds (where the records have one)."""
+    dp = record.dp
+    guarantee = (
+        "no DP guarantee"
+        if dp == "none"
+        else f"({dp.epsilon:g}, {dp.delta:g})-DP per image"
+        + (" (void: replayable noise)" if dp.void else "")
+    )
+    size = "x".join(map(str, record.latent_shape)) if record.latent_shape else ""
+    measured = [
+        f"{m.kind} {m.auc[0]:.2f}-{m.auc[1]:.2f}" for m in record.membership if m.auc is not None
+    ]
+    tests = (
+        f"; the server's membership test on such uploads at {size}, AUC {', '.join(measured)}"
+        if measured
+        else ""
+    )
+    return (
+        f"{record.bytes / 1e6:.2f} MB once ({record.method}: {', '.join(record.kinds)}; "
+        f"{guarantee}{tests})"
+    )
+
+
 def records_path(output_dir: str, client_id: str) -> Path:
     """Where an institution keeps the records of its uploads: its own output folder."""
     return resolve(output_dir) / "institutions" / client_id / RECORDS_FILE

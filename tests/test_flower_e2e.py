@@ -64,6 +64,24 @@ def test_the_three_clients_take_turns_in_one_actor(e2e_run):
     assert len(pids) == 1, (pids, e2e_run["log"][-4000:])
 
 
+def test_the_console_reads_as_lines_a_person_can_follow(e2e_run):
+    """Issue 90: no redrawn bar glued to a log line, no per-load weight bar, no third-party
+    notice; per client one line when its upload step starts, one for its concepts, one as its
+    upload leaves; one line each for synthesis and the classifier; the last line says what the
+    run scored, how long it took and where its report is."""
+    log = e2e_run["log"]
+    assert "\r" not in log and "it/s]" not in log and "Loading weights" not in log
+    assert "FutureWarning" not in log
+    for client in ("sketch-0", "quickdraw-0", "painting-0"):
+        for what in ("computing its upload (fedbip)", "concepts: 2 epochs in", "uploading 0."):
+            assert log.count(f"[{client}] {what}") == 1, (client, what, log[-4000:])
+    assert re.search(r"synthesis: 108 images in [\d.]+ s \([\d.]+ images/s\)", log), log
+    assert re.search(r"classifier: 2 epochs in [\d.]+ s .*loss [\d.]+ -> [\d.]+", log), log
+    done = next(line for line in log.splitlines() if "done in" in line)
+    assert re.search(r"done in \d+ s: accuracy painting [\d.]+%, quickdraw [\d.]+%", done), done
+    assert done.endswith(str(e2e_run["folder"] / "report.md")), done
+
+
 def test_run_completes_and_writes_outputs(e2e_run):
     assert e2e_run["status"] == "finished:completed", e2e_run["log"][-4000:]
     assert e2e_run["stopped"], "the local SuperLink was not found to stop"

@@ -243,8 +243,8 @@ def test_restart_keeps_the_upload_and_does_not_ask_its_institution_again(restart
     status = {c.client_id or c.node_id: c.status for c in record.clients}
     assert status["sketch-a"] == "kept" and status["quickdraw-b"] == "accepted"
     logs = restarted["institution_logs"]
-    assert logs["sketch-a"].count("personalizing") == 1, "sketch-a was asked to upload again"
-    assert logs["quickdraw-b"].count("personalizing") == 2  # killed round, then the restart
+    assert logs["sketch-a"].count("computing its upload") == 1, "sketch-a was asked to upload again"
+    assert logs["quickdraw-b"].count("computing its upload") == 2  # killed round, then the restart
 
 
 def test_a_late_institution_with_a_bad_node_config_is_recorded_in_one_sentence(restarted):

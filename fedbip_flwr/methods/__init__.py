@@ -129,7 +129,13 @@ def institution_upload(
         )
     if policy is not None:
         policy.check_before_compute(len(data), lambda: method.upload_floor(cfg, len(data)))
-    log.info("[%s] %d private images, personalizing (%s)", data.client_id, len(data), cfg.method)
+    log.info(
+        "[%s] computing its upload (%s) from its %d private images (torch threads: %d)",
+        data.client_id,
+        cfg.method,
+        len(data),
+        torch.get_num_threads(),
+    )
     generator = client_generator(cfg, node, data.client_id)
     job = ClientJob(cfg, data, generator, ldm, device or torch.device("cpu"))
     blob, metrics = method.upload(job)

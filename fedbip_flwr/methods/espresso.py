@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import torch
 from pydantic import Field
-from tqdm.auto import tqdm
 
 from ..clusters import cluster_images, condition_rows, public_encoder
 from ..concepts import concept_scale
@@ -44,6 +43,7 @@ from ..method_settings import EspressoSettings
 from ..mixture import MIXTURE_TENSOR_NAMES, LatentMixture, fit_mixture
 from ..payload import ROUNDING, adam_step_bound
 from ..policy import UploadKind
+from ..progress import Progress
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..synthesis import ZSampling
@@ -144,22 +144,21 @@ class Espresso(MixtureChecks, Method):
 
         started = time.perf_counter()
         start = initial_conditions(ldm, cfg.prompt_template, data.domain, classes, own.clusters)
-        with tqdm(
-            total=own.epochs, desc=f"conditions {data.client_id}", unit="epoch", mininterval=5
-        ) as bar:
-            learned = learn_conditions(
-                ldm,
-                start,
-                instances.z0,
-                data.labels,
-                sub_clusters,
-                timestep,
-                epochs=own.epochs,
-                batch_size=own.batch_size,
-                lr=own.lr,
-                generator=job.generator,
-                on_epoch=lambda _epoch, loss: (bar.set_postfix(loss=f"{loss:.4f}"), bar.update()),
-            )
+        progress = Progress(log, f"[{data.client_id}] conditions", own.epochs, "epochs")
+        learned = learn_conditions(
+            ldm,
+            start,
+            instances.z0,
+            data.labels,
+            sub_clusters,
+            timestep,
+            epochs=own.epochs,
+            batch_size=own.batch_size,
+            lr=own.lr,
+            generator=job.generator,
+            on_epoch=lambda _epoch, loss: progress.update(note=f"loss {loss:.4f}"),
+        )
+        progress.finish(f"loss {learned.losses[0]:.4f} -> {learned.losses[-1]:.4f}")
         seconds["seconds-concept"] = time.perf_counter() - started
 
         meta = EspressoMeta(

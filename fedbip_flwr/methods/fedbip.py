@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from ..clusters import cluster_images, public_encoder
 from ..concepts import (
@@ -46,6 +45,7 @@ from ..payload import (
     payload_tensor_names,
 )
 from ..policy import UploadKind
+from ..progress import Progress
 from ..results import SENT_CONCEPT_LOSSES
 from ..seeds import client_seed
 from ..server import ShardMode, WorkUnit, keyed_shard, shard_key
@@ -197,30 +197,26 @@ def client_concepts(
         ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
     )
 
-    def on_epoch(epoch: int, loss: float) -> None:
-        bar.set_postfix(loss=f"{loss:.4f}")
-        bar.update()
-        log.info(
-            "[%s] concept epoch %d/%d loss %.4f", client_id, epoch + 1, own.concept_epochs, loss
-        )
-
-    with tqdm(
-        total=own.concept_epochs, desc=f"concepts {client_id}", unit="epoch", mininterval=5
-    ) as bar:
-        concepts = learn_concepts(
-            ldm,
-            layout,
-            own.concept_space,
-            z0,
-            concept_labels,
-            timestep,
-            epochs=own.concept_epochs,
-            batch_size=own.concept_batch_size,
-            lr=own.concept_lr,
-            generator=generator,
-            on_epoch=on_epoch,
-            privacy=privacy,
-        )
+    progress = Progress(log, f"[{client_id}] concepts", own.concept_epochs, "epochs")
+    concepts = learn_concepts(
+        ldm,
+        layout,
+        own.concept_space,
+        z0,
+        concept_labels,
+        timestep,
+        epochs=own.concept_epochs,
+        batch_size=own.concept_batch_size,
+        lr=own.concept_lr,
+        generator=generator,
+        on_epoch=lambda _epoch, loss: progress.update(note=f"loss {loss:.4f}"),
+        privacy=privacy,
+    )
+    losses = concepts.losses
+    progress.finish(
+        (f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; " if losses else "")
+        + f"S moved {concepts.domain_drift:.2f}, V {concepts.class_drift:.2f} of their start"
+    )
     return layout, concepts
 
 
@@ -472,13 +468,12 @@ def synthesize_all(
     own = own or fedbip_settings(cfg)
     units = synthesis_units(payloads, own.multiplier)
     out: dict[str, list[Path]] = {}
-    with tqdm(
-        total=sum(u.images for u in units), desc="synthesis", unit="img", mininterval=5
-    ) as bar:
-        for unit in units:
-            payload = payloads[unit.client_id]
-            path = synthesize_unit(ldm, payload, cfg, own, unit, shard_path, mode, bar.update)
-            out.setdefault(unit.client_id, []).append(path)
+    progress = Progress(log, "synthesis", sum(u.images for u in units), "images")
+    for unit in units:
+        payload = payloads[unit.client_id]
+        path = synthesize_unit(ldm, payload, cfg, own, unit, shard_path, mode, progress.update)
+        out.setdefault(unit.client_id, []).append(path)
+    progress.finish()
     return out
 
 

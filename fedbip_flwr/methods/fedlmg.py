@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +42,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..classifier import Distillation, Divergence, Teacher, _prepare
 from ..concepts import unconditional_embedding
@@ -49,6 +49,7 @@ from ..config import FedBiPConfig
 from ..ldm import LDM
 from ..method_settings import CLASS_SLOT, FedLMGSettings
 from ..policy import UploadKind
+from ..progress import Progress
 from ..seeds import client_seed
 from ..server import keyed_shard, shard_key
 from ..synthesis import decode_latents, encode_texts
@@ -72,6 +73,8 @@ if TYPE_CHECKING:
 
 PREFIX = "classifier."  # the uploaded model's tensors, beside class_counts
 Shift = Literal["noise", "latents"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -400,35 +403,31 @@ class FedLMG(Method):
             for cid, u in uploads.items()
         }
         out = {}
-        with tqdm(
-            total=sum(len(v) for v in labels.values()),
-            desc="fedlmg guided sampling",
-            unit="img",
-            mininterval=5,
-        ) as bar:
-            for client_id, upload in sorted(uploads.items()):
-                seed = client_seed(cfg.seed, client_id)
-                batches = functools.partial(
-                    iter_guided,
-                    ldm,
-                    upload.content,
-                    cond,
-                    labels[client_id],
-                    settings,
-                    torch.Generator().manual_seed(seed),
-                    bar.update,
-                    cfg.vae_batch_size,
-                )
-                key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
-                path = keyed_shard(
-                    shard_path(client_id, 0),
-                    key,
-                    labels[client_id],
-                    batches,
-                    mode=server.shard_mode,
-                    on_reuse=bar.update,
-                )
-                out[client_id] = [path]
+        progress = Progress(log, "guided sampling", sum(len(v) for v in labels.values()), "images")
+        for client_id, upload in sorted(uploads.items()):
+            seed = client_seed(cfg.seed, client_id)
+            batches = functools.partial(
+                iter_guided,
+                ldm,
+                upload.content,
+                cond,
+                labels[client_id],
+                settings,
+                torch.Generator().manual_seed(seed),
+                progress.update,
+                cfg.vae_batch_size,
+            )
+            key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
+            path = keyed_shard(
+                shard_path(client_id, 0),
+                key,
+                labels[client_id],
+                batches,
+                mode=server.shard_mode,
+                on_reuse=progress.update,
+            )
+            out[client_id] = [path]
+        progress.finish()
         return out
 
     def teacher(self, uploads: Mapping[str, Upload], server: ServerJob) -> Distillation | None:
