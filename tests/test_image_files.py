@@ -295,13 +295,17 @@ def test_images_without_an_eight_bit_meaning_are_unreadable(tmp_path: Path, kind
     assert "8-bit" in (why_unreadable(tmp_path / "x.tif") or "")
 
 
-def test_a_large_folder_shows_progress_while_it_is_checked(tmp_path: Path, capsys) -> None:
+def test_a_large_folder_reports_its_check_as_a_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     folder = tmp_path / "big" / "circle"
     folder.mkdir(parents=True)
     for i in range(PROGRESS_FROM):
         Image.new("L", (4, 4), i % 256).save(folder / f"{i:04d}.png")
-    own_folder_split(tmp_path / "big", CLASSES)
-    assert "checking images in" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="fedbip_flwr"):
+        own_folder_split(tmp_path / "big", CLASSES)
+    closing = [r.getMessage() for r in caplog.records if "checking images in" in r.getMessage()]
+    assert closing and f"{PROGRESS_FROM} files in" in closing[-1], caplog.text
 
 
 def test_an_error_reply_to_the_server_neither_counts_nor_names_the_bad_files(
