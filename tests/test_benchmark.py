@@ -39,12 +39,12 @@ def test_every_budget_rule_meets_the_global_classifier_budget():
 
 def test_variants_that_reuse_uploads_run_after_their_source():
     chosen = [
-        benchmark.variant("FedBiP-S"),
+        benchmark.variant("FedLMG-SD"),
         benchmark.variant("Central"),
-        benchmark.variant("FedBiP-L"),
+        benchmark.variant("FedLMG-FT"),
     ]
     names = [v.name for v in benchmark.ordered(chosen)]
-    assert names == ["FedBiP-L", "FedBiP-S", "Central"]
+    assert names == ["FedLMG-FT", "FedLMG-SD", "Central"]
     with pytest.raises(ValueError, match="unknown variant"):
         benchmark.variant("nope")
 
@@ -252,7 +252,7 @@ def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
     mean, half = benchmark.t_interval([1.0, 2.0, 3.0])
     # t(0.975, 2) = 4.303 times the std (1) over sqrt(3)
     assert mean == 2.0 and half == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
-    a = "FedBiP-S (2 z(T) per image)"  # the first comparisons: against the floor and the ceiling
+    a = "FedBiP-S"  # the first comparisons: against the floor and the ceiling
     runs = {
         s: {a: row(0.5 + d), "Prompts-only": row(0.5), "Central": row(0.61)}
         for s, d in enumerate([0.10, 0.11, 0.12])
@@ -277,44 +277,43 @@ def test_a_paired_difference_is_the_mean_with_a_95_percent_t_interval():
 def test_the_accuracy_heading_states_the_pinned_sampler_steps_and_t(tmp_path):
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
     sampled = benchmark.sampling(bench)
-    assert sampled == benchmark.Sampling("pndm", 25, "leading", 961)
+    assert sampled == benchmark.Sampling("unipc", 5, "trailing", 999)
     assert benchmark.accuracy_heading(sampled) == (
-        "### Accuracy (%): sampler `pndm` (leading spacing), 25 steps, T = 961\n"
+        "### Accuracy (%): sampler `unipc` (trailing spacing), 5 steps, T = 999\n"
     )
 
 
 def test_each_row_takes_the_stand_in_of_its_own_upload_kind(tmp_path):
-    """K z(T) per image as the row uploads them (FedBiP-S/M/L are passes of one), the mixture
+    """K z(T) per image as the row uploads them (the paper's FedBiP-S: passes of one), the mixture
     kinds by their statistic, a DP row its method's class statistics at its epsilon; nothing
     for uploads that are no latent."""
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
 
     def setting(name, size=256):
-        return benchmark.stand_in_setting(bench, benchmark.variant(name), 961, size)
+        return benchmark.stand_in_setting(bench, benchmark.variant(name), 999, size)
 
-    assert setting("FedBiP-S (2 z(T) per image)") == ("256px/T=961/K=2", "rows/likelihood-ratio")
-    assert setting("FedBiP-S (2 z(T) per image)", 64) == ("64px/T=961/K=2", "rows/likelihood-ratio")
-    assert setting("FedBiP-L (10 z(T) per image)") == ("256px/T=961/K=10", "rows/likelihood-ratio")
-    assert setting("FedBiP-L") == ("256px/T=961/K=1", "rows/likelihood-ratio")
-    assert setting("FedLD") == ("256px/T=961/K=2", "fedld/mean-filter")
-    assert setting("Espresso") == ("256px/T=961/K=2", "espresso/mean-filter")
-    assert setting("FedBiP-mixture (2 z(T) per image)")[1] == "fedbip-mixture/mean-filter"
-    assert setting("FedLD-DP epsilon 1") == (
-        "256px/T=961/fedld-dp/epsilon=1",
+    assert setting("FedBiP-S") == ("256px/T=999/K=2", "rows/likelihood-ratio")
+    assert setting("FedBiP-S", 64) == ("64px/T=999/K=2", "rows/likelihood-ratio")
+    assert setting("FedBiP-L") == ("256px/T=999/K=10", "rows/likelihood-ratio")
+    assert setting("FedBiP-S, 2 passes of one z(T)") == ("256px/T=999/K=1", "rows/likelihood-ratio")
+    assert setting("FedLD") == ("256px/T=999/K=2", "fedld/mean-filter")
+    assert setting("Espresso") == ("256px/T=999/K=2", "espresso/mean-filter")
+    assert setting("FedBiP-mixture")[1] == "fedbip-mixture/mean-filter"
+    assert setting("FedLD-DP eps 4") == (
+        "256px/T=999/fedld-dp/epsilon=4",
         "fedld-dp/mean-filter",
     )
-    assert setting("FedBiP-mixture-DP epsilon 16", 64) == (
-        "64px/T=961/fedbip-mixture-dp-stats/epsilon=16",
+    assert setting("FedBiP-mixture-DP eps 16", 64) == (
+        "64px/T=999/fedbip-mixture-dp-stats/epsilon=16",
         "fedbip-mixture-dp-stats/mean-filter",
     )
     assert setting("OSCAR", 64) == ("64px/oscar", "oscar/class-mean")
     # a client's own classifier by its start and the benchmark's local budget (300 steps)
     for name in ("Local", "FedLMG-FT", "FedLMG-SD"):
-        assert setting(name, 64) == ("64px/classifier/init=random/epochs=150", "fedlmg/loss")
-    assert setting("FedLMG-FT public start", 64)[0] == "64px/classifier/init=pretrained/epochs=150"
+        assert setting(name, 64) == ("64px/classifier/init=pretrained/epochs=150", "fedlmg/loss")
     # FedAvg's replies by what travels, from where, and the benchmark's 25 rounds of 2 epochs
     assert setting("FedAvg", 64) == (
-        "64px/fedavg/part=all/init=random/rounds=25/local-epochs=2",
+        "64px/fedavg/part=all/init=pretrained/rounds=25/local-epochs=2",
         "fedavg/loss-last",
     )
     assert setting("FedAvg-head", 64) == (
@@ -341,21 +340,21 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
     benchmark.write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
     small = attack_record(2, {"sketch": 0.6}, key="64px/T=961/K=2")
     benchmark.write_json(tmp_path / "server_attacks_t961_seed2.json", small)
-    names = ["FedBiP-S (2 z(T) per image)", "FedBiP-L", "FedLD"]
+    names = ["FedBiP-S", "FedBiP-S, 2 passes of one z(T)", "FedLD"]
     large = benchmark.stand_in_attacks(bench, 961, 256, names)
-    assert list(large) == ["FedBiP-S (2 z(T) per image)"], "no record of K = 1 or of FedLD"
-    found = large["FedBiP-S (2 z(T) per image)"]
+    assert list(large) == ["FedBiP-S"], "no record of K = 1 or of FedLD"
+    found = large["FedBiP-S"]
     assert found["seeds"] == [0, 1]
     sketch = found["per_domain"]["sketch"]
     assert sketch["auc"] == pytest.approx(0.85) and sketch["auc_std"] == pytest.approx(0.0707, 1e-3)
-    stand_in = benchmark.stand_in_attacks(bench, 961, 64, names)["FedBiP-S (2 z(T) per image)"]
+    stand_in = benchmark.stand_in_attacks(bench, 961, 64, names)["FedBiP-S"]
     assert stand_in["seeds"] == [2]
     entry = {
         "seeds": [0, 1, 2],
         benchmark.SERVER_ATTACK_LARGE: found,
         benchmark.SERVER_ATTACK_STAND_IN: stand_in,
     }
-    table = benchmark.server_attack_table({"FedBiP-S (2 z(T) per image)": entry}, ["sketch"])
+    table = benchmark.server_attack_table({"FedBiP-S": entry}, ["sketch"])
     assert "| z(T) likelihood ratio | 0.600 / 0.15 | records 2 | 0.850 ± 0.071 / 0.21 | 0, 1 |" in (
         table
     )
@@ -364,7 +363,7 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
         {0: {"sketch": dict(auc=0.7, auc_stderr=0.04, tpr_at_low_fpr=0.1)}}
     )
     table = benchmark.server_attack_table(
-        {"FedBiP-S (2 z(T) per image)": {**entry, benchmark.SERVER_ATTACK: own}}, ["sketch"]
+        {"FedBiP-S": {**entry, benchmark.SERVER_ATTACK: own}}, ["sketch"]
     )
     assert "| 0.700 / 0.10 | run folders 0 (3) |" in table
     # FedAvg's replies are tested in records only (no run folder keeps them); class counts never
@@ -445,33 +444,31 @@ def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(t
     )
 
 
-def test_the_shipped_records_fill_both_sizes_for_every_latent_row_at_three_seeds():
-    """Every row whose upload is a latent kind has its kind's figures at 4x16x16 and 4x64x64
-    (FedPFT's and OSCAR's class means, Local's and FedLMG's classifiers and FedAvg's replies at
-    the run's size) from three seeds of the clients' randomness;
-    without DP the server's test finds members (AUC above 0.55 at the run's size, 0.75 at
-    SD's), a DP release stays within 0.1 of chance at either size, FedAvg's replies below 0.7."""
+def test_the_shipped_records_fill_the_headline_rows_at_three_seeds():
+    """The server's test on each headline row's upload kind from the records at T = 999 (the
+    benchmark's sampler): at the run's size every row but the DP mixture and Espresso (whose
+    records are at T = 961) and Central (images: no latent), at SD's latent size the latent
+    rows FedBiP-S, -L, the mixture mode and FedLD; each from three seeds of the clients'
+    randomness. Without DP the server's test finds members (AUC above 0.55 at the run's size,
+    0.75 at SD's); OSCAR's caption states carry the class only."""
     bench = Bench(
         Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
     )
-    names = [v.name for v in benchmark.VARIANTS]
-    # FedAvg's replies, 100 SGD steps a client over 25 rounds, give members little away
-    weak = {"FedAvg", "FedAvg-head"}
-    for size, floor, rows in ((64, 0.55, 35), (256, 0.75, 25)):
-        tested = [
-            n for n in names if benchmark.stand_in_setting(bench, benchmark.variant(n), 961, size)
-        ]
-        assert len(tested) == rows, tested
-        found = benchmark.stand_in_attacks(bench, 961, size, names)
-        assert sorted(found) == sorted(tested), size
+    names = list(benchmark.HEADLINE)
+    latent = {"FedBiP-S", "FedBiP-L", "FedBiP-mixture", "FedLD"}
+    expected = {
+        64: latent | {"OSCAR", "FedPFT", "FedLMG-FT"},
+        256: latent,
+    }
+    for size, floor in ((64, 0.55), (256, 0.75)):
+        found = benchmark.stand_in_attacks(bench, 999, size, names)
+        assert set(found) == expected[size], (size, sorted(found))
         for name, row in found.items():
             assert row["seeds"] == [0, 1, 2], (name, size)
             aucs = [a["auc"] for a in row["per_domain"].values()]
             assert len(aucs) == 3, (name, size)
-            if "DP" in name or "OSCAR" in name:  # OSCAR's caption states: the image's class only
+            if name == "OSCAR":
                 assert all(abs(a - 0.5) < 0.1 for a in aucs), (name, size, aucs)
-            elif name in weak:
-                assert all(0.4 < a < 0.7 for a in aucs), (name, size, aucs)
             else:
                 assert all(a > floor for a in aucs), (name, size, aucs)
 
@@ -502,7 +499,8 @@ def test_membership_sets_are_class_balanced():
 
 @pytest.fixture(scope="module")
 def one_seed(tmp_path_factory, tiny_model_dir):
-    """FedBiP-S requested alone: FedBiP-L runs first, then S from L's uploads, on two clients."""
+    """FedBiP-S and FedLMG-SD requested: FedLMG-FT runs before SD, which starts from its
+    uploads; two clients."""
     root = tmp_path_factory.mktemp("bench")
     settings = Settings(
         domains=("sketch", "quickdraw"),
@@ -523,19 +521,19 @@ def one_seed(tmp_path_factory, tiny_model_dir):
     )
     bench = Bench(settings, work=root / "work", results=root / "results", threads=1, timeout_s=900)
     judges = load_judges(root / "judges.safetensors", size=32, per_class=2, epochs=1)
-    results = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges)
+    results = benchmark.run_seed(bench, 0, ["FedLMG-SD", "FedBiP-S"], judges)
     return bench, results
 
 
 def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
     bench, results = one_seed
-    assert list(results) == ["FedBiP-L", "FedBiP-S"]
-    large, small = results["FedBiP-L"], results["FedBiP-S"]
+    assert list(results) == ["FedLMG-FT", "FedLMG-SD", "FedBiP-S"]
+    small = results["FedBiP-S"]
     n = 2 * 6 * 2  # shots x classes x clients
-    assert (large["num_images"], small["num_images"]) == (10 * n, 2 * n)
+    assert small["num_images"] == 2 * n, "2 z(T) per private image, each denoised once"
     assert set(small["per_domain"]) == {"sketch", "quickdraw"}
     assert small["mean"] == pytest.approx(statistics.fmean(small["per_domain"].values()))
-    assert small["upload_bytes"] == large["upload_bytes"], "S uses L's uploads"
+    assert results["FedLMG-SD"]["upload_bytes"] == results["FedLMG-FT"]["upload_bytes"]
     assert set(small["fidelity"]) == {"sketch", "quickdraw"}
     assert all(0 <= f["class"] <= 1 and 0 <= f["domain"] <= 1 for f in small["fidelity"].values())
     assert math.isfinite(small["mia_gap"]["loss"]) and small["sgd_steps"] == 3
@@ -558,8 +556,7 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
         one = {"psnr", "ssim", "baseline_psnr", "baseline_ssim"}
         assert set(score) == one | {f"averaged_{k}" for k in one} | {"images_averaged"}
         assert all(math.isfinite(v) for v in score.values())
-        assert score["images_averaged"] == 2, "multiplier 2: two passes of each z(T)"
-    assert all(s["images_averaged"] == 10 for s in large["reconstruction"].values())
+        assert score["images_averaged"] == 2, "two z(T) of each private image"
     # the server's own test on each accepted upload, read back from the run folder: members
     # are the client's 12 images, one test per domain
     attacked = small[benchmark.SERVER_ATTACK]
@@ -571,10 +568,10 @@ def test_a_seed_runs_its_variants_through_flwr_and_measures_them(one_seed):
 
 def test_a_reusing_variant_resumes_from_its_sources_shards(one_seed):
     bench, _ = one_seed
-    large = RunFolder(bench.seed_folder(0) / "fedbip-l")
-    small = RunFolder(bench.seed_folder(0) / "fedbip-s")
+    large = RunFolder(bench.seed_folder(0) / "fedlmg-ft")
+    small = RunFolder(bench.seed_folder(0) / "fedlmg-sd")
     used = json.loads(small.training_set.read_text())
-    assert all(len(names) == 2 for names in used.values()), "multiplier 2: passes 0 and 1"
+    assert used and all(names for names in used.values())
     for names in used.values():
         for name in names:
             assert os.stat(small.shards / name).st_ino == os.stat(large.shards / name).st_ino, (
@@ -593,11 +590,11 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
     stored = json.loads(bench.cache(0).read_text())
     small = stored["results"]["FedBiP-S"]
     stripped = {k: v for k, v in small.items() if k not in ("mia", "reconstruction")}
-    other = {**stored["results"]["FedBiP-L"], "per_domain": {"sketch": 0.0, "quickdraw": 0.0}}
-    stored["results"].update({"FedBiP-S": stripped, "FedBiP-L": other})
+    other = {**stored["results"]["FedLMG-FT"], "per_domain": {"sketch": 0.0, "quickdraw": 0.0}}
+    stored["results"].update({"FedBiP-S": stripped, "FedLMG-FT": other})
     benchmark.write_json(bench.cache(0), stored)
     try:
-        again = benchmark.run_seed(bench, 0, ["FedBiP-S"], judges, remeasure=True)
+        again = benchmark.run_seed(bench, 0, ["FedBiP-S", "FedLMG-FT"], judges, remeasure=True)
         assert (
             again["FedBiP-S"]["mia"] == small["mia"]
             and again["FedBiP-S"]["reconstruction"] == small["reconstruction"]
@@ -605,7 +602,7 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
         assert again["FedBiP-S"]["wall_seconds"] == small["wall_seconds"], (
             "the run's own record stays"
         )
-        assert again["FedBiP-L"] == other, "not this folder's run: kept as cached"
+        assert again["FedLMG-FT"] == other, "not this folder's run: kept as cached"
     finally:
         stored["results"].update(results)
         benchmark.write_json(bench.cache(0), stored)
@@ -643,7 +640,7 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     md = tmp_path / "BENCHMARKS.md"
     summary = benchmark.report(bench, "fedbip benchmark --seeds 0", md)
     text = md.read_text()
-    assert "| FedBiP-S |" in text and "| FedBiP-L |" in text
+    assert "| FedBiP-S |" in text and "| FedLMG-SD |" in text
     assert (
         "| MIA AUC, pooled | TPR at 1% FPR |" in text
         and "reconstruction PSNR (dB), own / same-class" in text
@@ -666,7 +663,7 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     assert "| FedBiP-S | z(T) likelihood ratio | " in text and f"| {auc:.3f} / " in text
     assert (bench.results / "pictures" / "methods-sketch.png").exists()
     saved = json.loads((bench.results / "methods.json").read_text())
-    assert set(saved["methods"]) == {"FedBiP-L", "FedBiP-S"}
+    assert set(saved["methods"]) == {"FedBiP-S", "FedLMG-FT", "FedLMG-SD"}
 
 
 def test_the_report_keeps_pictures_whose_run_folders_are_gone(one_seed, tmp_path):
