@@ -58,3 +58,109 @@ def test_every_config_key_the_docs_set_is_one_the_config_accepts():
         for key in documented_keys(path.read_text()) - known
     }
     assert not unknown, f"docs set keys the config does not know: {sorted(unknown)}"
+
+
+# ------------------------------------------------------------------ docs against the records
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LIMITS = {"README.md": 150, "BENCHMARKS.md": 150}
+PAGE_LIMIT = 400  # every docs/benchmarks/*.md
+
+
+def test_every_generated_table_is_what_its_record_makes():
+    """A remade record leaves no stale table: `python -m fedbip_tools.doc_tables` rewrites them."""
+    from fedbip_tools import doc_tables
+
+    stale = doc_tables.stale()
+    assert not stale, f"run `python -m fedbip_tools.doc_tables`: {stale}"
+
+
+def readme_results() -> dict[str, list[str]]:
+    """The README's results table: row name -> its cells."""
+    from fedbip_tools import doc_tables
+
+    text = doc_tables.section(ROOT / "README.md", doc_tables.RESULTS)
+    assert text, "README.md has no results section"
+    rows = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
+
+
+def test_every_figure_in_the_readmes_table_equals_its_record():
+    """Read against benchmarks/methods.json itself, not through the generator."""
+    import json
+    import math
+
+    from scipy import stats
+
+    from fedbip_tools import benchmark as b
+
+    record = json.loads((ROOT / "benchmarks" / "methods.json").read_text())
+    legacy = record.get("names") != b.NAMES_VERSION
+    rows = {b.LEGACY_NAMES.get(k, k) if legacy else k: v for k, v in record["methods"].items()}
+
+    def auc_range(found) -> set[float]:
+        aucs = [a["auc"] for a in found["per_domain"].values()]
+        return {round(min(aucs), 2), round(max(aucs), 2)}
+
+    table = readme_results()
+    assert 1 <= len(table) <= 12, f"the README's table has {len(table)} rows"
+    kinds = set()
+    for name, (accuracy, kb, small, large, _guarantee) in table.items():
+        e = rows[name]
+        kinds |= set(e["made_with"]["kinds"])
+        mean, *bounds = re.findall(r"-?[\d.]+", accuracy)
+        assert float(mean) == round(100 * e["mean"], 1), name
+        n = len(e["seeds"])
+        half = stats.t.ppf(0.975, n - 1) * e["std"] / math.sqrt(n)
+        expected = [round(100 * (e["mean"] - half), 1), round(100 * (e["mean"] + half), 1)]
+        assert [float(b) for b in bounds] == expected, name
+        sizes = list(e["upload_bytes"].values())
+        assert float(kb.replace(",", "")) == round(sum(sizes) / len(sizes) / 1e3, 1), name
+        # 4x16x16: the run folders' test unless the upload kind's records hold more seeds
+        found, stand_in = e.get(b.SERVER_ATTACK), e.get(b.SERVER_ATTACK_STAND_IN)
+        seeds = len(stand_in["seeds"]) if stand_in else 0
+        small_found = found if found and len(found["seeds"]) >= seeds else stand_in
+        for cell, source in ((small, small_found), (large, e.get(b.SERVER_ATTACK_LARGE))):
+            if cell == "–":
+                assert source is None, name
+            else:
+                assert {float(x) for x in cell.split("-")} == auc_range(source), name
+    assert len(kinds) == 1, f"the README's table mixes machine kinds: {kinds}"
+
+
+def headings(path) -> set[str]:
+    """GitHub's anchors for a Markdown file's headings (code blocks skipped)."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    out = set()
+    for title in re.findall(r"^#+ +(.+?) *$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower().replace("`", "")).replace(" ", "-")
+        out.add(slug)
+    return out
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """A file for every relative link in README.md, BENCHMARKS.md and docs/, and a heading
+    for every anchor into a Markdown file."""
+    broken = []
+    for page in DOCS:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            found = (page.parent / path).resolve() if path else page
+            if not found.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and found.suffix == ".md" and anchor not in headings(found):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, f"links that lead nowhere: {broken}"
+
+
+def test_the_readme_and_the_benchmark_index_stay_short_and_every_topic_page_too():
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in DOCS
+        if (lines := len(path.read_text().splitlines()))
+        > LIMITS.get(path.name if path.parent == ROOT else "", PAGE_LIMIT)
+        and (path.parent == ROOT or path.parent.name == "benchmarks")
+    }
+    assert not too_long, f"over their limit (README and BENCHMARKS.md 150, pages 400): {too_long}"

@@ -1,0 +1,286 @@
+"""Every docs table made from a record, written into its marked section.
+
+A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- name:end -->``
+(:func:`fedbip_tools.benchmark.write_section`), so a remade record leaves no stale copy behind:
+
+- ``results`` in README.md: the headline rows of ``benchmarks/methods.json`` made with one model
+  on one machine kind (the group holding most of them), per row mean accuracy with its 95%
+  interval, upload size, the server's membership AUC at both latent sizes, the guarantee;
+- ``methods`` in docs/benchmarks/methods.md: the methods benchmark's own section
+  (:func:`fedbip_tools.benchmark.markdown`) from the same record;
+- ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``.
+
+Names, model, machine kind and sampler come from the records; rows recorded under an old name
+read under today's (:data:`fedbip_tools.benchmark.LEGACY_NAMES`).
+
+    python -m fedbip_tools.doc_tables          # rewrite every section
+    python -m fedbip_tools.doc_tables --check  # exit 1 where a section differs from its record
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+from fedbip_flwr.config import FedBiPConfig
+
+from . import benchmark, speed
+from .upload_attacks import upload_test
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS_RECORD = ROOT / "benchmarks" / "methods.json"
+SPEED_RECORD = ROOT / "benchmarks" / "perf.json"
+README = ROOT / "README.md"
+METHODS_PAGE = ROOT / "docs" / "benchmarks" / "methods.md"
+SPEED_PAGE = ROOT / "docs" / "benchmarks" / "speed.md"
+RESULTS = "results"
+LEVEL = 0.95
+
+
+# -------------------------------------------------------------------------------- records
+def methods_record(path: Path = METHODS_RECORD) -> dict[str, Any]:
+    """``benchmarks/methods.json`` with its rows and differences under today's names (a record
+    without ``names`` predates them: :func:`fedbip_tools.benchmark.named`)."""
+    record = json.loads(path.read_text())
+    legacy = record.get("names") != benchmark.NAMES_VERSION
+    rows = benchmark.named({"results": record["methods"], "names": record.get("names")})
+    record["methods"] = rows["results"]
+    if legacy:
+        for d in record["differences"]:
+            d["a"], d["b"] = (benchmark.LEGACY_NAMES.get(d[k], d[k]) for k in ("a", "b"))
+    return record
+
+
+def known(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record's rows that are variants of today's benchmark (others stay in the record)."""
+    names = {v.name for v in benchmark.VARIANTS}
+    return {n: e for n, e in record["methods"].items() if n in names}
+
+
+def group(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(model, machine kind) of a row whose seeds share both; None for a mixed row."""
+    models, kinds = entry["made_with"]["models"], list(entry["made_with"]["kinds"])
+    return (models[0], kinds[0]) if len(models) == 1 and len(kinds) == 1 else None
+
+
+def headline(record: Mapping[str, Any]) -> tuple[tuple[str, str], list[str]]:
+    """The README's rows: the headline rows at the benchmark's own classifier start, of the
+    (model, kind) that most of them share (ties: the first row's)."""
+    rows = record["methods"]
+    names = [
+        n
+        for n in benchmark.HEADLINE
+        if n in rows and "classifier-init" not in benchmark.variant(n).values
+    ]
+    groups = [g for n in names if (g := group(rows[n]))]
+    if not groups:
+        raise ValueError(f"{METHODS_RECORD.name}: no headline row of one model and kind")
+    chosen = max(groups, key=groups.count)  # max keeps the first of equal counts
+    return chosen, [n for n in names if group(rows[n]) == chosen]
+
+
+# -------------------------------------------------------------------------- README's table
+def interval(entry: Mapping[str, Any]) -> tuple[float, float] | None:
+    """The 95% t-interval of the mean accuracy over the row's seeds (the same interval as
+    :func:`fedbip_tools.benchmark.t_interval`, from the record's mean and sample std)."""
+    n = len(entry["seeds"])
+    if n < 2:
+        return None
+    half = float(stats.t.ppf((1 + LEVEL) / 2, n - 1)) * entry["std"] / math.sqrt(n)
+    return entry["mean"] - half, entry["mean"] + half
+
+
+def accuracy_cell(entry: Mapping[str, Any]) -> str:
+    found = interval(entry)
+    bounds = f" [{100 * found[0]:.1f}, {100 * found[1]:.1f}]" if found else ""
+    return f"{100 * entry['mean']:.1f}{bounds}"
+
+
+def server_auc(entry: Mapping[str, Any], large: bool) -> Mapping[str, Any] | None:
+    """The figures the methods page's server table gives the row: at 4x64x64 its upload kind's
+    records; at 4x16x16 its run folders unless the records hold more seeds."""
+    if large:
+        return entry.get(benchmark.SERVER_ATTACK_LARGE)
+    found, stand_in = (
+        entry.get(benchmark.SERVER_ATTACK),
+        entry.get(benchmark.SERVER_ATTACK_STAND_IN),
+    )
+    if found and len(found["seeds"]) >= len(stand_in["seeds"] if stand_in else []):
+        return found
+    return stand_in
+
+
+def auc_cell(found: Mapping[str, Any] | None) -> str:
+    """The range of the per-domain mean AUCs, or one value where they round alike."""
+    if not found:
+        return "–"
+    aucs = [a["auc"] for a in found["per_domain"].values()]
+    low, high = f"{min(aucs):.2f}", f"{max(aucs):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
+def guarantee_cell(name: str) -> str:
+    """The variant's DP guarantee, "none" for an upload the server can test without one."""
+    v = benchmark.variant(name)
+    own = FedBiPConfig.from_flat(v.values).settings_of(v.method)
+    if guarantee := getattr(own, "guarantee", None):
+        return str(guarantee)
+    return "none" if upload_test(v.method) else "nothing of an image uploaded"
+
+
+def kind_text(kind: str) -> str:
+    return (
+        "a machine kind the record leaves unrecorded"
+        if kind == "unrecorded"
+        else f"the {kind} machine kind"
+    )
+
+
+def results_table(record: Mapping[str, Any]) -> str:
+    (model, kind), names = headline(record)
+    rows, s = record["methods"], record["sampling"]
+    cfg = record["settings"]["run_config"]
+    seeds = sorted({seed for n in names for seed in rows[n]["seeds"]})
+    others = [n for n in rows if n not in names]
+    lines = [
+        f"`{record['command']}` (record [`benchmarks/methods.json`](benchmarks/methods.json)): "
+        f"model `{model}` on {kind_text(kind)}, seeds {', '.join(map(str, seeds))}; "
+        f"sampler `{s['scheduler']}`, {s['steps']} steps from T = {s['timestep']}; ResNet-18 "
+        f"from a {cfg['classifier-init']} start, {record['settings']['classifier_steps']} SGD "
+        "steps. Accuracy: mean over seeds and domains [its 95% t-interval over the seeds, which can "
+        "pass 100]; AUC: the range over the domains of the server's strongest test on the "
+        "uploads (0.5: chance; –: no latent upload at that size, or no test).",
+        "",
+        "| row | accuracy (%) | upload per client (kB) | server AUC, 4x16x16 "
+        "| server AUC, 4x64x64 | guarantee |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        e = rows[n]
+        cells = [
+            n,
+            accuracy_cell(e),
+            benchmark.kilobytes(e),
+            auc_cell(server_auc(e, large=False)),
+            auc_cell(server_auc(e, large=True)),
+            guarantee_cell(n),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    variants = known(record)
+    shown = [n for n in others if n in variants]
+    lines += [
+        "",
+        f"The record's {len(shown)} other rows of today's variants (other models or kinds, "
+        "or beside the headline) are on [the methods page](docs/benchmarks/methods.md); "
+        f"{len(others) - len(shown)} rows under older variants stay in the record only.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------- the other pages
+def methods_section(record: Mapping[str, Any]) -> str:
+    """The methods benchmark's section, as ``fedbip benchmark`` writes it, over the record's
+    rows that are today's variants."""
+    settings = benchmark.Settings(
+        **{**record["settings"], "domains": tuple(record["settings"]["domains"])}
+    )
+    bench = benchmark.Bench(
+        settings, ROOT / "benchmark-work", ROOT / "benchmarks", threads=record["threads"]
+    )
+    summary = known(record)
+    found = [
+        benchmark.Difference(**d)
+        for d in record["differences"]
+        if d["a"] in summary and d["b"] in summary
+    ]
+    sampled = benchmark.Sampling(**record["sampling"])
+    return benchmark.markdown(
+        summary, bench, record["command"], record["judges_on_real"], found, sampled
+    )
+
+
+def speed_command(record: Mapping[str, Any]) -> str:
+    """``fedbip speed`` with the options the record's settings set apart from the defaults."""
+    defaults = vars(speed.parse([]))
+    skip = {"out", "no_write", "markdown", "child", "threads"}
+    words = ["fedbip", "speed"]
+    for key, value in record["settings"].items():
+        if key not in skip and defaults.get(key) != value:
+            words += [f"--{key.replace('_', '-')}", str(value)]
+    return " ".join(words)
+
+
+def speed_section(record: Mapping[str, Any]) -> str:
+    return speed.markdown(record, speed_command(record))
+
+
+# ---------------------------------------------------------------------------------- writing
+SECTIONS: Sequence[tuple[Path, str, Path, Callable[[dict[str, Any]], str]]] = (
+    (README, RESULTS, METHODS_RECORD, results_table),
+    (METHODS_PAGE, benchmark.MARKER, METHODS_RECORD, methods_section),
+    (SPEED_PAGE, speed.MARKER, SPEED_RECORD, speed_section),
+)
+
+
+def section(path: Path, marker: str) -> str | None:
+    """The text between a file's markers, or None where it has none."""
+    body = path.read_text()
+    start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+    if start not in body:
+        return None
+    return body[body.index(start) + len(start) : body.index(end)]
+
+
+def generated() -> list[tuple[Path, str, str]]:
+    """(file, marker, text) of every generated section, made from today's records."""
+    read: dict[Path, dict[str, Any]] = {}
+    out = []
+    for path, marker, source, make in SECTIONS:
+        if source not in read:
+            read[source] = (
+                methods_record(source)
+                if source == METHODS_RECORD
+                else json.loads(source.read_text())
+            )
+        out.append((path, marker, make(read[source])))
+    return out
+
+
+def stale() -> list[str]:
+    """The sections whose text differs from what their records make."""
+    return [
+        f"{path.relative_to(ROOT)}: {marker}"
+        for path, marker, text in generated()
+        if section(path, marker) != text
+    ]
+
+
+def write() -> None:
+    for path, marker, text in generated():
+        benchmark.write_section(path, text, marker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fedbip_tools.doc_tables", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = stale()
+        for line in found:
+            print(f"stale: {line}", file=sys.stderr)
+        return 1 if found else 0
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
