@@ -45,12 +45,24 @@ LEVEL = 0.95
 
 
 # -------------------------------------------------------------------------------- records
+def legacy_names(record: Mapping[str, Any]) -> bool:
+    """Whether a summary names its rows as records did before one name per variant: it says
+    so (``names``), or, where it does not (``benchmark.report`` writes no ``names``), it holds
+    a row under a name only the old records used (an old name that is also today's, such as
+    "FedBiP-S", cannot tell them apart)."""
+    if "names" in record:
+        return record["names"] != benchmark.NAMES_VERSION
+    today = {v.name for v in benchmark.VARIANTS}
+    return any(n in benchmark.LEGACY_NAMES and n not in today for n in record["methods"])
+
+
 def methods_record(path: Path = METHODS_RECORD) -> dict[str, Any]:
-    """``benchmarks/methods.json`` with its rows and differences under today's names (a record
-    without ``names`` predates them: :func:`fedbip_tools.benchmark.named`)."""
+    """``benchmarks/methods.json`` with its rows and differences under today's names
+    (:func:`legacy_names`; renamed by :func:`fedbip_tools.benchmark.named`)."""
     record = json.loads(path.read_text())
-    legacy = record.get("names") != benchmark.NAMES_VERSION
-    rows = benchmark.named({"results": record["methods"], "names": record.get("names")})
+    legacy = legacy_names(record)
+    version = None if legacy else benchmark.NAMES_VERSION
+    rows = benchmark.named({"results": record["methods"], "names": version})
     record["methods"] = rows["results"]
     if legacy:
         for d in record["differences"]:
