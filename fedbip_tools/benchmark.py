@@ -1,7 +1,7 @@
 """The methods benchmark: every method side by side, each run through the real ``flwr run``.
 
 Issues 18 and 20. For every seed and every variant (a method of the registry plus run-config
-values, e.g. FedBiP-L = ``fedbip`` with multiplier 10), one simulation of the same three clients
+values, e.g. FedBiP-L = ``fedbip`` with 10 z(T) per private image), one simulation of the same three clients
 (sketch, quickdraw, painting of the shapes world, one client each) runs on Flower with the same
 seed, client data, test sets and classifier recipe; every classifier gets the same number of
 SGD steps (``classifier-steps``; Local's per-client classifiers and FedAvg's rounds are sized to
@@ -10,8 +10,8 @@ domain (metrics.json), upload bytes and client seconds (clients.json), server se
 training set (training-set.json), which the fidelity judges (:mod:`fedbip_tools.judges`) label,
 and the classifier, whose membership-inference gaps are measured on the clients' real images.
 
-Variants that differ only in what the server does with the same uploads (FedBiP-S and -M from
-FedBiP-L's uploads, FedLMG's distillation modes) start from a copy of the other variant's run
+Variants that differ only in what the server does with the same uploads (FedLMG's distillation
+modes) start from a copy of the other variant's run
 folder: the ServerApp resumes from the uploads on disk and reuses every shard made under the
 same key, exactly as a restarted server does.
 
@@ -19,7 +19,7 @@ Results are cached per seed (``benchmarks/methods/seed-N.json``, with the settin
 made with and each row's provenance: commit, machine kind, library versions, date;
 :mod:`fedbip_tools.provenance`), so an interrupted benchmark resumes and seeds can run as
 separate processes; every invocation summarizes all cached seeds into
-``benchmarks/methods.json`` and a section of BENCHMARKS.md, and draws one picture per client
+``benchmarks/methods.json`` and a section of docs/benchmarks/methods.md, and draws one picture per client
 domain with a row per method. A row is averaged only over seeds of one machine kind unless
 asked otherwise, and every comparison the docs draw is the paired per-seed difference with its
 95% interval.
@@ -1516,11 +1516,10 @@ commits they span and their dates; a row of mixed kinds says so (`{provenance.MI
 - References: Central uploads the images themselves (not private); Local scores each client's
   own classifier on every domain; FedAvg uploads its weights every round.
 - Ablations of FedBiP: concept-only (learned S, V; fresh noise), instance-only (z(T); concepts
-  left at their words, no learning). FedBiP-S / M / L make 2 / 5 / 10 images per z(T)
-  (S and M are passes of L's uploads); "FedBiP-S / M / L (2 / 5 / 10 z(T) per image)" upload
-  two / five / ten independent z(T) per image (each its own partner, gamma and noise) and
-  denoise each once: as many images as FedBiP-S / M / L from two / five /
-  ten times the upload.
+  left at their words, no learning). FedBiP-S / M / L upload two / five / ten independent
+  z(T) per private image (each its own partner, gamma and noise) and denoise each once;
+  "FedBiP-S, 2 passes of one z(T)" makes as many images from half the upload, as the paper's
+  multiplier does.
 
 ### Paired differences in mean accuracy (points)
 
@@ -1601,7 +1600,7 @@ epsilon).
 
 {server_attack_table(summary, sorted(s.domains))}
 The loss-ratio test on the conditioning uploaded beside the latents (`scripts/server_attacks.py
---kinds concepts espresso-conditions`, commands in "Privacy of the default federation"): AUC
+--kinds concepts espresso-conditions`, commands in docs/benchmarks/privacy.md): AUC
 (± sample std over seeds) / mean TPR at 1% FPR (the seeds). {cfg["shots-per-class"]} shots,
 {cfg["fedbip.concept-epochs"]} epochs: the run's budget, 3 clients a domain, 288 members a side;
 4 shots, 200 epochs: the test's positive control, overfitted, one client, 24 a side. At 4x64x64
@@ -1663,7 +1662,7 @@ def write_section(path: Path, text: str, marker: str = MARKER) -> None:
 def report(
     bench: Bench, command: str, benchmarks_md: Path, *, mix_machine_kinds: bool = False
 ) -> dict[str, Any]:
-    """Summarize every cached seed into methods.json, BENCHMARKS.md and the pictures; refuses
+    """Summarize every cached seed into methods.json, the methods page and the pictures; refuses
     (:class:`~fedbip_tools.provenance.MixedMachineKinds`) to average a row over machine kinds
     unless ``mix_machine_kinds``."""
     runs = cached_seeds(bench)
@@ -1682,6 +1681,7 @@ def report(
         bench.results / "methods.json",
         {
             "settings": asdict(bench.settings),
+            "names": NAMES_VERSION,
             "command": command,
             "judges_on_real": judged,
             "torch": torch.__version__,

@@ -438,9 +438,9 @@ def _add_benchmark(subcommands: argparse._SubParsersAction[argparse.ArgumentPars
         help="every method side by side through flwr run (accuracy, bytes, time, fidelity)",
         description="Run each method variant as a real flwr simulation on the shapes world "
         "for each seed, with one classifier budget for all; cache results per seed under "
-        "OUT/methods/, then write OUT/methods.json, a section of BENCHMARKS.md and pictures. "
+        "OUT/methods/, then write OUT/methods.json, the methods section of docs/benchmarks/methods.md and pictures. "
         "Seeds can run as separate processes; --report-only rebuilds the tables. Relative "
-        "--work and --out are under the project checkout (next to BENCHMARKS.md), wherever "
+        "--work and --out are under the project checkout (next to docs/), wherever "
         "the command is run from.",
     )
     bench.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -493,7 +493,7 @@ def _run_benchmark(args: argparse.Namespace) -> int:
         summary = benchmark.report(
             bench,
             command.replace(" --report-only", ""),
-            root / "BENCHMARKS.md",
+            root / "docs" / "benchmarks" / "methods.md",
             mix_machine_kinds=args.mix_machine_kinds,
         )
     except provenance.MixedMachineKinds as err:
@@ -519,6 +519,12 @@ def _add_world_check(subcommands: argparse._SubParsersAction[argparse.ArgumentPa
     world.add_argument("--work", type=Path, default=Path("outputs/benchmark"))
     world.add_argument("--results", type=Path, default=Path("benchmarks"))
     world.add_argument("--out", type=Path, default=Path("benchmarks/world.json"))
+    world.add_argument(
+        "--page",
+        type=Path,
+        default=Path("docs/benchmarks/world.md"),
+        help="the page whose world section gets the contract's table",
+    )
     world.set_defaults(func=_run_world_check)
 
 
@@ -539,7 +545,10 @@ def _run_world_check(args: argparse.Namespace) -> int:
     )
     judges = load_judges(bench.work / "judges.safetensors")
     command = shlex.join(["fedbip", "world-check", *sys.argv[2:]])
-    found = world.check(bench, args.seeds, (root / args.out).resolve(), command, judges)
+    out = (root / args.out).resolve()
+    found = world.check(bench, args.seeds, out, command, judges)
+    record = json.loads(out.read_text())
+    benchmark.write_section((root / args.page).resolve(), world.markdown(record), world.MARKER)
     for line in world.lines(found):
         print(line)
     return 0 if all(c.holds for c in found) else 1

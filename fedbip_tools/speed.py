@@ -30,7 +30,7 @@ concept steps as a client runs them (the project: fp16 LDM, loss scaling; the re
 mixed precision, fp16 UNet and VAE, float32 text encoder, autocast), the classifier under fp16
 autocast. ``scripts/gpu_check.sh`` runs them at SD v1-4's size with the architecture built by
 ``scripts/build_sd_architecture.py``. Writes ``benchmarks/perf.json`` (``--out``) and a section
-of BENCHMARKS.md.
+of docs/benchmarks/speed.md.
 """
 
 from __future__ import annotations
@@ -825,7 +825,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--markdown",
         type=Path,
-        default=ROOT / "BENCHMARKS.md",
+        default=ROOT / "docs" / "benchmarks" / "speed.md",
         help="the file whose speed section is rewritten",
     )
     parser.add_argument("--no-write", action="store_true", help="print, write no file")

@@ -46,6 +46,7 @@ from .judges import Judges
 
 log = logging.getLogger(__name__)
 
+MARKER = "world"  # the generated section of docs/benchmarks/world.md
 STARTS = {"pretrained": "", "random": ", random start"}  # classifier start -> row name suffix
 SOURCE_ONLY_PER_CLASS = 48  # real images per class of each common domain
 SOURCE_ONLY_CLIENT = 5  # a client index of the common domains that no benchmark seed holds

@@ -13,7 +13,7 @@ memory.
     python scripts/benchmark_memory.py                       # before (b5dc0f4) and after
     python scripts/benchmark_memory.py --base none           # this tree only
 
-Writes ``benchmarks/memory.json`` and appends a section to BENCHMARKS.md.
+Writes ``benchmarks/memory.json`` and appends a section to docs/benchmarks/memory.md.
 """
 
 from __future__ import annotations
@@ -222,7 +222,9 @@ def main() -> None:
         "(the same image bytes, a fraction of the UNet's compute)",
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "memory.json")
-    parser.add_argument("--no-markdown", action="store_true", help="do not append to BENCHMARKS.md")
+    parser.add_argument(
+        "--no-markdown", action="store_true", help="do not append to docs/benchmarks/memory.md"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--multiplier", type=int, default=2, help=argparse.SUPPRESS)
@@ -268,7 +270,7 @@ def main() -> None:
     text = markdown(result)
     print(text)
     if not args.no_markdown:
-        with open(ROOT / "BENCHMARKS.md", "a") as handle:
+        with open(ROOT / "docs" / "benchmarks" / "memory.md", "a") as handle:
             handle.write("\n" + text)
 
 
