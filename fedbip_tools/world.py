@@ -37,6 +37,7 @@ from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.instance import encode_images
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.methods.fedbip import fedbip_settings
+from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import train_settings
 from fedbip_flwr.storage import write_json
 from fedbip_flwr.synthesis import SynthesisSettings, iter_from_noise
@@ -238,7 +239,7 @@ def check(
         drawn[seed] = {d: drawn_by_learned_concepts(cfg, d, judges) for d in rare}
         log.info("seed %d: learned concepts drew %s", seed, drawn[seed])
     found = clauses(runs, source, drawn, rare)
-    root = benchmark.project_dir() or Path.cwd()
+    root = project_dir() or Path.cwd()
     write_json(
         out,
         {

@@ -1,4 +1,4 @@
-"""The methods benchmark (fedbip_tools/benchmark.py): its budget rules, its summary and report,
+"""The methods benchmark (fedbip_tools/benchmark/): its budget rules, its summary and report,
 and one seed of two variants through the real `flwr run`, the second resuming from the first's
 uploads as a restarted server would."""
 
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from fedbip_flwr.classifier import batches_per_epoch
+from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
+from fedbip_flwr.storage import write_json
 from fedbip_tools import benchmark, provenance
-from fedbip_tools.benchmark import Bench, Settings
+from fedbip_tools.benchmark import Bench, Settings, runner
 from fedbip_tools.judges import load_judges
 from fedbip_tools.machine import this_machine
 
@@ -125,8 +127,8 @@ def row(mean, made_with=None):
 def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
     """The row run_seed caches: commit, machine kind and CPU, threads, versions, date."""
     bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results", threads=3)
-    monkeypatch.setattr(benchmark, "run_variant", lambda *_: None)
-    monkeypatch.setattr(benchmark, "measure", lambda *_: row(0.5))
+    monkeypatch.setattr(runner, "run_variant", lambda *_: None)
+    monkeypatch.setattr(runner, "measure", lambda *_: row(0.5))
     made_with = benchmark.run_seed(bench, 0, ["Central"], judges=None)["Central"]["provenance"]
     assert json.loads(bench.cache(0).read_text())["results"]["Central"]["provenance"] == made_with
     machine = this_machine()
@@ -134,10 +136,10 @@ def test_a_new_row_carries_its_provenance(tmp_path, monkeypatch):
     assert {p: made_with[p] for p in ("torch", "diffusers", "flwr")} == {
         p: metadata.version(p) for p in ("torch", "diffusers", "flwr")
     }
-    assert made_with["commit"] == provenance.commit(benchmark.project_dir(), [bench.results])
+    assert made_with["commit"] == provenance.commit(project_dir(), [bench.results])
     assert datetime.fromisoformat(made_with["date"]).tzinfo is not None
     model = json.loads(bench.cache(0).read_text())["results"]["Central"]["model"]
-    assert model == provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
+    assert model == provenance.model_digest(project_dir() / "models" / "miniature-ldm")
 
 
 def test_a_row_cached_on_another_model_is_made_again_and_one_on_this_model_is_kept(
@@ -145,8 +147,8 @@ def test_a_row_cached_on_another_model_is_made_again_and_one_on_this_model_is_ke
 ):
     bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results", threads=1)
     ran: list[str] = []
-    monkeypatch.setattr(benchmark, "run_variant", lambda _b, v, _s: ran.append(v.name))
-    monkeypatch.setattr(benchmark, "measure", lambda *_: row(0.5))
+    monkeypatch.setattr(runner, "run_variant", lambda _b, v, _s: ran.append(v.name))
+    monkeypatch.setattr(runner, "measure", lambda *_: row(0.5))
     benchmark.run_seed(bench, 0, ["Central", "Prompts-only"], judges=None)
     assert ran == ["Central", "Prompts-only"]
     stored = json.loads(bench.cache(0).read_text())
@@ -336,10 +338,10 @@ def attack_record(seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/like
 
 def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path):
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
-    benchmark.write_json(tmp_path / "server_attacks.json", attack_record(0, {"sketch": 0.9}))
-    benchmark.write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
+    write_json(tmp_path / "server_attacks.json", attack_record(0, {"sketch": 0.9}))
+    write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
     small = attack_record(2, {"sketch": 0.6}, key="64px/T=961/K=2")
-    benchmark.write_json(tmp_path / "server_attacks_t961_seed2.json", small)
+    write_json(tmp_path / "server_attacks_t961_seed2.json", small)
     names = ["FedBiP-S", "FedBiP-S, 2 passes of one z(T)", "FedLD"]
     large = benchmark.stand_in_attacks(bench, 961, 256, names)
     assert list(large) == ["FedBiP-S"], "no record of K = 1 or of FedLD"
@@ -398,10 +400,10 @@ def test_the_conditioning_table_takes_sd_size_only_from_the_unet_trained_there(t
     default, large = "64px/concepts/shots=16/epochs=10", "256px/concepts/shots=16/epochs=10"
     names = benchmark.CONDITIONING_RECORDS
     shipped_unet = conditioning_record(0, {default: 0.6, large: 0.5}, device="NVIDIA H200")
-    benchmark.write_json(tmp_path / names[0], shipped_unet)
-    benchmark.write_json(tmp_path / names[1], conditioning_record(1, {default: 0.7}))
+    write_json(tmp_path / names[0], shipped_unet)
+    write_json(tmp_path / names[1], conditioning_record(1, {default: 0.7}))
     continued = conditioning_record(0, {default: 0.9, large: 0.8}, large_model="abc")
-    benchmark.write_json(tmp_path / names[4], continued)
+    write_json(tmp_path / names[4], continued)
     found = benchmark.conditioning_attacks(bench, large_model="abc")
     run_budget = benchmark.ConditioningSetting("concepts", 16, 10, 64)
     assert found[run_budget]["sketch"].auc == {0: 0.6, 1: 0.7}
@@ -426,7 +428,7 @@ def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(t
         **conditioning_record(2, {}),
         "results": {"sketch": {"64px/fedbip-mixture-dp/epsilon=4": entry}},
     }
-    benchmark.write_json(tmp_path / "server_attacks_dp_seed2.json", record)
+    write_json(tmp_path / "server_attacks_dp_seed2.json", record)
     cfg = bench.settings.run_config
     setting = benchmark.ConditioningSetting(
         "fedbip-mixture-dp",
@@ -451,9 +453,7 @@ def test_the_shipped_records_fill_the_headline_rows_at_three_seeds():
     rows FedBiP-S, -L, the mixture mode and FedLD; each from three seeds of the clients'
     randomness. Without DP the server's test finds members (AUC above 0.55 at the run's size,
     0.75 at SD's); OSCAR's caption states carry the class only."""
-    bench = Bench(
-        Settings(), work=benchmark.project_dir(), results=benchmark.project_dir() / "benchmarks"
-    )
+    bench = Bench(Settings(), work=project_dir(), results=project_dir() / "benchmarks")
     names = list(benchmark.HEADLINE)
     latent = {"FedBiP-S", "FedBiP-L", "FedBiP-mixture", "FedLD"}
     expected = {
@@ -592,7 +592,7 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
     stripped = {k: v for k, v in small.items() if k not in ("mia", "reconstruction")}
     other = {**stored["results"]["FedLMG-FT"], "per_domain": {"sketch": 0.0, "quickdraw": 0.0}}
     stored["results"].update({"FedBiP-S": stripped, "FedLMG-FT": other})
-    benchmark.write_json(bench.cache(0), stored)
+    write_json(bench.cache(0), stored)
     try:
         again = benchmark.run_seed(bench, 0, ["FedBiP-S", "FedLMG-FT"], judges, remeasure=True)
         assert (
@@ -605,7 +605,7 @@ def test_remeasure_fills_a_cached_row_from_its_run_folder_and_leaves_another_run
         assert again["FedLMG-FT"] == other, "not this folder's run: kept as cached"
     finally:
         stored["results"].update(results)
-        benchmark.write_json(bench.cache(0), stored)
+        write_json(bench.cache(0), stored)
 
 
 def test_each_machine_kind_keeps_its_judges_figures(tmp_path):
@@ -613,7 +613,7 @@ def test_each_machine_kind_keeps_its_judges_figures(tmp_path):
     beside this one's, and the report names every kind."""
     bench = Bench(Settings(), work=tmp_path / "work", results=tmp_path / "results")
     other = {"class": 0.988, "domain": 0.998}
-    benchmark.write_json(benchmark.judges_record(bench), {"other-kind": other})
+    write_json(benchmark.judges_record(bench), {"other-kind": other})
     benchmark.record_judges(bench, {"class": 0.5, "domain": 0.75})
     kept = json.loads(benchmark.judges_record(bench).read_text())
     assert kept == {"other-kind": other, this_machine().kind: {"class": 0.5, "domain": 0.75}}
@@ -655,7 +655,7 @@ def test_the_report_tabulates_cached_seeds(one_seed, tmp_path):
     judged = summary["FedBiP-S"][benchmark.JUDGES]["0"]
     assert set(judged) == {"class", "domain"}, "the row names the judges that judged it"
     assert f" | {benchmark.judges_cell({'0': judged})} |" in text
-    model = provenance.model_digest(benchmark.project_dir() / "models" / "miniature-ldm")
+    model = provenance.model_digest(project_dir() / "models" / "miniature-ldm")
     assert f"| 1 | {this_machine().kind}, model {model}, 1 commit, " in text, "the made-with column"
     assert "### Paired differences in mean accuracy (points)" in text
     assert f"{100 * summary['FedBiP-S']['mean']:.1f}" in text
