@@ -226,7 +226,7 @@ def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
 
 
 def write_section(path: Path, text: str, marker: str = MARKER) -> None:
-    """Replace this benchmark's section of BENCHMARKS.md, leaving the others alone."""
+    """Replace the section ``marker`` of the page ``path``, leaving the rest of it alone."""
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"
     body = path.read_text() if path.exists() else "# Benchmarks\n"
     block = f"{start}\n{text}{end}\n"
