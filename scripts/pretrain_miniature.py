@@ -3,20 +3,20 @@
 The premise of FedBiP at CPU scale: a latent diffusion model pretrained on *common* domains
 (photo, clipart, painting: every class, captioned "a {domain} of a {class}" or "a {class}")
 that has seen the *rare* client domains (sketch, quickdraw) as a small share whose captions never
-name them: "a {descriptor} of a {class}" (``shapes.RARE_DESCRIPTORS``: "a doodle of a star", as
-web alt-text describes such a picture) or "a {class}". So the model can render every domain under
-some conditioning, as Stable Diffusion can, while the words a prompt would use ("a quickdraw of a
+name them: "a {descriptor} {class}" (``shapes.RARE_DESCRIPTORS``: "a doodle star", as web
+alt-text describes such a picture). So the model can render every domain under some
+conditioning, as Stable Diffusion can, while the words a prompt would use ("a quickdraw of a
 star") stay untrained: text alone does not reach the rare domains, a learned concept can. 10% of
-captions are empty for classifier-free guidance.
+captions are empty for classifier-free guidance; in a share of the common ones the domain word
+is one the model never learns (:data:`UNKNOWN_WORD_SHARE`).
 
 Two stages, seeded: (1) the VAE (AutoencoderKL) on the images; its scaling factor is set to
 1 / std of the latents, as SD's 0.18215 was. (2) the UNet and CLIP text encoder jointly on the
 frozen VAE's latents (encoded once), epsilon prediction, EMA of the UNet. Stage 2 runs for a
-wall-clock budget: class fidelity, the measured bottleneck, keeps improving with steps; the
-number of steps reached is in the log, so a run is reproducible up to that count. ``--resume``
+wall-clock budget (``--unet-minutes``) or, with ``--unet-steps``, a step count whatever the
+clock; the number of steps reached is in the log, so a run is reproducible up to that count. ``--resume``
 continues stage 2 from a saved model (fresh optimizer and EMA) and appends to its log; words the
 corpus uses that the model's tokenizer lacks are added first, every learned token kept.
-``--unet-steps`` ends stage 2 at a step count instead, so a run is reproducible exactly.
 
 ``--image-size 256`` renders the same corpus at 256 px: the convolutional VAE gives 4x64x64
 latents, Stable Diffusion's size. A UNet trained on 4x16x16 latents only does not work there (the
@@ -75,6 +75,27 @@ def set_scaling_factor(ldm: LDM, images: torch.Tensor) -> float:
     return factor
 
 
+# A caption's domain slot ("a {domain} of a {class}": the domain is token 2, after BOS and
+# "a") holds, in this share of the common images' captions, a word the model never learned: a
+# fresh random vector at the scale of an untrained token's embedding. Web captions are full of
+# words a model cannot ground, and they mostly describe common pictures; so an unfamiliar word
+# there, the rare domains' untrained names among them, means a common look, as "a quickdraw of
+# an airplane" gives Stable Diffusion no DomainNet doodle.
+UNKNOWN_WORD_SHARE = 0.2
+DOMAIN_SLOT = 2
+UNTRAINED_SCALE = 0.02  # the text encoder's initializer_range: an untrained token's spread
+
+
+def domain_slot_captions(captions: list[str]) -> torch.Tensor:
+    """Which captions are "a {common domain} of a {class}" (their token 2 names the domain)."""
+    return torch.tensor(
+        [
+            len(w := c.split()) == 5 and w[1] in shapes.COMMON_DOMAINS and w[2] == "of"
+            for c in captions
+        ]
+    )
+
+
 def train_unet(
     ldm: LDM,
     latents: torch.Tensor,
@@ -85,6 +106,7 @@ def train_unet(
     log: list,
     seed: int,
 ) -> None:
+    """Stage 2 for ``max_steps`` steps, or where that is 0 for ``minutes`` of wall clock."""
     ids = ldm.tokenizer(
         captions,
         padding="max_length",
@@ -92,23 +114,35 @@ def train_unet(
         truncation=True,
         return_tensors="pt",
     ).input_ids
+    slotted = domain_slot_captions(captions)
     unet, text = (
         ldm.unet.train().requires_grad_(True),
         ldm.text_encoder.train().requires_grad_(True),
     )
+    unknown = torch.zeros(batch, dtype=torch.bool)
+    words = torch.zeros(batch, text.config.hidden_size)
+
+    def unknown_words(_module, _inputs, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[unknown, DOMAIN_SLOT] = words[unknown].to(out.dtype)
+        return out
+
+    hook = text.get_input_embeddings().register_forward_hook(unknown_words)
     ema = copy.deepcopy(unet).requires_grad_(False)
     params = list(unet.parameters()) + list(text.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2)
     warmup = 100
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     gen = torch.Generator().manual_seed(seed)
-    deadline = time.time() + minutes * 60
+    deadline = float("inf") if max_steps else time.time() + minutes * 60
     step = 0
     while time.time() < deadline and not 0 < max_steps <= step:
         idx = torch.randint(0, len(latents), (batch,), generator=gen)
         z0 = latents[idx]
         noise = torch.randn(z0.shape, generator=gen)
         t = torch.randint(0, ldm.scheduler.config.num_train_timesteps, (batch,), generator=gen)
+        unknown.copy_(slotted[idx] & (torch.rand(batch, generator=gen) < UNKNOWN_WORD_SHARE))
+        words.copy_(UNTRAINED_SCALE * torch.randn(words.shape, generator=gen))
         zt = ldm.scheduler.add_noise(z0, noise, t)
         cond = text(ids[idx]).last_hidden_state
         loss = F.mse_loss(unet(zt, t, encoder_hidden_states=cond).sample, noise)
@@ -125,6 +159,7 @@ def train_unet(
             log.append({"stage": "unet", "step": step, "loss": loss.item(), "t": time.time()})
             print(f"unet step {step} loss {loss.item():.4f}", flush=True)
         step += 1
+    hook.remove()
     unet.load_state_dict(ema.state_dict())
     unet.eval().requires_grad_(False)
     text.eval().requires_grad_(False)
@@ -138,7 +173,10 @@ def main() -> None:
     parser.add_argument("--vae-steps", type=int, default=600)
     parser.add_argument("--unet-minutes", type=float, default=60.0)
     parser.add_argument(
-        "--unet-steps", type=int, default=0, help="end stage 2 at this step (0: --unet-minutes)"
+        "--unet-steps",
+        type=int,
+        default=0,
+        help="end stage 2 at this step, whatever the clock (0: after --unet-minutes)",
     )
     parser.add_argument("--image-size", type=int, default=64, help="px; 256 gives 4x64x64 latents")
     parser.add_argument("--batch", type=int, default=64)
