@@ -11,6 +11,8 @@ shots of each domain scores high on each."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from fedbip_flwr import shapes
 from fedbip_flwr.classifier import build_classifier, evaluate, train_classifier
 from fedbip_flwr.config import FedBiPConfig
 from fedbip_flwr.server import train_settings
+from fedbip_tools import world
 
 # the benchmark's recipe (cosine schedule, precise BN, float32) at a fraction of its steps
 CHEAP = {
@@ -73,3 +76,55 @@ def test_every_domain_is_learnable_from_one_client_of_it():
         test = shapes.test_set(domain, cfg.test_per_class)
         found[domain] = evaluate(model, test.images, test.labels, 64).accuracy
     assert all(accuracy >= 0.9 for accuracy in found.values()), found
+
+
+def test_the_contract_reads_each_clause_from_its_rows_and_states_its_verdict():
+    """W1 is Central minus Prompts-only seed by seed, W5 every domain of Central, W3
+    Prompts-only's judged domain; a clause holds only where every rare domain meets its bound,
+    and the generated table says which fails."""
+    rare = ["quickdraw", "sketch"]
+
+    def row(per_domain, fidelity=None):
+        found = {"per_domain": per_domain}
+        if fidelity is not None:
+            found["fidelity"] = {d: {"class": 1.0, "domain": f} for d, f in fidelity.items()}
+        return found
+
+    central = {"quickdraw": 0.98, "sketch": 0.96, "painting": 0.99}
+    text = {"quickdraw": 0.50, "sketch": 0.80, "painting": 0.95}
+    runs = {
+        seed: {
+            name: row(
+                central if name.startswith("Central") else text, {"quickdraw": 0.1, "sketch": 0.3}
+            )
+            for name in (
+                "Central",
+                "Prompts-only",
+                "Central, random start",
+                "Prompts-only, random start",
+            )
+        }
+        for seed in (0, 1)
+    }
+    source = {start: {0: {"quickdraw": 0.2, "sketch": 0.3}} for start in world.STARTS}
+    drawn = {0: {d: {"class": 0.95, "domain": 0.9} for d in rare}}
+    found = {(c.name, c.start, c.claim): c for c in world.clauses(runs, source, drawn, rare)}
+    w1 = found[("W1", "pretrained", "Central minus Prompts-only")]
+    assert w1.per_domain == pytest.approx({"quickdraw": 0.48, "sketch": 0.16})
+    assert not w1.holds, "sketch's 16 points are short of 25"
+    assert found[("W5", "random", "Central's accuracy, every domain")].holds
+    w3 = found[("W3", "", "Prompts-only's images judged in the rare domain")]
+    assert w3.per_domain == pytest.approx({"quickdraw": 0.1, "sketch": 0.3}) and not w3.holds
+    assert all(c.holds for (name, *_), c in found.items() if name in ("W2", "W4"))
+    record = {
+        "clauses": [{**dataclasses.asdict(c), "holds": c.holds} for c in found.values()],
+        "seeds": [0, 1],
+        "command": "fedbip world-check --seeds 0 1",
+        "provenance": {"machine": {"kind": "AVX2"}, "commit": "0123456789"},
+    }
+    table = world.markdown(record)
+    assert (
+        "| W1 | Central minus Prompts-only | pretrained | – | 48.0 (48.0-48.0) | 16.0 (16.0-16.0) | >= 25 | **fails** |"
+        in table
+    )
+    assert "machine kind AVX2" in table and "`fedbip world-check --seeds 0 1`" in table
