@@ -546,8 +546,7 @@ def _run_world_check(args: argparse.Namespace) -> int:
     judges = load_judges(bench.work / "judges.safetensors")
     command = shlex.join(["fedbip", "world-check", *sys.argv[2:]])
     out = (root / args.out).resolve()
-    found = world.check(bench, args.seeds, out, command, judges)
-    record = json.loads(out.read_text())
+    found, record = world.check(bench, args.seeds, out, command, judges)
     benchmark.write_section((root / args.page).resolve(), world.markdown(record), world.MARKER)
     for line in world.lines(found):
         print(line)

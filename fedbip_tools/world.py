@@ -218,9 +218,9 @@ def clauses(
 
 def check(
     bench: benchmark.Bench, seeds: Sequence[int], out: Path, command: str, judges: Judges
-) -> list[Clause]:
+) -> tuple[list[Clause], dict[str, Any]]:
     """Run (or take from the benchmark's cache) the rows the contract reads, measure W2 and W4
-    on every seed and both starts, and write the record ``out``."""
+    on every seed and both starts, and write the record ``out``; the clauses and the record."""
     started = time.perf_counter()
     names = [f"{row}{suffix}" for row in ("Central", "Prompts-only") for suffix in STARTS.values()]
     for seed in seeds:
@@ -240,20 +240,18 @@ def check(
         log.info("seed %d: learned concepts drew %s", seed, drawn[seed])
     found = clauses(runs, source, drawn, rare)
     root = project_dir() or Path.cwd()
-    write_json(
-        out,
-        {
-            "command": command,
-            "settings": asdict(bench.settings),
-            "settings_digest": bench.settings.digest(),
-            "seeds": list(seeds),
-            "holds": all(c.holds for c in found),
-            "clauses": [{**asdict(c), "holds": c.holds} for c in found],
-            "seconds": round(time.perf_counter() - started, 1),
-            "provenance": provenance.record(root, bench.threads, [out]),
-        },
-    )
-    return found
+    record = {
+        "command": command,
+        "settings": asdict(bench.settings),
+        "settings_digest": bench.settings.digest(),
+        "seeds": list(seeds),
+        "holds": all(c.holds for c in found),
+        "clauses": [{**asdict(c), "holds": c.holds} for c in found],
+        "seconds": round(time.perf_counter() - started, 1),
+        "provenance": provenance.record(root, bench.threads, [out]),
+    }
+    write_json(out, record)
+    return found, record
 
 
 def markdown(record: Mapping[str, Any]) -> str:
