@@ -5,7 +5,7 @@
 # and output folder in its node config; the server holds no image), and `flwr run` of this
 # project through them with dataset "imagefolder". The run asks for a DP upload by default
 # (fedbip-mixture at epsilon 4, what each institution's default upload policy requires) and binds
-# every client id to its registered node (client-nodes), both written by
+# every client id to its registered node (federation.client-nodes), both written by
 # docker/register-supernodes.sh, as in compose.
 #
 #   deploy/demo.sh [-n NUM_SUPERNODES] [-p PORT] [-k SHOTS] [-t TEST_PER_CLASS] [-c I:NODE_CONFIG]... WORK_DIR [flwr run options...]
@@ -161,11 +161,11 @@ echo "demo: SuperLink on 127.0.0.1:$port (TLS, SuperNode authentication), $num S
 
 # 6. The run, streamed; its final status decides the exit code.
 cd "$root"
-# The run config: registration's (the upload, client-nodes) and the shared classes; each
+# The run config: registration's (the upload, federation.client-nodes) and the shared classes; each
 # institution named its own data above.
 classes=$(python3 -c 'from fedbip_flwr.shapes import CLASSES; print(",".join(CLASSES))')
 flwr run . "$connection" --stream \
-  --run-config "$(cat "$run_config") dataset=\"imagefolder\" classes=\"$classes\"" "$@" 2>&1 |
+  --run-config "$(cat "$run_config") \"data.dataset\"=\"imagefolder\" \"data.classes\"=\"$classes\"" "$@" 2>&1 |
   tee "$logs/flwr-run.log"
 run_id=$(sed -n 's/.*Successfully started run \([0-9]\+\).*/\1/p' "$logs/flwr-run.log" | head -n 1)
 [[ -n $run_id ]] || fail "flwr run did not start a run" "$logs/flwr-run.log"

@@ -1,7 +1,7 @@
 #!/bin/sh
 # The federation operator's step before a run: register every institution's public key with the
 # SuperLink, then write the run config that binds each institution's client id to the node id
-# its key was registered under (run config client-nodes: an upload under that id from any other
+# its key was registered under (run config federation.client-nodes: an upload under that id from any other
 # node is refused, so no node can take an institution's id).
 #
 #   register-supernodes.sh KEYS_DIR RUN_CONFIG_FILE
@@ -10,13 +10,14 @@
 # config. The flwr CLI's default connection must reach the SuperLink, or SUPERLINK_ADDRESS and
 # CA_CERT name it (compose's "register" service). RUN_CONFIG_FILE receives one line for
 # `flwr run --run-config`: FEDBIP_RUN_CONFIG (default: the DP upload below, which a real
-# institution's default upload policy accepts; docs/institutions.md) and client-nodes.
+# institution's default upload policy accepts; docs/institutions.md) and federation.client-nodes.
 # A key registered before (the SuperLink kept running) is left as it is, and so is the file
 # written when it was registered: its node id is known only from that registration.
 set -eu
 keys=$1 out=$2
-# The table key quoted whole: flwr merges --run-config lines table by table, so a later line's
-# fedbip-mixture.KEY=... would drop an unquoted fedbip-mixture.dp-epsilon.
+# Table keys quoted whole: flwr merges --run-config lines table by table, so a later line's
+# fedbip-mixture.KEY=... (federation.KEY=...) would drop an unquoted fedbip-mixture.dp-epsilon
+# (federation.client-nodes).
 : "${FEDBIP_RUN_CONFIG:=method=\"fedbip-mixture\" \"fedbip-mixture.dp-epsilon\"=4.0}"
 
 if [ -n "${SUPERLINK_ADDRESS:-}" ]; then
@@ -68,5 +69,5 @@ if [ -n "$before" ]; then
   echo "register: keeping $out, written when they were registered"
   exit 0
 fi
-printf '%s client-nodes="%s"\n' "$FEDBIP_RUN_CONFIG" "$bound" >"$out"
+printf '%s "federation.client-nodes"="%s"\n' "$FEDBIP_RUN_CONFIG" "$bound" >"$out"
 echo "register: run config for flwr run in $out: $(cat "$out")"

@@ -45,7 +45,7 @@ COPY --chown=app:app server_app server_app
 RUN python -m pip install --no-cache-dir --no-deps ${PIP_INSTALL_ARGS} . \
     && python -c "import flwr, client_app.app, server_app.app; assert flwr.__version__ == '1.42.0'"
 
-# Relative paths in the run config (model = "models/miniature-ldm", output-dir = "outputs")
+# Relative paths in the run config (ldm.model = "models/miniature-ldm", output-dir = "outputs")
 # resolve against /app, where compose mounts the weights and the output volume.
 WORKDIR /app
 ENV FEDBIP_PROJECT_DIR=/app HF_HUB_OFFLINE=1

@@ -58,7 +58,7 @@ class _Rounds:
     def train(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         # a refusal fails the round's reply, which Flower's strategy leaves out of the average
         client_run.check_policy(self.method, cfg, node)
-        return self.method.client_round(msg, cfg, node, select_device(cfg.device))
+        return self.method.client_round(msg, cfg, node, select_device(cfg.ldm.device))
 
     def evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         return self.method.client_evaluate(msg, cfg, node)
@@ -76,9 +76,9 @@ def serve(grid: Grid, context: Context) -> RunResults:
     started = time.perf_counter()
     cfg = FedBiPConfig.from_flat(context.run_config)
     folder = server_run.open_run_folder(cfg, context.run_id)
-    dataset.verify(cfg.data)
-    check_classifier_init(cfg.classifier_init, cfg.model)  # fails now, not after synthesis
-    record = _path(cfg).serve(grid, cfg, folder, select_device(cfg.device))
+    dataset.verify(cfg.data_description)
+    check_classifier_init(cfg.classifier.init, cfg.ldm.model)  # fails now, not after synthesis
+    record = _path(cfg).serve(grid, cfg, folder, select_device(cfg.ldm.device))
     report = write_report(folder.root)
     log.info(
         "done in %.0f s: %s; report: %s", time.perf_counter() - started, record.headline(), report

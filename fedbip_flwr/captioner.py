@@ -52,7 +52,7 @@ class Captioner(ABC):
 
 
 def load_captioner(source: str, device: torch.device | str = "cpu") -> Captioner:
-    """The run config's ``captioner``: a relative folder resolves like ``model`` does."""
+    """The run config's ``captioner``: a relative folder resolves like ``ldm.model`` does."""
     local = resolve(source)
     label = Path(source).name if Path(source).is_absolute() else source  # no institution paths
     config = local / "config.json"
@@ -178,7 +178,7 @@ class MiniatureCaptionNet(nn.Module):
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """(N, hidden) from images in [-1, 1] at any size (resized to the captioner's)."""
-        size = self.cfg.image_size
+        size = self.cfg.data.image_size
         if images.shape[-1] != size or images.shape[-2] != size:
             images = F.interpolate(
                 images, size=(size, size), mode="bilinear", antialias=True, align_corners=False

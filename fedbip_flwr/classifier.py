@@ -7,7 +7,7 @@ synthetic sets from collapsing to one class.
 A :class:`Distillation` (FedLMG's MD / SD) adds a divergence to a teacher's soft targets on the
 same augmented batch; everything else about the recipe stays the same.
 
-``classifier-init`` picks the starting weights: ``imagenet`` (torchvision's, as the paper's SD
+``classifier.init`` picks the starting weights: ``imagenet`` (torchvision's, as the paper's SD
 configurations use), ``random``, or ``pretrained``: the ResNet-18 backbone shipped inside the
 base model's folder (``<model>/classifier-backbone/model.safetensors``, made by
 ``scripts/pretrain_backbone.py`` from the model's own public pretraining corpus), which is to the
@@ -47,7 +47,7 @@ PrecisionMode = Literal["auto", "float32"]
 
 
 def imagenet_weights() -> torchvision.models.ResNet18_Weights:
-    """torchvision's ResNet-18 ImageNet weights (IMAGENET1K_V1): ``classifier-init = imagenet``."""
+    """torchvision's ResNet-18 ImageNet weights (IMAGENET1K_V1): ``classifier.init = imagenet``."""
     import torchvision
 
     return torchvision.models.ResNet18_Weights.IMAGENET1K_V1
@@ -58,24 +58,24 @@ def imagenet_weights_path() -> Path:
     return Path(torch.hub.get_dir()) / "checkpoints" / imagenet_weights().url.rsplit("/", 1)[-1]
 
 
-# The backbone a base model ships for classifier-init = "pretrained", inside its folder.
+# The backbone a base model ships for classifier.init = "pretrained", inside its folder.
 BACKBONE_DIR = "classifier-backbone"
 BACKBONE_FILE = "model.safetensors"
 BACKBONE_SCRIPT = "scripts/pretrain_backbone.py"
 
 
 def backbone_path(model: str | Path) -> Path:
-    """Where the run config's ``model`` keeps its classifier backbone; a relative folder
+    """Where the run config's ``ldm.model`` keeps its classifier backbone; a relative folder
     resolves as the LDM's does (:func:`fedbip_flwr.paths.resolve`)."""
     return resolve(model) / BACKBONE_DIR / BACKBONE_FILE
 
 
 def _missing_backbone(path: Path) -> ClassifierInitError:
     return ClassifierInitError(
-        f'classifier-init = "pretrained" needs the ResNet-18 backbone shipped with the base '
+        f'classifier.init = "pretrained" needs the ResNet-18 backbone shipped with the base '
         f"model at {path}, which is missing: make it with `python {BACKBONE_SCRIPT} --out "
         f"{path.parent}` (trained on the miniature LDM's public pretraining corpus) or set run "
-        'config classifier-init = "imagenet" or "random".'
+        'config classifier.init = "imagenet" or "random".'
     )
 
 
@@ -88,10 +88,10 @@ def check_classifier_init(init: str, model: str | Path = "") -> None:
     path = imagenet_weights_path()
     if init == "imagenet" and not path.is_file():
         raise ClassifierInitError(
-            f'classifier-init = "imagenet" needs the ResNet-18 ImageNet weights at {path} '
+            f'classifier.init = "imagenet" needs the ResNet-18 ImageNet weights at {path} '
             f"(torch's hub cache, $TORCH_HOME/hub/checkpoints), which is missing: download "
             f"{imagenet_weights().url} there once where the network is reachable, or set run "
-            'config classifier-init = "random".'
+            'config classifier.init = "random".'
         )
     if init == "pretrained" and not backbone_path(model).is_file():
         raise _missing_backbone(backbone_path(model))
@@ -142,7 +142,7 @@ def build_classifier(num_classes: int, init: str = "imagenet", model: str | Path
     except (OSError, RuntimeError) as err:  # URLError is an OSError
         raise ClassifierInitError(
             "ResNet-18 ImageNet weights are not in the torch hub cache and cannot be "
-            'downloaded here; set run config classifier-init = "random" or copy '
+            'downloaded here; set run config classifier.init = "random" or copy '
             f"{weights.url.rsplit('/', 1)[-1]} into $TORCH_HOME/hub/checkpoints ({err})."
         ) from None
     net.fc = nn.Linear(net.fc.in_features, num_classes)

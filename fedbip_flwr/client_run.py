@@ -53,7 +53,7 @@ def _model(model: str, device: str, half_precision: bool, image_size: int) -> LD
 
 
 def configs(context: Context) -> tuple[FedBiPConfig, NodeConfig]:
-    """The run config with this institution's own keys (data-root, model, ...) over it."""
+    """The run config with this institution's own keys (data.root, ldm.model, ...) over it."""
     node = NodeConfig.from_flat(context.node_config)
     return FedBiPConfig.from_flat({**context.run_config, **node.run_overrides()}), node
 
@@ -77,7 +77,7 @@ def check_policy(method: Method | MultiRound, cfg: FedBiPConfig, node: NodeConfi
         kinds=method.uploads,
         guarantee=method.settings.guarantee,
         # the institution's own seed, not the run's, then draws its noise
-        replayable_noise=cfg.replayable_client_noise and node.seed is None,
+        replayable_noise=cfg.federation.replayable_client_noise and node.seed is None,
     )
     node.upload_policy.check_request(request)
 
@@ -85,14 +85,16 @@ def check_policy(method: Method | MultiRound, cfg: FedBiPConfig, node: NodeConfi
 def upload_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
     """The one upload (or, where the server already holds it, the note that it does; or, where
     this institution's policy refuses it, why), recorded in its own folder as it leaves."""
-    _, client_id = dataset.institution_identity(cfg.data, node)
+    _, client_id = dataset.institution_identity(cfg.data_description, node)
     if client_id in message_config(msg).get(UPLOADED, []):
         log.info("[%s] the server already holds this upload; not personalizing again", client_id)
         return skipped_content(client_id)
-    ldm = functools.partial(_model, cfg.model, cfg.device, cfg.half_precision, cfg.image_size)
+    ldm = functools.partial(
+        _model, cfg.ldm.model, cfg.ldm.device, cfg.ldm.half_precision, cfg.data.image_size
+    )
     try:
         check_policy(method, cfg, node)
-        device = select_device(cfg.device)
+        device = select_device(cfg.ldm.device)
         blob, metrics = institution_upload(cfg, node, ldm, device, node.upload_policy)
     except PolicyRefusal as refusal:
         log.warning("[%s] %s%s", client_id, REFUSAL_PREFIX, refusal.detail)
@@ -120,11 +122,11 @@ def _own_folder(cfg: FedBiPConfig, node: NodeConfig) -> str:
 def score_reply(method: Method, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
     """This institution's score of the classifier the server sent, on its own held-out
     images; the classifier is kept in its own output folder."""
-    domain, client_id = dataset.institution_identity(cfg.data, node)
-    blob = classifier_bytes(msg, int(cfg.max_payload_mb * 2**20))
-    model = load_classifier_bytes(blob, cfg.class_list)
-    test = dataset.institution_test_set(cfg.data, node, domain)
-    scores = score_classifier(model, test, cfg.classifier_image_size, method.settings.private)
+    domain, client_id = dataset.institution_identity(cfg.data_description, node)
+    blob = classifier_bytes(msg, int(cfg.federation.max_payload_mb * 2**20))
+    model = load_classifier_bytes(blob, cfg.data.class_list)
+    test = dataset.institution_test_set(cfg.data_description, node, domain)
+    scores = score_classifier(model, test, cfg.classifier.image_size, method.settings.private)
     run_folder = message_config(msg)[RUN_FOLDER]
     kept = kept_classifier_path(_own_folder(cfg, node), run_folder, client_id)
     atomic_write(kept, blob)

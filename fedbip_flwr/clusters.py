@@ -39,7 +39,7 @@ def public_encoder(
 ) -> Encoder:
     """Penultimate (512-d) features of the ResNet-18 backbone shipped with the base ``model``.
 
-    ``image_size`` is the run config's classifier-image-size, the size the backbone was
+    ``image_size`` is the run config's classifier.image-size, the size the backbone was
     trained at: images are resized to it exactly as the classifier's training and evaluation
     resize theirs. (:func:`~fedbip_flwr.classifier.fit_to_classifier` would add nothing for
     float images: it never enlarges, and shrinks by the same resize.)

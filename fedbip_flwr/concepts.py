@@ -87,7 +87,7 @@ def _segment_ids(tokenizer: CLIPTokenizer, text: str) -> list[int]:
 
 
 def count_tokens(tokenizer: CLIPTokenizer, phrase: str) -> int:
-    """Tokens of a domain phrase or class name: with n-s / n-v it fixes the concept's size.
+    """Tokens of a domain phrase or class name: with data.n-s / n-v it fixes a concept's size.
 
     The server hands ``functools.partial(count_tokens, tokenizer)`` to payload validation
     (:class:`fedbip_flwr.payload.Expectations`), which has no tokenizer of its own.
@@ -168,7 +168,7 @@ def prompt_layout(
 
 def plain_prompt(template: str, domain_phrase: str, class_name: str) -> str:
     """The template with the words S and V start from: what the prompt says before learning
-    (token for token when no n-s / n-v exceeds its phrase's tokens)."""
+    (token for token when no data.n-s / data.n-v exceeds its phrase's tokens)."""
     return template.replace(CONCEPT_SLOT_S, domain_phrase).replace(CONCEPT_SLOT_V, class_name)
 
 

@@ -1,20 +1,21 @@
-"""The one entry point the apps use for data, whatever ``dataset`` the run config names.
+"""The one entry point the apps use for data, whatever ``data.dataset`` the run config names.
 
 ``imagefolder`` is a real institution's own folder (``<data-root>/[train|test/]<class>/<image>``)
-named in its node config with its domain phrase and client id; the server never reads it.
+named in its node config (``data-root``) with its domain phrase and client id; the server never
+reads it.
 ``shapes`` (the default) is generated in memory by :mod:`fedbip_flwr.shapes`, exactly as
-before. The paper's datasets are indexed from ``data-root`` by :mod:`fedbip_flwr.folders` and
+before. The paper's datasets are indexed from ``data.root`` by :mod:`fedbip_flwr.folders` and
 divided by :mod:`fedbip_flwr.partitions`:
 
-* ``partitioning = "domain"`` (feature heterogeneity: shapes, DomainNet, PACS, OfficeHome):
+* ``data.partitioning = "domain"`` (feature heterogeneity: shapes, DomainNet, PACS, OfficeHome):
   partition p holds domain ``domains[p % D]`` as that domain's client ``p // D`` with
-  ``shots-per-class`` images per class, disjoint from the domain's other clients; it uploads as
+  ``data.shots-per-class`` images per class, disjoint from the domain's other clients; it uploads as
   ``"<domain>-<index>"``.
 * ``"dirichlet"`` / ``"iid"`` (label heterogeneity: DermaMNIST, UCM): the one domain's training
   split is divided over the SuperNode's ``num-partitions`` clients; ``"<dataset>-<p>"``.
 
-The server scores every domain on its whole test split (``test-per-class`` sizes shapes only).
-Images come as ``(N, 3, image-size, image-size)`` float32 in [-1, 1], as the VAE expects.
+The server scores every domain on its whole test split (``data.test-per-class`` sizes shapes only).
+Images come as ``(N, 3, data.image-size, data.image-size)`` float32 in [-1, 1], as the VAE expects.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run's training set made outside the ServerApp: over processes, GPUs and machines.
 
-With ``synthesis = "external"`` the ServerApp keeps everything a second process needs on disk
+With ``synthesis.where = "external"`` the ServerApp keeps everything a second process needs on disk
 (``config.json``, ``payloads/``, ``clients.json``), logs the command and waits
 (:func:`wait_for_shards`). `fedbip synthesize RUN_DIR`, run once or by ``accelerate launch`` on
 many GPUs and machines over a shared run folder, makes the method's own work units
@@ -26,7 +26,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 
 from . import dataset
-from .config import ConfigError, FedBiPConfig
+from .config import ConfigError, FedBiPConfig, LDMConfig
 from .ldm import load_for_run, select_device
 from .methods import Method, ServerJob, Upload, one_shot_for
 from .progress import Progress
@@ -42,7 +42,7 @@ class RunNotReady(RuntimeError):
 
 
 class SynthesisTimeout(RuntimeError):
-    """synthesis-timeout-s passed before every shard was on disk."""
+    """synthesis.timeout-s passed before every shard was on disk."""
 
 
 @dataclass(frozen=True)
@@ -105,28 +105,28 @@ def open_run(folder: RunFolder, cfg: FedBiPConfig, device: torch.device) -> RunS
     loader = functools.cache(
         functools.partial(
             load_for_run,
-            cfg.model,
+            cfg.ldm.model,
             device,
-            cfg.half_precision,
-            cfg.image_size,
-            channels_last=cfg.channels_last,
-            compile_unet=cfg.compile_unet,
+            cfg.ldm.half_precision,
+            cfg.data.image_size,
+            channels_last=cfg.ldm.channels_last,
+            compile_unet=cfg.ldm.compile_unet,
         )
     )
-    job = ServerJob(cfg, dataset.class_names(cfg.data), loader, device)
+    job = ServerJob(cfg, dataset.class_names(cfg.data_description), loader, device)
     uploads, refused = load_persisted(folder, functools.partial(method.accept, server=job))
     for client_id, reason in sorted(refused.items()):  # the ServerApp records them
         log.warning("%s left out: %s", client_id, reason)
     return RunSynthesis(folder, method, job, uploads)
 
 
-def process_state(cfg: FedBiPConfig) -> PartialState:
+def process_state(ldm: LDMConfig) -> PartialState:
     """This process's place among those `accelerate launch` (or torchrun) started.
 
-    On a machine without CUDA, or with ``device = "cpu"``, accelerate's CPU mode makes the
+    On a machine without CUDA, or with ``ldm.device = "cpu"``, accelerate's CPU mode makes the
     processes one gloo group; otherwise each takes its own GPU (nccl).
     """
-    return PartialState(cpu=select_device(cfg.device).type == "cpu")
+    return PartialState(cpu=select_device(ldm.device).type == "cpu")
 
 
 def balanced_bins(units: Sequence[WorkUnit], count: int) -> list[list[WorkUnit]]:
@@ -203,7 +203,7 @@ def wait_for_shards(
         if time.monotonic() - started > timeout_s:
             first = pending[0]
             raise SynthesisTimeout(
-                f"synthesis-timeout-s ({timeout_s:g} s) passed with {len(pending)} of "
+                f"synthesis.timeout-s ({timeout_s:g} s) passed with {len(pending)} of "
                 f"{len(units)} unit(s) not on disk (first: {first.client_id} #{first.index}); "
                 f"run {external_command(run.folder)} and restart the ServerApp with the same "
                 "run-name: finished shards are kept"

@@ -15,13 +15,13 @@ import torch
 from .concepts import concept_scale, count_tokens, prompt_layout
 from .config import FedBiPConfig
 from .ldm import LDM
-from .method_settings import FedBiPFamily, FedBiPSettings
+from .method_settings import FedBiPSettings, FedBiPStepSettings
 from .payload import Expectations, Plausibility, adam_step_bound
 from .synthesis import SynthesisSettings
 
 
 def expectations(
-    cfg: FedBiPConfig, ldm: LDM, class_names: list[str], own: FedBiPFamily | None
+    cfg: FedBiPConfig, ldm: LDM, class_names: list[str], own: FedBiPStepSettings | None
 ) -> Expectations:
     """What every payload must agree with: the server's config and its base model, including
     the statistics an honest upload has under that model (:class:`Plausibility`). The concept
@@ -30,21 +30,21 @@ def expectations(
     those fields, which then hold the defaults."""
     own = own or FedBiPSettings()
     sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
-    timestep = sampler.first_timestep(cfg.start_timestep)
+    timestep = sampler.first_timestep(cfg.synthesis.start_timestep)
     return Expectations(
-        max_bytes=int(cfg.max_payload_mb * 2**20),
+        max_bytes=int(cfg.federation.max_payload_mb * 2**20),
         base_model=ldm.fingerprint,
-        latent_shape=ldm.latent_shape(cfg.image_size),
+        latent_shape=ldm.latent_shape(cfg.data.image_size),
         concept_dim=ldm.concept_dim,
         timestep=timestep,
-        num_inference_steps=cfg.num_inference_steps,
+        num_inference_steps=cfg.synthesis.num_inference_steps,
         scheduler=sampler.name,
-        n_s=cfg.n_s,
-        n_v=cfg.n_v,
+        n_s=cfg.data.n_s,
+        n_v=cfg.data.n_v,
         concept_space=own.concept_space,
         class_names=tuple(class_names),
-        prompt_template=cfg.prompt_template,
-        domains=tuple(cfg.domain_list),
+        prompt_template=cfg.data.prompt_template,
+        domains=tuple(cfg.data.domain_list),
         phrase_tokens=functools.partial(count_tokens, ldm.tokenizer),
         layout=functools.partial(prompt_layout, ldm.tokenizer, warn=False),
         plausibility=plausibility(own, ldm, timestep),
@@ -52,7 +52,7 @@ def expectations(
     )
 
 
-def plausibility(own: FedBiPFamily, ldm: LDM, timestep: int) -> Plausibility:
+def plausibility(own: FedBiPStepSettings, ldm: LDM, timestep: int) -> Plausibility:
     """The noise level at T and the concept scale and learning budget, for the moment checks."""
     scale = concept_scale(ldm, own.concept_space)
     return Plausibility(

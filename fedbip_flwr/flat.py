@@ -1,14 +1,15 @@
 """Flower's flat configuration dicts as validated models: the base every config model shares.
 
 Flower hands a run config, a node config and a method's table over as flat
-``dict[str, bool | int | float | str]`` with kebab-case keys (``classifier-lr``);
+``dict[str, bool | int | float | str]`` with kebab-case keys, a table's dotted
+(``classifier.lr``);
 :meth:`FlatConfig.from_flat` turns one into its model and refuses unknown keys and bad values
 with one readable :class:`ConfigError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -24,13 +25,14 @@ def kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
-def problems(err: ValidationError, table: str = "") -> str:
-    """Each problem as 'key': reason; a check of the whole config says only its reason."""
+def problems(err: ValidationError, table: str = "", tables: Collection[str] = ()) -> str:
+    """Each problem as 'key': reason; a check of the whole config, or of one of its
+    ``tables`` (fields that are tables of their own), says only its reason."""
     found = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         reason = e["msg"].removeprefix("Value error, ")
-        found.append(f"'{table}{key}': {reason}" if key else reason)
+        found.append(f"'{table}{key}': {reason}" if key and key not in tables else reason)
     return "; ".join(found)
 
 
@@ -41,6 +43,8 @@ class FlatConfig(BaseModel):
         extra="forbid", alias_generator=kebab, populate_by_name=True, frozen=True
     )
     WHAT: ClassVar[str] = "config"  # how error messages name it
+    # its fields that are tables of their own, whose checks name their keys themselves
+    TABLE_FIELDS: ClassVar[Collection[str]] = ()
 
     @classmethod
     def from_flat(cls, flat: Mapping[str, Any]) -> Self:
@@ -48,7 +52,9 @@ class FlatConfig(BaseModel):
         try:
             return cls.model_validate(dict(flat))
         except ValidationError as err:
-            raise ConfigError(f"Invalid {cls.WHAT}: {problems(err)}.") from None
+            raise ConfigError(
+                f"Invalid {cls.WHAT}: {problems(err, tables=cls.TABLE_FIELDS)}."
+            ) from None
 
     def to_flat(self) -> dict[str, Any]:
         """The kebab-case dict form, as :meth:`from_flat` accepts it."""

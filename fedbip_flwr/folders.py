@@ -2,10 +2,10 @@
 
 Layouts (``docs/datasets.md`` has the trees):
 
-* ``folders``: ``<data-root>/<domain folder>/<class folder>/<image>`` (DomainNet, PACS,
+* ``folders``: ``<data.root>/<domain folder>/<class folder>/<image>`` (DomainNet, PACS,
   OfficeHome, UC Merced). Class folders are matched by exact name, so ``birdhouse`` never
   stands in for ``bird`` nor ``Pencil`` for ``Pen``. DomainNet's official
-  ``<domain>_train.txt`` / ``<domain>_test.txt`` lists are used when they sit in data-root;
+  ``<domain>_train.txt`` / ``<domain>_test.txt`` lists are used when they sit in data.root;
   otherwise :data:`TEST_FRACTION` of every class is held out with a fixed seed, so the test
   split is the same for every run seed.
 * ``imagefolder``: an institution's own ``<data-root>/[train|test/]<class>/<image>``, in
@@ -14,7 +14,7 @@ Layouts (``docs/datasets.md`` has the trees):
   unreadable one is named before any model loads; node config ``bad-images`` says whether that
   fails the institution's job or leaves the file out.
 * ``medmnist``: MedMNIST ``.npz`` files (``train_images``, ``train_labels``, ``test_*``) of any
-  size; the smallest one at least ``image-size`` wide is used, else the largest.
+  size; the smallest one at least ``data.image-size`` wide is used, else the largest.
 
 Hidden entries (names starting with ``.``: ``.ipynb_checkpoints/``, ``.DS_Store``, macOS's
 ``._`` files) are never data, at any depth. Indexing the paper's datasets only lists files or
@@ -170,7 +170,7 @@ def medmnist_file(spec: DatasetSpec, root: Path, image_size: int) -> Path:
     if not present:
         raise DataError(
             f"no {spec.name}.npz or {spec.name}_{{64,128,224}}.npz in {root}; "
-            f"download {spec.name} from MedMNIST and point data-root at it"
+            f"download {spec.name} from MedMNIST and point data.root at it"
         )
     return next((p for s, p in present if s >= image_size), present[-1][1])
 
@@ -198,7 +198,7 @@ def open_split(spec: DatasetSpec, root: Path, domain: str, image_size: int) -> S
     """Index ``domain`` of an on-disk dataset; raise :class:`DataError` if anything is missing."""
     if not root.exists():
         raise DataError(
-            f"{spec.name} data-root {root} does not exist; download the dataset and set data-root "
+            f"{spec.name} data.root {root} does not exist; download the dataset and set data.root "
             f"to its folder ({LAYOUT_HELP})"
         )
     if spec.layout == "medmnist":

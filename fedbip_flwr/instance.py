@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def encode_images(vae: AutoencoderKL, images: torch.Tensor, batch_size: int = 8) -> torch.Tensor:
     """z(0) = E(x) * scaling_factor for images in [-1, 1]; the posterior mean (deterministic).
 
-    ``batch_size`` images per encoder call (run config vae-batch-size): the encoder's
+    ``batch_size`` images per encoder call (run config ldm.vae-batch-size): the encoder's
     full-resolution activations are the client's memory peak at 512 px.
     """
     chunks = []
@@ -93,7 +93,7 @@ def upload_order(rows: int, generator: torch.Generator) -> torch.Tensor:
     :class:`InstanceLatents`. A uniform permutation, so the server cannot tell which rows come
     from one image (in draw order it could average an image's K rows, cutting their noise by
     sqrt(K), before testing a candidate against them). Drawn first from the client's generator,
-    so a run that lets the server replay that generator (``replayable-client-noise``, the
+    so a run that lets the server replay that generator (``federation.replayable-client-noise``, the
     benchmark's oracle measurements) can replay the order too, and nothing else can."""
     return torch.randperm(rows, generator=generator)
 

@@ -55,9 +55,9 @@ class LDM:
     scheduler: PNDMScheduler
     fingerprint: str
     # Compute dtype of sampling under autocast (weights unchanged): bfloat16 on a CPU with bf16
-    # instructions when half-precision is on (load_for_run); None = the weights' own dtype.
+    # instructions when ldm.half-precision is on (load_for_run); None = the weights' own dtype.
     autocast: torch.dtype | None = None
-    compiled: bool = False  # the UNet is torch.compile'd (run config compile-unet)
+    compiled: bool = False  # the UNet is torch.compile'd (run config ldm.compile-unet)
 
     def batch_bucket(self, batch_size: int) -> int | None:
         """The batch size every UNet call is padded to: the full batch when the UNet is
@@ -125,7 +125,7 @@ def vae_latent_shape(config: Mapping[str, Any], image_size: int) -> tuple[int, i
 
 
 def configured_latent_shape(model: str, image_size: int) -> tuple[int, int, int]:
-    """The latent shape of the run config's ``model`` (a folder, or a hub id in the local cache)
+    """The latent shape of the run config's ``ldm.model`` (a folder, or a hub id in the local cache)
     at ``image_size``, read from its VAE's config alone: no weight is loaded."""
     from diffusers import AutoencoderKL
 
@@ -201,10 +201,12 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
     ):
         raise ModelLoadError(
             f"'{source}' is a folder but not a diffusers model folder (no unet/ or "
-            "model_index.json); point run config 'model' at one."
+            "model_index.json); point run config 'ldm.model' at one."
         )
     if not local.exists() and (local.is_absolute() or source.startswith((".", "~"))):
-        raise ModelLoadError(f"The model folder '{source}' does not exist; set run config 'model'.")
+        raise ModelLoadError(
+            f"The model folder '{source}' does not exist; set run config 'ldm.model'."
+        )
     path = str(local) if local.exists() else source
     kwargs = {"local_files_only": not allow_download} if not local.exists() else {}
     if local.exists():  # nothing downloads: transformers' bar per load says nothing
@@ -219,7 +221,7 @@ def load_ldm(source: str | Path, *, allow_download: bool = True) -> LDM:
         raise ModelLoadError(
             f"Could not load the base model '{source}': it is not a local diffusers folder "
             "and is not in the Hugging Face cache (or the hub is unreachable). Set run config "
-            "'model' to a local folder, or download it once with network access "
+            "'ldm.model' to a local folder, or download it once with network access "
             f"({type(err).__name__}: {str(err).splitlines()[0][:200]})."
         ) from None
     sched = PNDMScheduler.from_config({**sched_cfg, "skip_prk_steps": True})
@@ -256,7 +258,7 @@ def cpu_full_size_allowed() -> bool:
 def select_device(choice: str) -> torch.device:
     """``auto`` takes CUDA when present; asking for CUDA without one is an error, not a fallback."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError('run config device = "cuda" but no CUDA device is visible')
+        raise ModelLoadError('run config ldm.device = "cuda" but no CUDA device is visible')
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
@@ -315,7 +317,7 @@ def load_for_run(
     autocast (speed and judged fidelity against float32: the speed benchmark in BENCHMARKS.md).
     Concept learning keeps its float32 gradients on the CPU either way. ``channels_last`` and
     ``compile_unet`` (``torch.compile``) are optional UNet speed-ups, measured there too.
-    ``device_choice`` is the run config's ``device``, or a device already chosen (accelerate's,
+    ``device_choice`` is the run config's ``ldm.device``, or a device already chosen (accelerate's,
     in `fedbip synthesize`).
     """
     device = (
@@ -323,8 +325,8 @@ def load_for_run(
     )
     if device.type == "cpu" and image_size >= CPU_MAX_IMAGE_SIZE and not cpu_full_size_allowed():
         raise ModelLoadError(
-            f"image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, but "
-            "this machine has none: run it where a GPU is visible, or use the miniature model "
+            f"data.image-size {image_size} is a Stable Diffusion-sized run and needs a CUDA GPU, "
+            "but this machine has none: run it where a GPU is visible, or use the miniature model "
             f"(the default config) on the CPU (or set {ALLOW_CPU_ENV}=1 to spend the hours anyway)"
         )
     local = resolve(model)

@@ -8,8 +8,10 @@ methods (:mod:`fedbip_flwr.methods`) sit above the config, and
 imports run one way and a config validates in a process that imported no method.
 
 FedBiP's table is built from the levels of its method, :class:`InstanceSettings` (z(T)),
-:class:`ConceptSettings` (S and V) and :class:`PassSettings` (synthesis), which
-``fedbip-mixture`` reuses (each method its own copy: its own table); Espresso reuses the pairs'
+:class:`ConceptSettings` (S and V) and :class:`PassSettings` (synthesis), together
+:class:`FedBiPStepSettings`. ``fedbip-mixture`` runs the same client step and passes under the
+same keys, declared once, in the ``fedbip`` table (its :attr:`MethodSettings.LENDER`): its own
+table holds only its mixture and its DP upload. Espresso reuses the pairs'
 :class:`PairSettings`, and every method that samples its images sizes them by
 :class:`FreshNoiseSettings`.
 """
@@ -24,6 +26,7 @@ from typing_extensions import Self
 from .flat import FlatConfig
 from .policy import Guarantee
 
+FEDBIP = "fedbip"  # the method whose table declares FedBiP's client step for its family
 CLASS_SLOT = "{class}"  # where fedlmg's prompt takes the class name
 # Class concepts per class at most: a sub-cluster per image of a 16-shot class.
 MAX_CLASS_CLUSTERS = 16
@@ -35,6 +38,19 @@ class MethodSettings(FlatConfig):
     (``fedlmg.batch-size``). A method without keys of its own has this empty one."""
 
     WHAT: ClassVar[str] = "method settings"
+    # A method that runs another's step takes that step's keys from the other's table, where
+    # they are declared once: (that method, the model of those keys); None: all in its own.
+    LENDER: ClassVar[tuple[str, type[MethodSettings]] | None] = None
+
+    @classmethod
+    def borrowed_keys(cls) -> set[str]:
+        """The keys this method takes from its lender's table."""
+        return cls.LENDER[1].keys() if cls.LENDER else set()
+
+    @classmethod
+    def table_keys(cls) -> set[str]:
+        """The keys of its own table (``[tool.flwr.app.config.<method>]``)."""
+        return cls.keys() - cls.borrowed_keys()
 
     @property
     def guarantee(self) -> Guarantee | None:
@@ -56,7 +72,7 @@ class FreshNoiseSettings(MethodSettings):
         0,
         ge=0,
         description="Synthetic images per class per client; 0 = images-per-image x the "
-        "client's images of that class (clipped to max-images-per-class).",
+        "client's images of that class (clipped to federation.max-images-per-class).",
     )
     images_per_image: int = Field(
         2,
@@ -70,14 +86,22 @@ class PairSettings(MethodSettings):
     """FedBiP's pairs (eq. 3): each image's latent mixed with another of its class,
     gamma ~ N(gamma-mean, gamma-std^2)."""
 
-    gamma_mean: float = Field(0.5, ge=0.0, le=1.0)
-    gamma_std: float = Field(0.1, ge=0.0)
+    gamma_mean: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Mean of gamma, an image's own share of its mix with a same-class partner "
+        "(eq. 3; each drawn gamma is clipped to [0, 1]).",
+    )
+    gamma_std: float = Field(0.1, ge=0.0, description="Standard deviation of gamma.")
 
 
 class InstanceSettings(PairSettings):
     """FedBiP's instance level (eq. 3): z(T) of the pairs, uploaded one per row."""
 
-    latent_dtype: Literal["float32", "float16"] = "float32"
+    latent_dtype: Literal["float32", "float16"] = Field(
+        "float32", description="The dtype z(T) is uploaded in (float16: half the bytes)."
+    )
     latents_per_image: int = Field(
         1,
         ge=1,
@@ -105,8 +129,10 @@ class ConceptSettings(MethodSettings):
     concept_lr: float = Field(
         0.1, gt=0.0, description="Adam lr, in units of the concept space's coordinate scale."
     )
-    concept_epochs: int = Field(50, ge=0)
-    concept_batch_size: int = Field(8, ge=1)
+    concept_epochs: int = Field(
+        50, ge=0, description="Epochs of concept learning over the client's images."
+    )
+    concept_batch_size: int = Field(8, ge=1, description="Images per concept-learning step.")
 
 
 class PassSettings(MethodSettings):
@@ -121,7 +147,12 @@ class PassSettings(MethodSettings):
     )
 
 
-class FedBiPSettings(InstanceSettings, ConceptSettings, PassSettings):
+class FedBiPStepSettings(InstanceSettings, ConceptSettings, PassSettings):
+    """FedBiP's client step (z(T), S and V) and its passes: what fedbip and fedbip-mixture run
+    alike, set once in table ``fedbip``."""
+
+
+class FedBiPSettings(FedBiPStepSettings):
     """FedBiP's own run-config keys (table ``fedbip``)."""
 
     WHAT: ClassVar[str] = "fedbip settings"
@@ -180,12 +211,15 @@ class FedLDSettings(DPMixtureSettings, FreshNoiseSettings):
     noisings: int = Field(2, ge=1, description="z(T) per private image the mixture is fitted to.")
 
 
-class FedBiPMixtureSettings(DPMixtureSettings, InstanceSettings, ConceptSettings, PassSettings):
-    """FedBiP's mixture mode's own run-config keys (table ``fedbip-mixture``). Its DP upload
-    covers S and V too, learned by DP-SGD (the dp-grad-clip, dp-sample-rate and
-    dp-concept-share below), and its mixture is fitted to one unmixed z(T) per image."""
+class FedBiPMixtureSettings(DPMixtureSettings, FedBiPStepSettings):
+    """FedBiP's mixture mode's settings: FedBiP's client step and passes, from table
+    ``fedbip``, and its own run-config keys (table ``fedbip-mixture``), the mixture and the DP
+    upload. Its DP upload covers S and V too, learned by DP-SGD (the dp-grad-clip,
+    dp-sample-rate and dp-concept-share below), and its mixture is fitted to one unmixed z(T)
+    per image."""
 
     WHAT: ClassVar[str] = "fedbip-mixture settings"
+    LENDER: ClassVar[tuple[str, type[MethodSettings]] | None] = (FEDBIP, FedBiPStepSettings)
 
     dp_grad_clip: float = Field(
         1e-3,
@@ -213,10 +247,6 @@ class FedBiPMixtureSettings(DPMixtureSettings, InstanceSettings, ConceptSettings
     )
 
 
-# The settings FedBiP's client step (fedbip_flwr.methods.fedbip.personalize) runs under.
-FedBiPFamily = FedBiPSettings | FedBiPMixtureSettings
-
-
 class EspressoSettings(MixtureSettings, PairSettings, FreshNoiseSettings):
     """Espresso's own run-config keys (table ``espresso``)."""
 
@@ -232,7 +262,7 @@ class EspressoSettings(MixtureSettings, PairSettings, FreshNoiseSettings):
     lr: float = Field(
         0.1, gt=0.0, description="Adam lr, in units of the hidden space's coordinate scale."
     )
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="Images per condition-learning step.")
     z_sampling: bool = Field(True, description="Z-Sampling's zigzag at the early timesteps.")
     z_threshold: int = Field(
         800, ge=0, le=1000, description="Zigzag at every timestep above this (T_z)."
@@ -347,7 +377,7 @@ class FedAvgSettings(MethodSettings):
     local_epochs: int = Field(2, ge=1, description="Local epochs per round.")
     part: Literal["all", "head"] = Field(
         "all",
-        description="What is federated. all: the whole ResNet-18 from classifier-init, "
+        description="What is federated. all: the whole ResNet-18 from classifier.init, "
         "trained with the shared classifier recipe. head: only a linear head (512 -> classes) on "
         "the frozen backbone shipped with the base model (FedPFT's encoder, the Flower FedPFT "
         "baseline's comparison), trained on the client's features with FedPFT's head recipe "
@@ -387,7 +417,7 @@ class FedPFTSettings(MethodSettings):
         10,
         ge=1,
         description="Features the server draws per claimed image (each class's count "
-        "clipped to max-images-per-class); the baseline draws 1.",
+        "clipped to federation.max-images-per-class); the baseline draws 1.",
     )
     head_epochs: int = Field(
         50, ge=1, description="Epochs of the server's linear head over the draws."
@@ -438,14 +468,14 @@ class FedPFTSettings(MethodSettings):
         return self
 
 
-DEFAULT_METHOD = "fedbip"  # the run config's method when it names none
+DEFAULT_METHOD = FEDBIP  # the run config's method when it names none
 # Every method by name, with the model of its table (the run config's ``method`` accepts
 # exactly these names; each has its class in fedbip_flwr.methods).
 METHOD_SETTINGS: dict[str, type[MethodSettings]] = {
     "central": MethodSettings,
     "espresso": EspressoSettings,
     "fedavg": FedAvgSettings,
-    "fedbip": FedBiPSettings,
+    FEDBIP: FedBiPSettings,
     "fedbip-mixture": FedBiPMixtureSettings,
     "fedld": FedLDSettings,
     "fedpft": FedPFTSettings,

@@ -68,7 +68,7 @@ def k_shots(
             raise DataError(
                 f"{where} class '{name}' has {len(members)} training images but client "
                 f"{client_index} needs {need} ({shots} shots for each of clients 0..{client_index}); "
-                "lower shots-per-class or use fewer SuperNodes"
+                "lower data.shots-per-class or use fewer SuperNodes"
             )
         picked.append(_class_rng(key, label).permutation(members)[client_index * shots : need])
     return np.concatenate(picked)
@@ -118,6 +118,6 @@ def label_partition(
         raise DataError(
             f"Dirichlet({beta}) over {num_partitions} clients left one with fewer than "
             f"{MIN_PARTITION_SIZE} images in every draw for seed {seed} ({err}); "
-            "try another seed or a larger dirichlet-beta"
+            "try another seed or a larger data.dirichlet-beta"
         ) from None
     return np.asarray(part["index"], dtype=np.int64)

@@ -147,7 +147,7 @@ class Expectations:
     timestep: int
     num_inference_steps: int
     scheduler: str
-    n_s: int  # run config n-s / n-v: the fewest vectors per concept
+    n_s: int  # run config data.n-s / data.n-v: the fewest vectors per concept
     n_v: int
     concept_space: str
     class_names: tuple[str, ...]
@@ -427,15 +427,15 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
             "n_s",
             meta.n_s,
             n_s,
-            "clients and server must share run config n-s; S has one "
-            "vector per token of the domain phrase, at least n-s",
+            "clients and server must share run config data.n-s; S has one "
+            "vector per token of the domain phrase, at least data.n-s",
         ),
         (
             "n_v",
             meta.n_v,
             max(n_v),
-            "clients and server must share run config n-v; V_y has "
-            "one vector per token of its class name, at least n-v",
+            "clients and server must share run config data.n-v; V_y has "
+            "one vector per token of its class name, at least data.n-v",
         ),
         (
             "concept space",
@@ -466,7 +466,7 @@ def check_expectations(p: Payload, expect: Expectations) -> None:
     if expect.domains and meta.domain not in expect.domains:
         raise PayloadError(
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
-            "(clients and server must share run config domains)"
+            "(clients and server must share run config data.domains)"
         )
     lengths = meta.per_concept(n_v)
     check_concept_rows(p.class_concepts, lengths, meta.concept_names)
@@ -509,20 +509,21 @@ def sampling_checks(meta: Any, expect: Expectations) -> list[Check]:
             meta.scheduler,
             expect.scheduler,
             "z(T) only matches the sampler it was noised for: clients and server must share "
-            "run config scheduler",
+            "run config synthesis.scheduler",
         ),
         (
             "num_inference_steps",
             meta.num_inference_steps,
             expect.num_inference_steps,
-            "clients and server must share run config num-inference-steps",
+            "clients and server must share run config synthesis.num-inference-steps",
         ),
         (
             "timestep",
             meta.timestep,
             expect.timestep,
             "z(T) must be noised to the first timestep the server denoises from: clients and "
-            "server must share run config num-inference-steps, timestep-spacing and start-timestep",
+            "server must share run config synthesis.num-inference-steps, "
+            "synthesis.timestep-spacing and synthesis.start-timestep",
         ),
     ]
 

@@ -113,8 +113,9 @@ class UploadPolicy:
             )
         if request.replayable_noise:
             raise PolicyRefusal(
-                f"the run's {given} is void: run config replayable-client-noise lets the server "
-                "replay this institution's noise (set seed in its node config to keep it here)"
+                f"the run's {given} is void: run config federation.replayable-client-noise lets "
+                "the server replay this institution's noise (set seed in its node config to keep "
+                "it here)"
             )
         if given.epsilon > self.max_epsilon or given.delta > self.max_delta:
             raise PolicyRefusal(

@@ -126,7 +126,7 @@ def _accuracy_per_institution(record: RunResults) -> list[str]:
     header = ["client", "accuracy", "test images", "status", "reason"]
     intro = (
         "Scored by each institution on its own held-out images "
-        f'(run config `evaluation = "{evaluation.where}"`).'
+        f'(run config `federation.evaluation = "{evaluation.where}"`).'
     )
     lines = ["## Accuracy per institution", "", intro, "", *_table(header, rows, "lrrll")]
     mean = _percent(evaluation.weighted_mean)

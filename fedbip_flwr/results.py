@@ -162,7 +162,7 @@ InstitutionScore = Annotated[Scored | Unscored, Field(discriminator="status")]
 class Evaluation(_Part):
     """The classifier scored by the institutions that uploaded."""
 
-    where: Literal["clients", "both"]  # the run config's ``evaluation``
+    where: Literal["clients", "both"]  # the run config's ``federation.evaluation``
     per_client: dict[str, InstitutionScore]  # empty where a strategy reports only the mean
     # the institutions' mean, each weighing one (:func:`institutions_mean`); the key keeps the
     # name records have always had

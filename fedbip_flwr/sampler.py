@@ -2,10 +2,10 @@
 
 Clients noise to the schedule's first timestep T (paper eq. 3) and the server continues from
 exactly there, so both sides build the same :class:`Sampler` from the run config's
-``scheduler``, ``num-inference-steps`` and ``timestep-spacing``. Every scheduler is built by
-diffusers from the model's own noise schedule (``from_config``) with the spacing named here,
-never a scheduler's own default (the multistep solvers default to "linspace", which SD v1-4's
-config, predating the key, would silently get).
+``synthesis.scheduler``, ``synthesis.num-inference-steps`` and ``synthesis.timestep-spacing``.
+Every scheduler is built by diffusers from the model's own noise schedule (``from_config``) with
+the spacing named here, never a scheduler's own default (the multistep solvers default to
+"linspace", which SD v1-4's config, predating the key, would silently get).
 
 The spacing decides T, and T decides how much noise hides each private image:
 - ``leading`` (SD v1-x's, the paper's): T = 961 of 1000 at 25 steps for PNDM and DDIM, 951 for
@@ -35,7 +35,7 @@ TimestepSpacing = Literal["leading", "trailing"]
 
 
 class SchedulerName(StrEnum):
-    """Run config ``scheduler``: the samplers a run can choose."""
+    """Run config ``synthesis.scheduler``: the samplers a run can choose."""
 
     PNDM = "pndm"
     DDIM = "ddim"
@@ -112,7 +112,8 @@ class Sampler:
         eligible = grid[grid <= requested]
         if len(eligible) == 0:
             raise ValueError(
-                f"start-timestep {requested} is below the schedule's last timestep {int(grid[-1])}"
+                f"synthesis.start-timestep {requested} is below the schedule's last timestep "
+                f"{int(grid[-1])}"
             )
         return int(eligible[0])
 

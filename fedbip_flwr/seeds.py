@@ -30,15 +30,16 @@ def client_generator(cfg: FedBiPConfig, node: NodeConfig, client_id: str) -> tor
     By default it is seeded from the operating system's entropy, so nothing the server sees or
     sets (run config, payload, Flower context) lets it replay the noise and undo z(T). An
     institution may seed it from its own node config (the server never sees that); simulations
-    and benchmarks may opt in to ``replayable-client-noise``, which lets the server replay it.
+    and benchmarks may opt in to ``federation.replayable-client-noise``, which lets the server
+    replay it.
     """
     if node.seed is not None:
         log.info("[%s] randomness seeded from this institution's node config", client_id)
         return torch.Generator().manual_seed(node.seed)
-    if cfg.replayable_client_noise:
+    if cfg.federation.replayable_client_noise:
         log.warning(
-            "[%s] replayable-client-noise is on: the server can replay this client's noise and "
-            "recover its private latents (simulations and benchmarks only)",
+            "[%s] federation.replayable-client-noise is on: the server can replay this client's "
+            "noise and recover its private latents (simulations and benchmarks only)",
             client_id,
         )
         return torch.Generator().manual_seed(client_seed(cfg.seed, client_id))

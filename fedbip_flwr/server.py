@@ -33,7 +33,7 @@ from .classifier import (
     save_classifier,
     train_classifier,
 )
-from .config import FedBiPConfig
+from .config import ClassifierConfig, FedBiPConfig
 from .progress import Progress
 from .storage import read_metadata, write_json, write_tensors_streamed
 from .upload import PayloadError
@@ -226,13 +226,13 @@ def train_global(
     at a time, so memory does not grow with the synthetic set. ``distillation`` (the method's
     :meth:`~fedbip_flwr.methods.base.Method.teacher`) adds soft targets to the same recipe.
     """
-    data = synthetic_dataset(synthetic, cfg.classifier_image_size)
-    settings = train_settings(cfg)
+    data = synthetic_dataset(synthetic, cfg.classifier.image_size)
+    settings = train_settings(cfg.classifier)
     started = time.perf_counter()
     # The initial weights come from the global RNG: seed it here, or they would depend on
     # whatever ran before in this process (e.g. how much synthesis a resumed run still did).
     torch.manual_seed(cfg.seed)
-    model = build_classifier(len(class_names), cfg.classifier_init, cfg.model)
+    model = build_classifier(len(class_names), cfg.classifier.init, cfg.ldm.model)
     losses: list[float] = []
     progress = Progress(log, "classifier", settings.epochs_for(len(data)), "epochs")
 
@@ -262,19 +262,20 @@ def train_global(
     }
 
 
-def train_settings(cfg: FedBiPConfig, epochs: int | None = None) -> TrainSettings:
-    """The shared classifier recipe from the run config: the global classifier's epochs and
-    step budget, or ``epochs`` of a client's own training (Local, FedLMG, FedAvg's rounds)."""
+def train_settings(classifier: ClassifierConfig, epochs: int | None = None) -> TrainSettings:
+    """The shared classifier recipe from the run config's classifier table: the global
+    classifier's epochs and step budget, or ``epochs`` of a client's own training (Local,
+    FedLMG, FedAvg's rounds)."""
     return TrainSettings(
-        epochs=cfg.classifier_epochs if epochs is None else epochs,
-        lr=cfg.classifier_lr,
-        momentum=cfg.classifier_momentum,
-        batch_size=cfg.classifier_batch_size,
-        image_size=cfg.classifier_image_size,
-        steps=cfg.classifier_steps if epochs is None else 0,
-        precision=cfg.classifier_precision,
-        precise_bn=cfg.classifier_precise_bn,
-        schedule=cfg.classifier_schedule,
+        epochs=classifier.epochs if epochs is None else epochs,
+        lr=classifier.lr,
+        momentum=classifier.momentum,
+        batch_size=classifier.batch_size,
+        image_size=classifier.image_size,
+        steps=classifier.steps if epochs is None else 0,
+        precision=classifier.precision,
+        precise_bn=classifier.precise_bn,
+        schedule=classifier.schedule,
     )
 
 

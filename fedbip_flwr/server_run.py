@@ -1,11 +1,12 @@
 """The ServerApp's run for a one-shot method: one round of uploads, then the method's training
 set, the classifier and its scores, each phase timed and recorded in the run folder.
 
-The classifier is scored where ``evaluation`` says: on the server's test sets (simulations,
-paper presets) and/or by the institutions on their own held-out images, which also keep the
-classifier. A restart with the same ``run-name`` finds the uploads on disk and never asks a
-client that uploaded to upload again. With ``synthesis = "external"`` the training set is made
-by `fedbip synthesize` in other processes while this waits (:mod:`fedbip_flwr.distributed`).
+The classifier is scored where ``federation.evaluation`` says: on the server's test sets
+(simulations, paper presets) and/or by the institutions on their own held-out images, which also
+keep the classifier. A restart with the same ``run-name`` finds the uploads on disk and never
+asks a client that uploaded to upload again. With ``synthesis.where = "external"`` the training
+set is made by `fedbip synthesize` in other processes while this waits
+(:mod:`fedbip_flwr.distributed`).
 A multi-round method (FedAvg) runs its own Flower strategy through :func:`run_rounds`, scored
 the same way; :mod:`fedbip_flwr.apps` picks which.
 """
@@ -75,7 +76,7 @@ def run_rounds(
     method: MultiRound, grid: Grid, cfg: FedBiPConfig, folder: RunFolder, device: torch.device
 ) -> RunResults:
     """A multi-round method's rounds on its own Flower strategy, scored like every other method."""
-    tests, _ = _test_sets(cfg, cfg.domain_list)
+    tests, _ = _test_sets(cfg, cfg.data.domain_list)
     return method.run_server(
         grid,
         cfg,
@@ -89,7 +90,9 @@ def run_one_shot(
 ) -> RunResults:
     """The one round, the training set, the classifier and its scores, each phase timed."""
     seconds = Seconds()
-    job = ServerJob(cfg, dataset.class_names(cfg.data), _model_loader(cfg, seconds), device)
+    job = ServerJob(
+        cfg, dataset.class_names(cfg.data_description), _model_loader(cfg, seconds), device
+    )
     started_unix = time.time()  # where `seconds` begin: process samplers place the phases by it
     strategy, uploads, clients = _round(method, grid, job, folder, seconds)
     # what metrics.json says if the run stops before it completes
@@ -132,11 +135,11 @@ def _round(
         accept,
         job.max_bytes,
         folder,
-        min_clients=cfg.min_clients,
-        wait_for_clients_s=cfg.wait_for_clients_s,
+        min_clients=cfg.federation.min_clients,
+        wait_for_clients_s=cfg.federation.wait_for_clients_s,
         already_accepted=uploads,
         uploaded_by_node={node: c for node, c in uploaders.items() if c not in refused},
-        owners=cfg.client_node_map,
+        owners=cfg.federation.client_node_map,
     )
     if folder.clients.exists():
         clients = results.read_clients(folder.clients)
@@ -144,7 +147,7 @@ def _round(
     else:
         if uploads:
             log.info("restarting the round: %d upload(s) already on disk", len(uploads))
-        strategy.start(grid, num_rounds=1, timeout=cfg.reply_timeout_s)
+        strategy.start(grid, num_rounds=1, timeout=cfg.federation.reply_timeout_s)
         uploads.update(strategy.accepted)
         clients = strategy.outcomes
     nodes = {client: node for node, client in uploaders.items()}
@@ -180,9 +183,10 @@ def left_out(
 def _require_enough(
     uploads: Mapping[str, Upload], cfg: FedBiPConfig, folder: RunFolder, stopped: RunResults
 ) -> None:
-    """The run stops here, recorded, with fewer valid uploads than ``min-clients``."""
-    if len(uploads) < cfg.min_clients:
-        reason = f"only {len(uploads)} valid payload(s); min-clients is {cfg.min_clients}"
+    """The run stops here, recorded, with fewer valid uploads than ``federation.min-clients``."""
+    if len(uploads) < cfg.federation.min_clients:
+        minimum = cfg.federation.min_clients
+        reason = f"only {len(uploads)} valid payload(s); federation.min-clients is {minimum}"
         _stop(folder, stopped, reason)
         raise NotEnoughClients(f"{reason} (see {folder.clients})")
     log.info("%d valid payloads: %s", len(uploads), ", ".join(sorted(uploads)))
@@ -211,9 +215,9 @@ def _training_set(
     failed with the error, and the set is made from the others (keyed shards already made are
     reused)."""
     started = time.perf_counter()
-    if job.cfg.synthesis == "external":
+    if job.cfg.synthesis.where == "external":
         try:
-            wait_for_shards(RunSynthesis(folder, method, job, uploads), job.cfg.synthesis_timeout_s)
+            wait_for_shards(RunSynthesis(folder, method, job, uploads), job.cfg.synthesis.timeout_s)
         except SynthesisTimeout as err:
             _stop(folder, stopped, str(err))
             raise
@@ -261,7 +265,7 @@ def _test_sets_and_grids(
     at the institutions), and a grid per client: real images of its domain, where the server
     holds them, above its synthetic ones, class for class."""
     tests, real_rows = _test_sets(cfg, sorted({u.domain for u in uploads.values()}))
-    classes = len(cfg.class_list)
+    classes = len(cfg.data.class_list)
     for client_id, upload in sorted(uploads.items()):
         if training_set.get(client_id):
             synthetic = synthetic_by_class(training_set[client_id], classes, GRID_PER_CLASS)
@@ -315,22 +319,28 @@ def _evaluate_at_institutions(
 ) -> Evaluation | None:
     """The global classifier scored by the institutions that uploaded, where the run config
     asks for it; None where it does not or no global classifier was trained."""
-    if not _at_institutions(cfg) or GLOBAL not in models or not folder.classifier.exists():
+    if (
+        not cfg.federation.scored_at_institutions
+        or GLOBAL not in models
+        or not folder.classifier.exists()
+    ):
         return None
     started = time.perf_counter()
     # a DP method's institutions send their accuracy alone
     bounds = ScoreBounds(
-        len(dataset.class_names(cfg.data)), cfg.max_images_per_client, method.settings.private
+        len(dataset.class_names(cfg.data_description)),
+        cfg.federation.max_images_per_client,
+        method.settings.private,
     )
     per_client = strategy.evaluate_at_institutions(
         grid,
         folder.classifier.read_bytes(),
         {RUN_FOLDER: folder.root.name},
-        timeout=cfg.reply_timeout_s,
+        timeout=cfg.federation.reply_timeout_s,
         bounds=bounds,
     )
     seconds.evaluation = _since(started)
-    return Evaluation.of(cfg.evaluation, per_client)
+    return Evaluation.of(cfg.federation.evaluation, per_client)
 
 
 def _model_loader(cfg: FedBiPConfig, seconds: Seconds) -> Callable[[], LDM]:
@@ -340,12 +350,12 @@ def _model_loader(cfg: FedBiPConfig, seconds: Seconds) -> Callable[[], LDM]:
     def load() -> LDM:
         started = time.perf_counter()
         ldm = load_for_run(
-            cfg.model,
-            cfg.device,
-            cfg.half_precision,
-            cfg.image_size,
-            channels_last=cfg.channels_last,
-            compile_unet=cfg.compile_unet,
+            cfg.ldm.model,
+            cfg.ldm.device,
+            cfg.ldm.half_precision,
+            cfg.data.image_size,
+            channels_last=cfg.ldm.channels_last,
+            compile_unet=cfg.ldm.compile_unet,
         )
         seconds.load_model = _since(started)
         return ldm
@@ -359,15 +369,15 @@ def _test_sets(
     """The server's test sets of ``domains`` at the classifier's input size, not the LDM's,
     and a row of real images per domain for the grids; (None, {}) where the run config
     scores only at the institutions."""
-    if not _on_server(cfg):
+    if not cfg.federation.scored_on_server:
         return None, {}
     tests, grid_rows = {}, {}
     for domain in domains:
-        test = dataset.load_test_sets(cfg.data, [domain])[domain]
+        test = dataset.load_test_sets(cfg.data_description, [domain])[domain]
         grid_rows[domain] = test.images[
-            class_columns(test.labels, len(cfg.class_list), GRID_PER_CLASS)
+            class_columns(test.labels, len(cfg.data.class_list), GRID_PER_CLASS)
         ].clone()
-        tests[domain] = (fit_to_classifier(test.images, cfg.classifier_image_size), test.labels)
+        tests[domain] = (fit_to_classifier(test.images, cfg.classifier.image_size), test.labels)
     return tests, grid_rows
 
 
@@ -378,15 +388,7 @@ def _server_scores(
     server's test sets; nothing where it holds none."""
     if tests is None:
         return {}
-    return evaluate_models(models, tests, cfg.classifier_image_size, device)
-
-
-def _on_server(cfg: FedBiPConfig) -> bool:
-    return cfg.evaluation in ("server", "both")
-
-
-def _at_institutions(cfg: FedBiPConfig) -> bool:
-    return cfg.evaluation in ("clients", "both")
+    return evaluate_models(models, tests, cfg.classifier.image_size, device)
 
 
 def _since(started: float) -> float:

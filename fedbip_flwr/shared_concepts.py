@@ -41,5 +41,5 @@ def check_concept_rows(
             raise PayloadError(
                 f"class concept of {name!r} does not use exactly its first {length} of "
                 f"{len(rows)} vectors (the rest zero), as the server's prompt layout does "
-                "(clients and server must share run config n-v and the base model's tokenizer)"
+                "(clients and server must share run config data.n-v and the base model's tokenizer)"
             )

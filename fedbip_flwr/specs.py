@@ -192,7 +192,7 @@ SPECS: dict[str, DatasetSpec] = {
         ),
         DatasetSpec(
             name=OWN_FOLDER,
-            classes=(),  # the run config's classes
+            classes=(),  # the run config's data.classes
             domains=(),  # each institution's node config names its own
             default_domains=(),
             prompt_template="a {S} of a {V}",
@@ -218,7 +218,7 @@ SPECS: dict[str, DatasetSpec] = {
             n_s=3,
             n_v=3,
             class_folders=tuple(folder for _, folder in UCM_CLASSES),
-            domain_folders=(("Images", "."),),  # data-root is UCMerced_LandUse or its Images
+            domain_folders=(("Images", "."),),  # data.root is UCMerced_LandUse or its Images
         ),
     )
 }

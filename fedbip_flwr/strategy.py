@@ -7,8 +7,8 @@ persisted atomically at once, with the node it came from: a ServerApp
 that dies mid-round loses no upload, and its restart sends ``train`` only to the nodes whose
 upload is not on disk (nodes that reconnect under a new id are told which client ids are held,
 and answer without personalizing). Institutions that connect while the round is open are sent
-``train`` too. Messages live as long as the round (``reply-timeout-s``), not Flower's 12-hour
-default. A failed, missing or invalid reply is recorded with its reason, and so is an
+``train`` too. Messages live as long as the round (``federation.reply-timeout-s``), not Flower's
+12-hour default. A failed, missing or invalid reply is recorded with its reason, and so is an
 institution's refusal of the run's request under its own upload policy
 (:mod:`fedbip_flwr.policy`); nothing a client sends can crash the server.
 
@@ -73,7 +73,7 @@ def wait_for_nodes(grid: Grid, minimum: int, timeout_s: float, poll_s: float = 1
         if time.monotonic() >= deadline:
             raise NotEnoughClients(
                 f"only {len(nodes)} client(s) connected within {timeout_s:.0f} s; "
-                f"min-clients is {minimum}"
+                f"federation.min-clients is {minimum}"
             )
         time.sleep(poll_s)
 
@@ -83,7 +83,7 @@ class OneShotStrategy(Strategy):
 
     ``accept`` is the method's validation of one upload's bytes (it raises PayloadError with
     the reason); ``max_bytes`` caps a reply before anything parses it; ``owners`` (run config
-    client-nodes) binds client ids to the nodes registered for them.
+    federation.client-nodes) binds client ids to the nodes registered for them.
     """
 
     def __init__(
@@ -172,7 +172,7 @@ class OneShotStrategy(Strategy):
 
     def summary(self) -> None:
         log.info(
-            "OneShotStrategy: one round, min-clients %d, payload cap %.0f MB",
+            "OneShotStrategy: one round, federation.min-clients %d, payload cap %.0f MB",
             self.min_clients,
             self.max_bytes / 2**20,
         )
@@ -301,19 +301,20 @@ class OneShotStrategy(Strategy):
         return outcome
 
     def _check_owner(self, node: int, client_id: str) -> None:
-        """With run config client-nodes, only the node registered for a client id may upload
-        under it or claim its upload: a squatter is refused before it can take the id, so the
-        institution that owns it is never locked out."""
+        """With run config federation.client-nodes, only the node registered for a client id may
+        upload under it or claim its upload: a squatter is refused before it can take the id, so
+        the institution that owns it is never locked out."""
         if not self.owners:
             return
         owner = self.owners.get(client_id)
         if owner is None:
             raise PayloadError(
-                f"'{client_id}' is not in run config client-nodes: no node may upload under it"
+                f"'{client_id}' is not in run config federation.client-nodes: no node may upload "
+                "under it"
             )
         if owner != node:
             raise PayloadError(
-                f"'{client_id}' belongs to node {owner} (run config client-nodes); "
+                f"'{client_id}' belongs to node {owner} (run config federation.client-nodes); "
                 f"node {node} cannot upload under it or claim its upload"
             )
 
@@ -367,9 +368,9 @@ def _refused(node: int, config: dict) -> ClientOutcome:
 @dataclass(frozen=True)
 class ScoreBounds:
     """What an institution's scores can be: one count per server class, and no more held-out
-    images than run config max-images-per-client lets an institution hold; under a DP upload
-    (``private``) the accuracy alone, which elsewhere is refused (it would change the mean's
-    weights)."""
+    images than run config federation.max-images-per-client lets an institution hold; under a DP
+    upload (``private``) the accuracy alone, which elsewhere is refused (it would change the
+    mean's weights)."""
 
     classes: int
     max_examples: int
@@ -407,6 +408,6 @@ def _scores(reply: Message, bounds: ScoreBounds) -> Scored | Unscored:
     if (score.num_examples or 0) > bounds.max_examples:
         return Unscored(
             reason=f"its scores claim {score.num_examples} held-out images, more than "
-            f"max-images-per-client {bounds.max_examples}"
+            f"federation.max-images-per-client {bounds.max_examples}"
         )
     return score

@@ -12,7 +12,7 @@ every sampler here is deterministic (DDIM with eta 0), so eta is what makes the 
 differ. ``scale`` is the concept space's typical coordinate size
 (:func:`fedbip_flwr.concepts.concept_scale`), so sigma = 0.1 means the same in token and hidden
 space. A prompt embedding is computed once per (client, pass, class) and shared by the batch.
-The sampler (:mod:`fedbip_flwr.sampler`, run config ``scheduler``) steps by the model's
+The sampler (:mod:`fedbip_flwr.sampler`, run config ``synthesis.scheduler``) steps by the model's
 prediction type (epsilon or v-prediction).
 """
 
@@ -186,8 +186,8 @@ class SynthesisSettings:
     num_inference_steps: int
     guidance_scale: float
     batch_size: int
-    vae_batch_size: int = 8  # run config vae-batch-size: latents per VAE decode
-    n_v: int = 1  # run config n-v: with the tokenizer it fixes which rows each V_y uses
+    vae_batch_size: int = 8  # run config ldm.vae-batch-size: latents per VAE decode
+    n_v: int = 1  # run config data.n-v: with the tokenizer it fixes which rows each V_y uses
     scheduler: SchedulerName = SchedulerName.PNDM
     timestep_spacing: TimestepSpacing = "leading"
 
@@ -195,13 +195,13 @@ class SynthesisSettings:
     def from_config(cls, cfg: FedBiPConfig) -> SynthesisSettings:
         """The run's synthesis knobs, which clients and server must share."""
         return cls(
-            num_inference_steps=cfg.num_inference_steps,
-            scheduler=cfg.scheduler,
-            timestep_spacing=cfg.timestep_spacing,
-            guidance_scale=cfg.guidance_scale,
-            batch_size=cfg.synthesis_batch_size,
-            vae_batch_size=cfg.vae_batch_size,
-            n_v=cfg.n_v,
+            num_inference_steps=cfg.synthesis.num_inference_steps,
+            scheduler=cfg.synthesis.scheduler,
+            timestep_spacing=cfg.synthesis.timestep_spacing,
+            guidance_scale=cfg.synthesis.guidance_scale,
+            batch_size=cfg.synthesis.batch_size,
+            vae_batch_size=cfg.ldm.vae_batch_size,
+            n_v=cfg.data.n_v,
         )
 
     def sampler(self, ldm: LDM) -> Sampler:
@@ -221,11 +221,11 @@ class SynthesisSettings:
 
 
 def concept_layout(ldm: LDM, concepts: Concepts, settings: SynthesisSettings) -> PromptLayout:
-    """The client's prompt layout, rebuilt from its concepts and the run config's n-v.
+    """The client's prompt layout, rebuilt from its concepts and the run config's data.n-v.
 
     S's size is its row count (never fewer than its phrase's tokens). V is one tensor, so
-    which of its rows V_y uses depends on n-v: validation with the server's token counts has
-    matched them already, and the check here catches synthesis run with another n-v.
+    which of its rows V_y uses depends on data.n-v: validation with the server's token counts has
+    matched them already, and the check here catches synthesis run with another data.n-v.
     """
     n_s = len(concepts.domain)
     layout = prompt_layout(

@@ -29,13 +29,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from typing_extensions import Self
 
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import FederationConfig
 from fedbip_flwr.logs import short_reason
 
 SCHEMA_VERSION = 1
 META_PREFIX = "fedbip."
-# The server's default cap (run config max-payload-mb), so tools and server agree out of the box.
-DEFAULT_MAX_BYTES = int(FedBiPConfig.model_fields["max_payload_mb"].default * 2**20)
+# The server's default cap (run config federation.max-payload-mb), so tools and server agree
+# out of the box.
+DEFAULT_MAX_BYTES = int(FederationConfig.model_fields["max_payload_mb"].default * 2**20)
 # A client id names files on the server: no separators, no leading dot, short enough in UTF-8.
 CLIENT_ID_PATTERN = r"^\w[\w .-]{0,47}$"
 MAX_HEADER_BYTES = 1024 * 1024  # ours is a few KiB; safetensors itself allows 100 MB
@@ -71,15 +72,15 @@ class PayloadError(ValueError):
 
 class PayloadTooLarge(PayloadError):
     """Above the byte cap. ``amount`` is the size, or "more than <limit> bytes" for a stream
-    that was not read to its end; the reason names the server's knob, run config max-payload-mb
-    (the CLI names its own)."""
+    that was not read to its end; the reason names the server's knob, run config
+    federation.max-payload-mb (the CLI names its own)."""
 
     def __init__(self, amount: str, limit: int) -> None:
         self.amount, self.limit = amount, limit
         super().__init__(
             f"payload is {amount}, above the cap of {limit} bytes (raise run config "
-            "max-payload-mb if this client legitimately holds that many images, or upload "
-            "float16 latents)"
+            "federation.max-payload-mb if this client legitimately holds that many images, or "
+            "upload float16 latents)"
         )
 
     def __reduce__(self) -> tuple[type[PayloadTooLarge], tuple[str, int]]:

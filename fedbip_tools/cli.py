@@ -150,9 +150,9 @@ def _server_verdict(blob: bytes, run_config: list[str] | None) -> int:
     try:
         cfg = FedBiPConfig.from_flat({**project_run_config(), **parse_config_args(run_config)})
         loader = functools.cache(
-            functools.partial(load_for_run, cfg.model, "cpu", False, cfg.image_size)
+            functools.partial(load_for_run, cfg.ldm.model, "cpu", False, cfg.data.image_size)
         )
-        job = methods.ServerJob(cfg, dataset.class_names(cfg.data), loader)
+        job = methods.ServerJob(cfg, dataset.class_names(cfg.data_description), loader)
         methods.one_shot_for(cfg).accept(blob, job)
     except PayloadError as err:
         print(f"verdict: the run's server refuses it: {err.reason}")
@@ -163,7 +163,7 @@ def _server_verdict(blob: bytes, run_config: list[str] | None) -> int:
     except click.ClickException as err:
         print(f"fedbip inspect: --run-config: {err.format_message()}", file=sys.stderr)
         return 1
-    print(f"verdict: the run's server ({cfg.method}, {cfg.model}) accepts it")
+    print(f"verdict: the run's server ({cfg.method}, {cfg.ldm.model}) accepts it")
     return 0
 
 
@@ -413,9 +413,9 @@ def _run_personalize(args: argparse.Namespace) -> int:
         run = {**project_run_config(), **parse_config_args(args.run_config)}
         cfg = FedBiPConfig.from_flat({**run, **node.run_overrides()})
         ldm = functools.partial(
-            load_for_run, cfg.model, cfg.device, cfg.half_precision, cfg.image_size
+            load_for_run, cfg.ldm.model, cfg.ldm.device, cfg.ldm.half_precision, cfg.data.image_size
         )
-        blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.device))
+        blob, metrics = institution_upload(cfg, node, ldm, select_device(cfg.ldm.device))
         atomic_write(args.out, blob)
     except (ConfigError, DataError, ModelLoadError, OSError, ValueError) as err:
         print(f"fedbip personalize: {err}", file=sys.stderr)
@@ -583,7 +583,7 @@ def _run_synthesize(args: argparse.Namespace) -> int:
     folder = RunFolder(args.run_dir)
     try:
         cfg = distributed.read_run_config(folder)
-        state = distributed.process_state(cfg)
+        state = distributed.process_state(cfg.ldm)
         run = distributed.open_run(folder, cfg, state.device)
         if not run.uploads:
             raise distributed.RunNotReady(
@@ -613,7 +613,7 @@ def _run_synthesize(args: argparse.Namespace) -> int:
 
 def project_run_config() -> dict[str, Any]:
     """This project's run-config defaults ([tool.flwr.app.config] of its pyproject.toml), its
-    method tables as Flower hands them over (dotted keys)."""
+    tables as Flower hands them over (dotted keys)."""
     from flwr.common.config import flatten_dict, get_project_config
 
     from fedbip_flwr.paths import project_dir

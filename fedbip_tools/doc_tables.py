@@ -1,4 +1,4 @@
-"""Every docs table made from a record, written into its marked section.
+"""Every docs table made from a record (or from the code), written into its marked section.
 
 A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- name:end -->``
 (:func:`fedbip_tools.benchmark.write_section`), so a remade record leaves no stale copy behind:
@@ -8,7 +8,9 @@ A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- 
   interval, upload size, the server's membership AUC at both latent sizes, the guarantee;
 - ``methods`` in docs/benchmarks/methods.md: the methods benchmark's own section
   (:func:`fedbip_tools.benchmark.markdown`) from the same record;
-- ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``.
+- ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``;
+- ``run-config-tables`` in docs/run-configs.md: every run-config key with its default and
+  meaning, from the config's models and ``pyproject.toml`` (:mod:`fedbip_tools.config_doc`).
 
 Names, model, machine kind and sampler come from the records; rows recorded under an old name
 read under today's (:data:`fedbip_tools.benchmark.LEGACY_NAMES`).
@@ -31,7 +33,7 @@ from scipy import stats
 
 from fedbip_flwr.config import FedBiPConfig
 
-from . import benchmark, speed
+from . import benchmark, config_doc, speed
 from .upload_attacks import upload_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +42,8 @@ SPEED_RECORD = ROOT / "benchmarks" / "perf.json"
 README = ROOT / "README.md"
 METHODS_PAGE = ROOT / "docs" / "benchmarks" / "methods.md"
 SPEED_PAGE = ROOT / "docs" / "benchmarks" / "speed.md"
+PYPROJECT = ROOT / "pyproject.toml"
+RUN_CONFIGS_PAGE = ROOT / "docs" / "run-configs.md"
 RESULTS = "results"
 LEVEL = 0.95
 
@@ -89,7 +93,7 @@ def headline(record: Mapping[str, Any]) -> tuple[tuple[str, str], list[str]]:
     names = [
         n
         for n in benchmark.HEADLINE
-        if n in rows and "classifier-init" not in benchmark.variant(n).values
+        if n in rows and "classifier.init" not in benchmark.variant(n).values
     ]
     groups = [g for n in names if (g := group(rows[n]))]
     if not groups:
@@ -158,14 +162,14 @@ def kind_text(kind: str) -> str:
 def results_table(record: Mapping[str, Any]) -> str:
     (model, kind), names = headline(record)
     rows, s = record["methods"], record["sampling"]
-    cfg = record["settings"]["run_config"]
+    settings = benchmark.Settings.recorded(record["settings"])
     seeds = sorted({seed for n in names for seed in rows[n]["seeds"]})
     others = [n for n in rows if n not in names]
     lines = [
         f"`{record['command']}` (record [`benchmarks/methods.json`](benchmarks/methods.json)): "
         f"model `{model}` on {kind_text(kind)}, seeds {', '.join(map(str, seeds))}; "
         f"sampler `{s['scheduler']}`, {s['steps']} steps from T = {s['timestep']}; ResNet-18 "
-        f"from a {cfg['classifier-init']} start, {record['settings']['classifier_steps']} SGD "
+        f"from a {settings.run_config['classifier.init']} start, {settings.classifier_steps} SGD "
         "steps. Accuracy: mean over seeds and domains [its 95% t-interval over the seeds, which can "
         "pass 100]; AUC: the range over the domains of the server's strongest test on the "
         "uploads (0.5: chance; –: no latent upload at that size, or no test).",
@@ -200,9 +204,7 @@ def results_table(record: Mapping[str, Any]) -> str:
 def methods_section(record: Mapping[str, Any]) -> str:
     """The methods benchmark's section, as ``fedbip benchmark`` writes it, over the record's
     rows that are today's variants."""
-    settings = benchmark.Settings(
-        **{**record["settings"], "domains": tuple(record["settings"]["domains"])}
-    )
+    settings = benchmark.Settings.recorded(record["settings"])
     bench = benchmark.Bench(
         settings, ROOT / "benchmark-work", ROOT / "benchmarks", threads=record["threads"]
     )
@@ -238,7 +240,18 @@ SECTIONS: Sequence[tuple[Path, str, Path, Callable[[dict[str, Any]], str]]] = (
     (README, RESULTS, METHODS_RECORD, results_table),
     (METHODS_PAGE, benchmark.MARKER, METHODS_RECORD, methods_section),
     (SPEED_PAGE, speed.MARKER, SPEED_RECORD, speed_section),
+    (RUN_CONFIGS_PAGE, config_doc.MARKER, PYPROJECT, config_doc.reference),
 )
+
+
+def read(source: Path) -> dict[str, Any]:
+    """A section's source: the methods record under today's names, pyproject.toml's run
+    config, or a JSON record."""
+    if source == METHODS_RECORD:
+        return methods_record(source)
+    if source == PYPROJECT:
+        return config_doc.project_config(source)
+    return json.loads(source.read_text())
 
 
 def section(path: Path, marker: str) -> str | None:
@@ -252,16 +265,12 @@ def section(path: Path, marker: str) -> str | None:
 
 def generated() -> list[tuple[Path, str, str]]:
     """(file, marker, text) of every generated section, made from today's records."""
-    read: dict[Path, dict[str, Any]] = {}
+    sources: dict[Path, dict[str, Any]] = {}
     out = []
     for path, marker, source, make in SECTIONS:
-        if source not in read:
-            read[source] = (
-                methods_record(source)
-                if source == METHODS_RECORD
-                else json.loads(source.read_text())
-            )
-        out.append((path, marker, make(read[source])))
+        if source not in sources:
+            sources[source] = read(source)
+        out.append((path, marker, make(sources[source])))
     return out
 
 

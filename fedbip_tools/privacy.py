@@ -45,7 +45,7 @@ from torch.distributions import Categorical, Independent, MixtureSameFamily, Nor
 
 from fedbip_flwr.classifier import backbone_path, fit_to_classifier, load_backbone
 from fedbip_flwr.concepts import PromptLayout, conditioned_loss, encode_prompts, initial_concepts
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import ClassifierConfig
 from fedbip_flwr.ldm import LDM
 from fedbip_flwr.mixture import LatentMixture
 from fedbip_flwr.shared_concepts import Concepts
@@ -53,7 +53,7 @@ from fedbip_flwr.shared_concepts import Concepts
 Features = Callable[[torch.Tensor], torch.Tensor]  # images (N, 3, H, W) -> features (N, D)
 Space = Literal["pixels", "features"]
 
-CLASSIFIER_IMAGE_SIZE: int = FedBiPConfig.model_fields["classifier_image_size"].default
+CLASSIFIER_IMAGE_SIZE: int = ClassifierConfig.model_fields["image_size"].default
 DATA_RANGE = 2.0  # images span [-1, 1]
 FEATURE_BATCH = 256  # images per forward pass of a feature extractor
 # SSIM as Wang et al. 2004 define it: an 11 x 11 Gaussian window of std 1.5, K1 = 0.01, K2 = 0.03.

@@ -296,19 +296,24 @@ def concept_setup(args: argparse.Namespace):
 
     cfg = FedBiPConfig.from_flat(
         {
-            "model": args.model,
-            "classifier-init": "random",
-            "num-inference-steps": args.steps,
-            "image-size": args.image_size,
+            "ldm.model": args.model,
+            "classifier.init": "random",
+            "synthesis.num-inference-steps": args.steps,
+            "data.image-size": args.image_size,
         }
     )
     # as a client loads it: fp16 on CUDA (half-precision's default), float32 on the CPU
-    ldm = load(args, half=cfg.half_precision)
-    data = dataset.load_client_data(cfg.data, 0)
+    ldm = load(args, half=cfg.ldm.half_precision)
+    data = dataset.load_client_data(cfg.data_description, 0)
     images, labels = data.images[: args.concept_images], data.labels[: args.concept_images]
     z0 = encode_images(ldm.vae, images)
     layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, data.domain, list(data.classes)
+        ldm.tokenizer,
+        cfg.data.prompt_template,
+        cfg.data.n_s,
+        cfg.data.n_v,
+        data.domain,
+        list(data.classes),
     )
     t_max = Sampler.create(args.scheduler, ldm.scheduler, args.steps).first_timestep()
     return torch, cfg, ldm, data, images, labels, z0, layout, t_max
@@ -374,7 +379,7 @@ def case_concept_recipe(args: argparse.Namespace, _name: str) -> dict:
     for length in layout.v_lengths.tolist():
         v_words.append(" ".join(names[at : at + length]))
         at += length
-    prompts = [plain_prompt(cfg.prompt_template, s_words, v_words[int(y)]) for y in labels]
+    prompts = [plain_prompt(cfg.data.prompt_template, s_words, v_words[int(y)]) for y in labels]
     ids = tokenizer(
         prompts,
         padding="max_length",

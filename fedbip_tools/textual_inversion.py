@@ -80,7 +80,7 @@ def concept_embeddings(payload: Payload) -> list[tuple[ExportedConcept, torch.Te
 
 
 def _used_rows(vectors: torch.Tensor) -> torch.Tensor:
-    """V_y's own vectors: one per token of its class name (at least n-v), then zero rows that
+    """V_y's own vectors: one per token of its class name (at least data.n-v), then zero rows that
     pad V to the longest class name and that its prompt never uses (payload validation checks
     the used rows are non-zero)."""
     return vectors[: int((vectors.abs().amax(dim=-1) > 0).sum())]

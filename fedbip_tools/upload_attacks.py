@@ -90,7 +90,7 @@ class UploadTest:
 
 
 def _latents(view: ServerView, images: torch.Tensor) -> torch.Tensor:
-    return encode_images(view.ldm().vae, images, view.cfg.vae_batch_size)
+    return encode_images(view.ldm().vae, images, view.cfg.ldm.vae_batch_size)
 
 
 def _signal_scale(view: ServerView, timestep: int) -> float:
@@ -165,7 +165,7 @@ def _class_mean_test(
 
 
 def backbone_features(view: ServerView) -> Callable[[torch.Tensor], torch.Tensor]:
-    return public_encoder(view.cfg.model, view.cfg.classifier_image_size)
+    return public_encoder(view.cfg.ldm.model, view.cfg.classifier.image_size)
 
 
 def caption_states(view: ServerView) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -188,7 +188,7 @@ def mixture_class_means(upload: Upload) -> torch.Tensor:
 
 
 def classifier_loss_test(upload: Upload, c: Candidates, view: ServerView) -> Scores:
-    size = view.cfg.classifier_image_size
+    size = view.cfg.classifier.image_size
     return tuple(
         -evaluate(upload.content, s.images, s.labels, size).losses for s in (c.members, c.others)
     )

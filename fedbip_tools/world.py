@@ -115,13 +115,13 @@ def source_only(
 ) -> dict[str, float]:
     """Accuracy on each of ``domains``' test sets of the run's classifier recipe (its start,
     steps, schedule) trained on the common domains' real images alone."""
-    train = common_domain_images(cfg.seed, per_class, cfg.image_size)
-    model = build_classifier(len(train.classes), cfg.classifier_init, cfg.model)
-    train_classifier(model, train.images, train.labels, train_settings(cfg), seed=cfg.seed)
-    tests = dataset.load_test_sets(cfg.data, list(domains))
+    recipe = cfg.classifier
+    train = common_domain_images(cfg.seed, per_class, cfg.data.image_size)
+    model = build_classifier(len(train.classes), recipe.init, cfg.ldm.model)
+    train_classifier(model, train.images, train.labels, train_settings(recipe), seed=cfg.seed)
+    tests = dataset.load_test_sets(cfg.data_description, list(domains))
     return {
-        d: evaluate(model, t.images, t.labels, cfg.classifier_image_size).accuracy
-        for d, t in tests.items()
+        d: evaluate(model, t.images, t.labels, recipe.image_size).accuracy for d, t in tests.items()
     }
 
 
@@ -132,22 +132,23 @@ def drawn_by_learned_concepts(
     ``epochs`` (a client's step, its learning rate and batch), then images from fresh noise
     under them with the run's sampler, judged: class and domain fidelity."""
     own = fedbip_settings(cfg)
-    ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size)
+    data = cfg.data
+    ldm = load_for_run(cfg.ldm.model, "cpu", cfg.ldm.half_precision, data.image_size)
     client = next(
-        c for c in benchmark.client_sets(cfg).values() if c.domain == domain
+        c for c in benchmark.client_sets(cfg.data_description).values() if c.domain == domain
     )  # as the simulation's node loads it
     layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, list(client.classes)
+        ldm.tokenizer, data.prompt_template, data.n_s, data.n_v, domain, list(client.classes)
     )
     settings = SynthesisSettings.from_config(cfg)
-    z0 = encode_images(ldm.vae, client.images, cfg.vae_batch_size)
+    z0 = encode_images(ldm.vae, client.images, cfg.ldm.vae_batch_size)
     learned = learn_concepts(
         ldm,
         layout,
         own.concept_space,
         z0,
         client.labels,
-        settings.sampler(ldm).first_timestep(cfg.start_timestep),
+        settings.sampler(ldm).first_timestep(cfg.synthesis.start_timestep),
         epochs=epochs,
         batch_size=own.concept_batch_size,
         lr=own.concept_lr,
@@ -232,7 +233,7 @@ def check(
     for seed in seeds:
         base = benchmark.base_values(bench, seed)
         for start in STARTS:
-            cfg = FedBiPConfig.from_flat({**base, "classifier-init": start})
+            cfg = FedBiPConfig.from_flat({**base, "classifier.init": start})
             source.setdefault(start, {})[seed] = source_only(cfg, rare)
             log.info("seed %d, %s start: source-only %s", seed, start, source[start][seed])
         cfg = FedBiPConfig.from_flat(base)

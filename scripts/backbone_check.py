@@ -2,7 +2,7 @@
 
 On a finished run (its synthetic shards and config, nothing of it changed), the global
 classifier is trained again on the very same synthetic set with the run's recipe, once per
-classifier seed and ``classifier-init`` (seeds outer, inits inner: both see the same machine
+classifier seed and ``classifier.init`` (seeds outer, inits inner: both see the same machine
 state), and scored on the server's test sets after every epoch. Reported per init: mean and
 standard deviation of the final accuracy over the seeds, and the epochs needed: the first epoch
 from which the seeds' mean accuracy stays within one point of its final value.
@@ -11,7 +11,7 @@ from which the seeds' mean accuracy stays within one point of its final value.
 
 The scoring between epochs draws no random numbers and puts the model back in training mode;
 each curve's last point is the trained classifier as the server scores it (with
-``classifier-precise-bn``, after its BatchNorm statistics are re-estimated), the earlier points
+``classifier.precise-bn``, after its BatchNorm statistics are re-estimated), the earlier points
 with the running statistics training keeps.
 """
 
@@ -36,17 +36,19 @@ INITS = ("random", "pretrained")
 def curve(cfg: FedBiPConfig, data, classes: list[str], tests: dict) -> list[float]:
     """Mean test accuracy after every epoch of the server's recipe under ``cfg``."""
     torch.manual_seed(cfg.seed)  # the initial weights, as train_global seeds them
-    model = build_classifier(len(classes), cfg.classifier_init, cfg.model)
+    model = build_classifier(len(classes), cfg.classifier.init, cfg.ldm.model)
     scores: list[float] = []
 
     def on_epoch(_epoch: int, _loss: float) -> None:
         scores.append(
-            evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")["mean"]
+            evaluate_models({"global": model}, tests, cfg.classifier.image_size, "cpu")["mean"]
         )
         model.train()
 
-    train_classifier(model, data, None, train_settings(cfg), seed=cfg.seed, on_epoch=on_epoch)
-    scores[-1] = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")["mean"]
+    train_classifier(
+        model, data, None, train_settings(cfg.classifier), seed=cfg.seed, on_epoch=on_epoch
+    )
+    scores[-1] = evaluate_models({"global": model}, tests, cfg.classifier.image_size, "cpu")["mean"]
     return scores
 
 
@@ -74,19 +76,21 @@ def main() -> None:
     flat = results.read(folder.metrics).config
     shards = folder.training_shards()
     base = FedBiPConfig.from_flat(flat)
-    classes = dataset.class_names(base.data)
-    data = synthetic_dataset(shards, base.classifier_image_size)
+    classes = dataset.class_names(base.data_description)
+    data = synthetic_dataset(shards, base.classifier.image_size)
     tests = {
         d: (s.images, s.labels)
-        for d, s in dataset.load_test_sets(base.data, base.domain_list).items()
+        for d, s in dataset.load_test_sets(base.data_description, base.data.domain_list).items()
     }
     print(f"{args.run}: {len(data)} synthetic images, {torch.get_num_threads()} torch threads")
     own = None
-    if backbone_classes(backbone_path(base.model)) == classes:  # a head for the task: unfair start
+    if (
+        backbone_classes(backbone_path(base.ldm.model)) == classes
+    ):  # a head for the task: unfair start
         own = evaluate_models(
-            {"backbone": load_backbone(backbone_path(base.model))},
+            {"backbone": load_backbone(backbone_path(base.ldm.model))},
             tests,
-            base.classifier_image_size,
+            base.classifier.image_size,
             "cpu",
         )
         print(
@@ -96,21 +100,22 @@ def main() -> None:
         )
     else:
         print(
-            f"the backbone's head names other classes ({backbone_classes(backbone_path(base.model))}): "
+            "the backbone's head names other classes "
+            f"({backbone_classes(backbone_path(base.ldm.model))}): "
             "it scores nothing on the task without synthetic images",
             flush=True,
         )
     curves: dict[str, list[list[float]]] = {init: [] for init in args.inits}
     for seed in args.seeds:
         for init in args.inits:
-            cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier-init": init})
+            cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier.init": init})
             curves[init].append(curve(cfg, data, classes, tests))
             print(
                 f"seed {seed} {init}: {100 * curves[init][-1][-1]:.1f}% after "
                 f"{len(curves[init][-1])} epochs",
                 flush=True,
             )
-    print("\n| classifier-init | mean accuracy (%) | std | epochs needed |\n|---|---|---|---|")
+    print("\n| classifier.init | mean accuracy (%) | std | epochs needed |\n|---|---|---|---|")
     for init, runs in curves.items():
         finals = [c[-1] for c in runs]
         spread = statistics.stdev(finals) if len(finals) > 1 else 0.0

@@ -62,11 +62,11 @@ def child(args: argparse.Namespace) -> None:
     flat.update(
         {
             "fedbip.concept-epochs": 0,
-            "num-inference-steps": args.steps,
-            "guidance-scale": args.guidance,
-            "classifier-epochs": args.epochs,
+            "synthesis.num-inference-steps": args.steps,
+            "synthesis.guidance-scale": args.guidance,
+            "classifier.epochs": args.epochs,
             "fedbip.multiplier": args.multiplier,
-            "replayable-client-noise": True,
+            "federation.replayable-client-noise": True,
         }
     )
     cfg = FedBiPConfig.from_flat(flat)
@@ -76,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
         domain, index = CLIENT_DOMAINS[k % 3], k // 3
         client_id = f"{domain}-{index}"
         data = shapes.client_train_set(
-            domain, cfg.shots_per_class, index, seed=cfg.seed, size=cfg.image_size
+            domain, cfg.data.shots_per_class, index, seed=cfg.seed, size=cfg.data.image_size
         )
         payloads[client_id], _ = personalize(
             ldm,

@@ -15,7 +15,7 @@ seed (its initial weights, data order and augmentation), so the spread the class
 adds to a run is measured on one synthetic set.
 
     python scripts/client_share_check.py RUN [RUN ...] --clients painting-0 --out FILE
-    python scripts/client_share_check.py RUN [RUN ...] --set classifier-epochs=6 --out FILE
+    python scripts/client_share_check.py RUN [RUN ...] --set classifier.epochs=6 --out FILE
     python scripts/client_share_check.py RUN --seeds 0 1 2 3 4 --out FILE
 """
 
@@ -46,7 +46,8 @@ def retrain(run: Path, clients: list[str], changes: dict[str, str]) -> dict:
     folder = RunFolder(run)
     recorded = results.read(folder.metrics)
     try:
-        cfg = FedBiPConfig.from_flat({**recorded.config, **changes})
+        run_config = FedBiPConfig.from_recorded(recorded.config).to_flat()
+        cfg = FedBiPConfig.from_flat({**run_config, **changes})
     except ConfigError as err:
         raise SystemExit(f"{run}: {err}") from None
     shards = folder.training_shards()
@@ -54,16 +55,18 @@ def retrain(run: Path, clients: list[str], changes: dict[str, str]) -> dict:
     missing = sorted(set(clients) - set(shards))
     if missing:
         raise SystemExit(f"{run}: no client {missing} (it has {sorted(shards)})")
-    data = synthetic_dataset({c: shards[c] for c in clients}, cfg.classifier_image_size)
+    data = synthetic_dataset({c: shards[c] for c in clients}, cfg.classifier.image_size)
     tests = {
         d: (s.images, s.labels)
-        for d, s in dataset.load_test_sets(cfg.data, cfg.domain_list).items()
+        for d, s in dataset.load_test_sets(cfg.data_description, cfg.data.domain_list).items()
     }
     started = time.perf_counter()
     torch.manual_seed(cfg.seed)  # the initial weights, as the server's train_global seeds them
-    model = build_classifier(len(dataset.class_names(cfg.data)), cfg.classifier_init, cfg.model)
-    train_classifier(model, data, None, train_settings(cfg), seed=cfg.seed)
-    scored = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
+    model = build_classifier(
+        len(dataset.class_names(cfg.data_description)), cfg.classifier.init, cfg.ldm.model
+    )
+    train_classifier(model, data, None, train_settings(cfg.classifier), seed=cfg.seed)
+    scored = evaluate_models({"global": model}, tests, cfg.classifier.image_size, "cpu")
     return {
         "run": str(run),
         "method": cfg.method,

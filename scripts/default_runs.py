@@ -9,10 +9,10 @@ first row quotes ``benchmarks/default_run.json``.
     python scripts/default_runs.py --runs 5 --out benchmarks/default_run.json
 
 A change to the default is weighed with the same runs: ``--seeds`` replays each seed's client
-noise (``seed=N replayable-client-noise=true``, one run per seed), ``--run-config`` adds the
-change, and ``--judges`` records each run's judged class and domain fidelity per domain:
+noise (``seed=N federation.replayable-client-noise=true``, one run per seed), ``--run-config``
+adds the change, and ``--judges`` records each run's judged class and domain fidelity per domain:
 
-    python scripts/default_runs.py --seeds 0 1 2 --run-config "start-timestep=799" \
+    python scripts/default_runs.py --seeds 0 1 2 --run-config "synthesis.start-timestep=799" \
         --judges outputs/benchmark/judges.safetensors --out /tmp/t799.json
 
 Run it on an idle machine: the wall times are the figures. Each run leaves its run folder
@@ -56,9 +56,9 @@ class Judged:
 
 def run_config(seed: int | None, extra: str) -> list[str]:
     """The ``--run-config`` the command gets: none for the README's own runs."""
-    pairs = ([f"seed={seed}", "replayable-client-noise=true"] if seed is not None else []) + (
-        extra.split() if extra else []
-    )
+    pairs = (
+        [f"seed={seed}", "federation.replayable-client-noise=true"] if seed is not None else []
+    ) + (extra.split() if extra else [])
     return ["--run-config", " ".join(pairs)] if pairs else []
 
 

@@ -303,7 +303,7 @@ def write_grid(
         torch.arange(classes).repeat_interleave(out["sampler"]["per_class"]), classes, 8
     )
     real = client.images[chosen]
-    through_vae = decode_latents(ldm, encode_images(ldm.vae, real, cfg.vae_batch_size))
+    through_vae = decode_latents(ldm, encode_images(ldm.vae, real, cfg.ldm.vae_batch_size))
     prompt_row = dequantize(read_tensors(cache / "prompts-only.safetensors")["images"])[syn_chosen]
     grid_rows, row_labels = [real, through_vae, prompt_row], ["real", "VAE", "prompts"]
     top = best_snapshot(entry, class_bar=0.0)  # the most in-domain, whatever its class fidelity
@@ -326,23 +326,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     flat = project_run_config()
-    cfg = FedBiPConfig.from_flat({**flat, "model": args.model} if args.model else flat)
+    cfg = FedBiPConfig.from_flat({**flat, "ldm.model": args.model} if args.model else flat)
     space = args.space or fedbip_settings(cfg).concept_space
     settings = SynthesisSettings.from_config(cfg)
-    ldm = load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size,
-                       channels_last=cfg.channels_last, compile_unet=cfg.compile_unet)  # fmt: skip
+    ldm = load_for_run(cfg.ldm.model, "cpu", cfg.ldm.half_precision, cfg.data.image_size,
+                       channels_last=cfg.ldm.channels_last,
+                       compile_unet=cfg.ldm.compile_unet)  # fmt: skip
     if args.grid_only:
-        client = next(c for c in client_sets(cfg).values() if c.domain == args.domain)
+        client = next(
+            c for c in client_sets(cfg.data_description).values() if c.domain == args.domain
+        )
         print(write_grid(args, cfg, ldm, client, json.loads(args.out.read_text())), flush=True)
         return 0
-    timestep = settings.sampler(ldm).first_timestep(cfg.start_timestep)
+    timestep = settings.sampler(ldm).first_timestep(cfg.synthesis.start_timestep)
     started, judges_trained = time.perf_counter(), not args.judges.exists()
     judges = load_judges(args.judges, 64, args.judge_per_class, args.judge_epochs)
     judges_seconds = time.perf_counter() - started
 
-    client = next(c for c in client_sets(cfg).values() if c.domain == args.domain)
+    client = next(c for c in client_sets(cfg.data_description).values() if c.domain == args.domain)
     classes, names = len(client.classes), list(client.classes)
-    z0 = encode_images(ldm.vae, client.images, cfg.vae_batch_size)
+    z0 = encode_images(ldm.vae, client.images, cfg.ldm.vae_batch_size)
     labels = client.labels
     steps_per_epoch = math.ceil(len(z0) / fedbip_settings(cfg).concept_batch_size)
     default_steps = fedbip_settings(cfg).concept_epochs * steps_per_epoch
@@ -358,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return images, time.perf_counter() - began
 
     layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, client.domain, names
+        ldm.tokenizer, cfg.data.prompt_template, cfg.data.n_s, cfg.data.n_v, client.domain, names
     )
     s0, v0 = initial_concepts(ldm, layout, space)
     scale = concept_scale(ldm, space)
@@ -374,13 +377,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reuse_references and kept:
         references, base_losses = kept, kept["prompts-only"]["t_losses"]
     else:
-        prompts = [plain_prompt(cfg.prompt_template, client.domain, n) for n in names]
+        prompts = [plain_prompt(cfg.data.prompt_template, client.domain, n) for n in names]
         plain = encode_texts(ldm, prompts)
         base_losses = t_losses(ldm, plain, z0, labels, draws)
         empty_losses = t_losses(
             ldm, unconditional_embedding(ldm).expand(classes, -1, -1), z0, labels, draws
         )
-        held_out = shapes.test_set(args.domain, args.per_class, cfg.seed + 1, cfg.image_size)
+        held_out = shapes.test_set(args.domain, args.per_class, cfg.seed + 1, cfg.data.image_size)
         prompt_images, prompt_seconds = synthesize(plain)
         class_prompts = [
             f"a {n}" for n in names
@@ -389,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         class_only_images, _ = synthesize(class_only)
         class_losses = t_losses(ldm, class_only, z0, labels, draws)
         descriptor = shapes.RARE_DESCRIPTORS.get(args.domain, (args.domain,))[0]
-        described_prompts = [plain_prompt(cfg.prompt_template, descriptor, n) for n in names]
+        described_prompts = [plain_prompt(cfg.data.prompt_template, descriptor, n) for n in names]
         described = encode_texts(ldm, described_prompts)
         described_images, _ = synthesize(described)
         described_losses = t_losses(ldm, described, z0, labels, draws)
@@ -431,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     entry = out.setdefault("domains", {}).setdefault(args.domain, {})
     entry.update({
         "client": {"client_id": client.client_id, "images": len(z0), "classes": names,
-                   "shots_per_class": cfg.shots_per_class, "seed": cfg.seed},
+                   "shots_per_class": cfg.data.shots_per_class, "seed": cfg.seed},
         "default_budget_steps": default_steps,
         "references": references,
     })  # fmt: skip
@@ -456,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def save() -> None:
         out["provenance"] = provenance.record(
-            ROOT, args.threads, [args.out], model=resolve(cfg.model)
+            ROOT, args.threads, [args.out], model=resolve(cfg.ldm.model)
         )
         out["table"] = table(out)
         args.out.parent.mkdir(parents=True, exist_ok=True)

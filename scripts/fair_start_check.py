@@ -3,7 +3,7 @@
 A fair start (issue 46) helps the classifier learn from synthetic images without solving the
 task by itself. For each seed this runs the README's default federation (a real ``flwr run``,
 three clients) as FedBiP and as Prompts-only (the floor: no client-derived image), once per
-``classifier-init``, and records per-domain accuracy, the classifier's seconds and the machine.
+``classifier.init``, and records per-domain accuracy, the classifier's seconds and the machine.
 Reported: each init's mean per method and domain, and FedBiP's paired per-seed margin over
 Prompts-only on the rare domains (sketch, quickdraw) with its 95% t-interval.
 
@@ -42,7 +42,7 @@ def run_once(work: Path, method: str, init: str, seed: int) -> dict:
     if not folder.metrics.exists():
         values = {
             "method": method,
-            "classifier-init": init,
+            "classifier.init": init,
             "seed": seed,
             "output-dir": str(work / "outputs"),
             "run-name": name,
@@ -139,7 +139,7 @@ def main() -> None:
             project_dir(),
             torch.get_num_threads(),
             [args.work],
-            model=project_dir() / FedBiPConfig().model,
+            model=project_dir() / FedBiPConfig().ldm.model,
         ),
         "seconds": time.time() - started,
         "runs": rows,

@@ -67,14 +67,14 @@ def run_config(args: argparse.Namespace) -> FedBiPConfig:
     return FedBiPConfig.from_flat(
         {
             "method": "fedlmg",
-            "model": str(args.model),
-            "classifier-init": "random",
-            "shots-per-class": args.shots,
+            "ldm.model": str(args.model),
+            "classifier.init": "random",
+            "data.shots-per-class": args.shots,
             "fedlmg.local-epochs": args.local_epochs,
-            "num-inference-steps": args.steps,
+            "synthesis.num-inference-steps": args.steps,
             "fedlmg.prompt": args.prompt,
-            "domains": ",".join(args.domains),
-            "replayable-client-noise": True,
+            "data.domains": ",".join(args.domains),
+            "federation.replayable-client-noise": True,
         }
     )
 
@@ -85,15 +85,16 @@ def own(cfg: FedBiPConfig) -> FedLMGSettings:
 
 def client_uploads(cfg: FedBiPConfig, ldm, cache: Path) -> dict:
     """Each client's FedLMG upload (made once, cached as the bytes a client would send)."""
-    method, server = create_for(cfg), ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
+    method, server = (
+        create_for(cfg),
+        ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: ldm),
+    )
     uploads = {}
-    for partition, domain in enumerate(cfg.domain_list):
-        path = (
-            cache
-            / f"fedlmg-upload-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
-        )
+    for partition, domain in enumerate(cfg.data.domain_list):
+        shots, epochs = cfg.data.shots_per_class, own(cfg).local_epochs
+        path = cache / f"fedlmg-upload-{domain}-{shots}-{epochs}.safetensors"
         if not path.exists():
-            data = dataset.load_client_data(cfg.data, partition)
+            data = dataset.load_client_data(cfg.data_description, partition)
             started = time.perf_counter()
             blob, _ = method.upload(
                 ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
@@ -113,16 +114,24 @@ def peer_judge(
 ) -> nn.Module:
     """A ResNet-18 trained (the local recipe) on real images of OTHER clients of ``domain``:
     a class judge that knows the domain and shares no image or weight with the guide."""
-    path = cache / f"fedlmg-peer-{domain}-{cfg.shots_per_class}-{own(cfg).local_epochs}.safetensors"
+    path = (
+        cache
+        / f"fedlmg-peer-{domain}-{cfg.data.shots_per_class}-{own(cfg).local_epochs}.safetensors"
+    )
     model = build_classifier(len(shapes.CLASSES), "random")
     if not path.exists():
         sets = [
-            shapes.client_train_set(domain, cfg.shots_per_class, i, seed=cfg.seed) for i in clients
+            shapes.client_train_set(domain, cfg.data.shots_per_class, i, seed=cfg.seed)
+            for i in clients
         ]
         images, labels = torch.cat([s.images for s in sets]), torch.cat([s.labels for s in sets])
         print(f"training the {domain} peer judge ({len(images)} real images)", flush=True)
         train_classifier(
-            model, images, labels, train_settings(cfg, own(cfg).local_epochs), seed=JUDGE_SEED
+            model,
+            images,
+            labels,
+            train_settings(cfg.classifier, own(cfg).local_epochs),
+            seed=JUDGE_SEED,
         )
         write_tensors(path, model.state_dict())
     model.load_state_dict(read_tensors(path))
@@ -178,13 +187,13 @@ def main() -> None:
     ldm = load_ldm(args.model)
     judges = load_judges(
         args.cache / f"fedlmg-judges-{args.judge_per_class}-{args.judge_epochs}.safetensors",
-        cfg.classifier_image_size,
+        cfg.classifier.image_size,
         args.judge_per_class,
         args.judge_epochs,
     )
     uploads = client_uploads(cfg, ldm, args.cache)
     peers = {u.domain: peer_judge(cfg, u.domain, args.cache) for u in uploads.values()}
-    size = cfg.classifier_image_size
+    size = cfg.classifier.image_size
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["judges on real test images"] = {
         **judges.on_real(),
@@ -195,7 +204,7 @@ def main() -> None:
         },
     }
     print(results["judges on real test images"], flush=True)
-    cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg.data)))
+    cond = encode_texts(ldm, class_prompts(own(cfg), dataset.class_names(cfg.data_description)))
     labels = torch.arange(6).repeat_interleave(args.per_class)
     settings = {**SETTINGS, **json.loads(args.set)}
     for name, changes in settings.items():

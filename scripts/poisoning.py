@@ -101,7 +101,7 @@ def mean_room(blob: bytes, cfg: FedBiPConfig, ldm: LDM) -> tuple[float, float]:
     method = create_one_shot(upload_method(blob, len(blob)))
     upload = decode_upload(blob, method.meta_model, tuple(read_header(blob)[0]), len(blob))
     own = cfg.settings_of(method.name)
-    plaus = expectations(cfg, ldm, dataset.class_names(cfg.data), own).plausibility
+    plaus = expectations(cfg, ldm, dataset.class_names(cfg.data_description), own).plausibility
     means = upload.tensors[MIXTURE_MEANS].double()
     dim = means.shape[-1]
     bound = latent_bounds(plaus.alpha_bar, dim, plaus.latent_rms, plaus.sigmas)
@@ -114,7 +114,7 @@ def mean_room(blob: bytes, cfg: FedBiPConfig, ldm: LDM) -> tuple[float, float]:
 
 def accepted(blob: bytes, cfg: FedBiPConfig, ldm: LDM) -> str:
     """'' where the run's server accepts the upload, else its reason."""
-    job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
+    job = ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: ldm)
     try:
         one_shot_for(cfg).accept(blob, job)
     except PayloadError as err:
@@ -149,7 +149,7 @@ def attack(
     cfg = FedBiPConfig.from_flat({**project_run_config(), **values})
     home = args.work / "flwr-home"
     started = time.perf_counter()
-    honest = simulate(home, values, len(cfg.domain_list), args.threads)
+    honest = simulate(home, values, len(cfg.data.domain_list), args.threads)
     blob = honest.payload_path(args.client).read_bytes()
     entry: dict[str, Any] = {"method": ATTACKS[name], "client": args.client}
     if name == "mixture-shift":
@@ -167,7 +167,10 @@ def attack(
         copy_uploads(honest, poisoned)
         atomic_write(poisoned.payload_path(args.client), poisoned_blob)
         simulate(
-            home, {**values, "run-name": poisoned.root.name}, len(cfg.domain_list), args.threads
+            home,
+            {**values, "run-name": poisoned.root.name},
+            len(cfg.data.domain_list),
+            args.threads,
         )
         entry["poisoned"] = scores(poisoned)
         own = args.client.rsplit("-", 1)[0]
@@ -205,8 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = {
         **parse_config_args(args.run_config),
         "seed": args.seed,
-        "evaluation": "server",  # every domain's accuracy, the poisoned client's and the others'
-        "replayable-client-noise": True,  # the honest clients' uploads, remade alike by any rerun
+        # every domain's accuracy, the poisoned client's and the others'
+        "federation.evaluation": "server",
+        # the honest clients' uploads, remade alike by any rerun
+        "federation.replayable-client-noise": True,
         "output-dir": str(args.work / f"seed-{args.seed}"),
     }
     cfg = FedBiPConfig.from_flat({**project_run_config(), **base})
@@ -214,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def ldm() -> LDM:  # the server's model, for the poison's size and its verdict, loaded once
         if not loaded:
-            loaded.append(load_for_run(cfg.model, "cpu", False, cfg.image_size))
+            loaded.append(load_for_run(cfg.ldm.model, "cpu", False, cfg.data.image_size))
         return loaded[0]
 
     command = shlex.join(
@@ -227,7 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "seed": args.seed,
         "run_config": base,
         "attacks": {name: attack(name, args, base, ldm) for name in args.attacks},
-        "provenance": provenance.record(ROOT, args.threads, [args.out], model=resolve(cfg.model)),
+        "provenance": provenance.record(
+            ROOT, args.threads, [args.out], model=resolve(cfg.ldm.model)
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")

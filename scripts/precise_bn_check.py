@@ -1,6 +1,6 @@
 """A finished run's classifier scored as the run left it and again with its BatchNorm statistics
 re-estimated over the run's synthetic training set (precise BN, run config
-``classifier-precise-bn``): the same trained weights, only the statistics differ, so the
+``classifier.precise-bn``): the same trained weights, only the statistics differ, so the
 difference is paired by construction.
 
 Runs made before precise BN existed hold the running averages training left behind; on those
@@ -29,19 +29,19 @@ from fedbip_tools import provenance
 def check(run_dir: Path) -> dict:
     """Accuracy per domain with the run's own BatchNorm statistics and with re-estimated ones."""
     folder = RunFolder(run_dir)
-    cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
-    names = dataset.class_names(cfg.data)
+    cfg = FedBiPConfig.from_recorded(results.read(run_dir).config)
+    names = dataset.class_names(cfg.data_description)
     model = load_classifier_bytes(folder.classifier.read_bytes(), names)
     tests = {
         d: (t.images, t.labels)
-        for d, t in dataset.load_test_sets(cfg.data, cfg.domain_list).items()
+        for d, t in dataset.load_test_sets(cfg.data_description, cfg.data.domain_list).items()
     }
-    size = cfg.classifier_image_size
+    size = cfg.classifier.image_size
     before = evaluate_on_server(model, tests, size, "cpu")
     recalibrate_batchnorm(
         model,
         synthetic_dataset(folder.training_shards(), size),
-        train_settings(cfg),
+        train_settings(cfg.classifier),
         torch.device("cpu"),
         Precision(),
         torch.Generator().manual_seed(cfg.seed),

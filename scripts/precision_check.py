@@ -7,7 +7,7 @@ run changed, everything written to a temporary folder:
   default half precision (bf16 autocast on a CPU with bf16 instructions), with the same eta;
   seconds, pixel differences, and the class and domain fidelity judges' scores of each;
 - classifier: the global classifier retrained on the run's own shards with the run's recipe,
-  once per seed with ``classifier-precision`` float32 and auto, scored on the server's test sets.
+  once per seed with ``classifier.precision`` float32 and auto, scored on the server's test sets.
 
     python scripts/precision_check.py outputs/<run> --judges outputs/benchmark/judges.safetensors
 
@@ -43,9 +43,9 @@ def synthesis(flat: dict, folder: RunFolder, judges: Judges, tmp: Path) -> None:
     """First pass of every client in float32 and half precision: seconds, differences, judges."""
     made: dict[bool, dict[str, torch.Tensor]] = {}
     for half in (False, True):
-        cfg = FedBiPConfig.from_recorded({**flat, "half-precision": half, "fedbip.multiplier": 1})
-        ldm = load_for_run(cfg.model, "cpu", half, cfg.image_size)
-        job = ServerJob(cfg, dataset.class_names(cfg.data), lambda ldm=ldm: ldm)
+        cfg = FedBiPConfig.from_flat({**flat, "ldm.half-precision": half, "fedbip.multiplier": 1})
+        ldm = load_for_run(cfg.ldm.model, "cpu", half, cfg.data.image_size)
+        job = ServerJob(cfg, dataset.class_names(cfg.data_description), lambda ldm=ldm: ldm)
         method = methods.one_shot_for(cfg)
         uploads, _ = load_persisted(folder, lambda blob, m=method, j=job: m.accept(blob, server=j))
         out = RunFolder(tmp / f"half-{half}")
@@ -80,28 +80,27 @@ def classifier(
     measures how much the classifier's seed alone moves the accuracy on one synthetic set."""
     shards = folder.training_shards()
     base = FedBiPConfig.from_flat(flat)
-    classes = dataset.class_names(base.data)
+    classes = dataset.class_names(base.data_description)
     tests = {
         d: (s.images, s.labels)
-        for d, s in dataset.load_test_sets(base.data, base.domain_list).items()
+        for d, s in dataset.load_test_sets(base.data_description, base.data.domain_list).items()
     }
-    auto = Precision.for_device("cpu", "auto", base.classifier_image_size)
+    auto = Precision.for_device("cpu", "auto", base.classifier.image_size)
     print(f"classifier: auto = {auto}")
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     for seed in seeds:
         for mode in modes:  # interleaved: both precisions see the same machine state
-            cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier-precision": mode})
+            cfg = FedBiPConfig.from_flat({**flat, "seed": seed, "classifier.precision": mode})
             model, facts = train_global(cfg, shards, classes, RunFolder(tmp), "cpu")
-            score = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
+            score = evaluate_models({"global": model}, tests, cfg.classifier.image_size, "cpu")
             rows[mode].append((score["mean"], facts["classifier_seconds"]))
             domains = ", ".join(f"{d} {a:.3f}" for d, a in score["per_domain"].items())
             print(
                 f"seed {seed} {mode}: accuracy {score['mean']:.3f} ({domains}) in "
                 f"{facts['classifier_seconds']:.1f} s"
             )
-    print(
-        "\n| classifier-precision | mean accuracy (%) | classifier seconds (median) |\n|---|---|---|"
-    )
+    print("\n| classifier.precision | mean accuracy (%) | classifier seconds (median) |")
+    print("|---|---|---|")
     for mode, results in rows.items():
         accuracy = [a for a, _ in results]
         spread = f" ± {100 * statistics.stdev(accuracy):.1f}" if len(accuracy) > 1 else ""
@@ -122,11 +121,11 @@ def main() -> None:
         nargs="+",
         choices=MODES,
         default=list(MODES),
-        help="classifier-precision modes to retrain with (one: the seed's effect alone)",
+        help="classifier.precision modes to retrain with (one: the seed's effect alone)",
     )
     args = parser.parse_args()
     folder = RunFolder(args.run)
-    flat = read_results(folder.metrics).config
+    flat = FedBiPConfig.from_recorded(read_results(folder.metrics).config).to_flat()
     print(f"{args.run}: {torch.get_num_threads()} torch threads")
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_synthesis:

@@ -1,6 +1,6 @@
 """Pretrain the miniature's ResNet-18 backbone, its "ImageNet"; run once.
 
-``classifier-init = "pretrained"`` starts the global classifier from this backbone, as the SD
+``classifier.init = "pretrained"`` starts the global classifier from this backbone, as the SD
 configurations start it from ImageNet weights. The shipped one is a fair start (``--corpus
 public``): trained on :func:`fedbip_flwr.shapes.public_corpus`, shapes no task of this world uses
 (:data:`~fedbip_flwr.shapes.PUBLIC_CLASSES`) in the common domains only, a split of its own that
@@ -45,7 +45,7 @@ from fedbip_flwr.viz import quantize
 CORPUS_FUNCTION = "fedbip_flwr.shapes.pretraining_corpus"
 PUBLIC_FUNCTION = "fedbip_flwr.shapes.public_corpus"
 LDM_LOG = Path(__file__).resolve().parents[1] / "models" / "miniature-ldm" / "pretrain_log.json"
-IMAGE_SIZE = 64  # the run config's classifier-image-size, and the corpus's own size
+IMAGE_SIZE = 64  # the run config's classifier.image-size, and the corpus's own size
 
 
 def ldm_corpus_args(log: Path = LDM_LOG) -> tuple[int, int]:

@@ -29,15 +29,18 @@ from fedbip_tools.privacy import backbone_features
 
 def check(run_dir: Path) -> dict:
     folder = RunFolder(run_dir)
-    cfg = FedBiPConfig.from_flat(results.read(run_dir).config)
+    cfg = FedBiPConfig.from_recorded(results.read(run_dir).config)
     clients = {
         c.client_id: c
-        for c in (dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list)))
+        for c in (
+            dataset.load_client_data(cfg.data_description, p)
+            for p in range(len(cfg.data.domain_list))
+        )
     }
-    features = backbone_features(cfg.model)
+    features = backbone_features(cfg.ldm.model)
     out: dict = {"run": run_dir.name, "method": cfg.method, "clients": {}}
     for client_id, shards in sorted(folder.training_shards().items()):
-        data = ShardImages(shards, cfg.image_size)
+        data = ShardImages(shards, cfg.data.image_size)
         synthetic, _ = data[torch.arange(len(data))]
         synthetic = synthetic.float() / 127.5 - 1.0 if synthetic.dtype == torch.uint8 else synthetic
         client = clients[client_id]

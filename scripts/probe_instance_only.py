@@ -38,8 +38,8 @@ def main() -> None:
         for template in TEMPLATES:
             cfg = FedBiPConfig.from_flat(
                 {
-                    "model": MODEL,
-                    "prompt-template": template,
+                    "ldm.model": MODEL,
+                    "data.prompt-template": template,
                     "fedbip.concept-epochs": 0,
                     "fedbip.multiplier": 1,
                 }

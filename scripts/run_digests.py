@@ -1,7 +1,7 @@
 """Digests of what a finished run made: every payload, every shard, the classifier, and the
-accuracies in metrics.json. Two runs with the same seed and `replayable-client-noise = true`
-that print the same digests computed the same thing, byte for byte; a refactoring that claims
-to change no behaviour is checked this way.
+accuracies in metrics.json. Two runs with the same seed and
+`federation.replayable-client-noise = true` that print the same digests computed the same thing,
+byte for byte; a refactoring that claims to change no behaviour is checked this way.
 
 float32 kernels differ between machine kinds (AVX2, AVX-512, native bf16), so digests are
 recorded with the kind they were taken on (``machine``) and compared only within a kind:

@@ -40,7 +40,7 @@ def synthetic(run_dir: Path, client_id: str) -> tuple[torch.Tensor, torch.Tensor
             f"{run_dir}: no synthetic images of client {client_id!r} ({', '.join(shards)})"
         )
     data = ShardImages(
-        shards[client_id], FedBiPConfig.from_flat(results.read(run_dir).config).image_size
+        shards[client_id], FedBiPConfig.from_recorded(results.read(run_dir).config).data.image_size
     )
     return data[torch.arange(len(data))]
 
@@ -55,12 +55,12 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.labels) != len(args.runs):
         raise SystemExit(f"{len(args.runs)} runs but {len(args.labels)} labels")
-    cfg = FedBiPConfig.from_flat(results.read(args.runs[0]).config)
+    cfg = FedBiPConfig.from_recorded(results.read(args.runs[0]).config)
     partition = next(
-        p for p in range(len(cfg.domain_list))
-        if dataset.load_client_data(cfg.data, p).client_id == args.client
+        p for p in range(len(cfg.data.domain_list))
+        if dataset.load_client_data(cfg.data_description, p).client_id == args.client
     )  # fmt: skip
-    real = dataset.load_client_data(cfg.data, partition)
+    real = dataset.load_client_data(cfg.data_description, partition)
     classes = len(real.classes)
     rows = [by_class(real.images, real.labels, classes, args.per_class)]
     for run in args.runs:

@@ -18,7 +18,7 @@ Concepts are learned once per client and seed. Each client runs
 every setting, only the instance level is redone: :func:`fedbip_flwr.instance.personalize_instances`
 noises the same images to that sampler's first timestep T from a generator seeded as the
 client's own (``client_seed(seed, client_id)``, what ``client_generator`` draws under
-``replayable-client-noise``, as in the benchmark), so partners, gammas and noise are the
+``federation.replayable-client-noise``, as in the benchmark), so partners, gammas and noise are the
 client's own draws and only T changes (checked at start: re-noised at the default setting,
 z(T) is personalize's to within 1e-3); the setting's payload is the base payload with those
 latents and its meta's ``timestep``, ``scheduler`` and ``num_inference_steps``. The server's
@@ -90,7 +90,12 @@ log = logging.getLogger("sampler_study")
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("fedbip", "prompts-only")
 # What a setting changes; the rest of the run config is the default federation's.
-SETTING_KEYS = ("scheduler", "num-inference-steps", "timestep-spacing", "seed")
+SETTING_KEYS = (
+    "synthesis.scheduler",
+    "synthesis.num-inference-steps",
+    "synthesis.timestep-spacing",
+    "seed",
+)
 SPACINGS = ("leading", "trailing")
 Tests = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -100,7 +105,11 @@ def run_config(
     seed: int, scheduler: str | None = None, steps: int | None = None, spacing: str | None = None
 ) -> FedBiPConfig:
     """The default federation's run config (pyproject.toml), with this seed and sampler."""
-    setting = {"scheduler": scheduler, "num-inference-steps": steps, "timestep-spacing": spacing}
+    setting = {
+        "synthesis.scheduler": scheduler,
+        "synthesis.num-inference-steps": steps,
+        "synthesis.timestep-spacing": spacing,
+    }
     flat = {
         **project_run_config(),
         "seed": seed,
@@ -119,7 +128,8 @@ def config_digest(cfg: FedBiPConfig) -> str:
 
 
 def client_noise(cfg: FedBiPConfig, client_id: str) -> torch.Generator:
-    """A client's randomness as ``client_generator`` seeds it under replayable-client-noise."""
+    """A client's randomness as ``client_generator`` seeds it under
+    federation.replayable-client-noise."""
     return torch.Generator().manual_seed(client_seed(cfg.seed, client_id))
 
 
@@ -148,7 +158,7 @@ def learn_payloads(
 def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Payload:
     """``base`` with its z(T) made again at ``cfg``'s sampler's T from the client's own draws."""
     sampler, own = SynthesisSettings.from_config(cfg).sampler(ldm), fedbip_settings(cfg)
-    timestep = sampler.first_timestep(cfg.start_timestep)
+    timestep = sampler.first_timestep(cfg.synthesis.start_timestep)
     instances = personalize_instances(
         ldm.vae,
         ldm.scheduler,
@@ -158,14 +168,14 @@ def renoised(ldm: LDM, base: Payload, data: ClientSet, cfg: FedBiPConfig) -> Pay
         gamma_mean=own.gamma_mean,
         gamma_std=own.gamma_std,
         generator=client_noise(cfg, data.client_id),
-        vae_batch_size=cfg.vae_batch_size,
+        vae_batch_size=cfg.ldm.vae_batch_size,
         draws=own.latents_per_image,
     )
     meta = base.meta.model_copy(
         update={
             "timestep": timestep,
             "scheduler": sampler.name,
-            "num_inference_steps": cfg.num_inference_steps,
+            "num_inference_steps": cfg.synthesis.num_inference_steps,
         }
     )
     return dataclasses.replace(
@@ -215,7 +225,7 @@ def prompts_only_uploads(
 def setting_facts(ldm: LDM, cfg: FedBiPConfig) -> dict[str, Any]:
     """T, alpha_bar_T, the diffusers class and UNet evaluations per image of the setting."""
     sampler = SynthesisSettings.from_config(cfg).sampler(ldm)
-    timestep = sampler.first_timestep(cfg.start_timestep)
+    timestep = sampler.first_timestep(cfg.synthesis.start_timestep)
     return {
         "timestep": timestep,
         "alpha_bar": float(ldm.scheduler.alphas_cumprod[timestep]),
@@ -253,9 +263,9 @@ def judge(
 
 def test_sets(cfg: FedBiPConfig) -> Tests:
     """Every domain's test set, held at the classifier's input size as the server holds it."""
-    sets = dataset.load_test_sets(cfg.data, cfg.domain_list)
+    sets = dataset.load_test_sets(cfg.data_description, cfg.data.domain_list)
     return {
-        d: (fit_to_classifier(s.images, cfg.classifier_image_size), s.labels)
+        d: (fit_to_classifier(s.images, cfg.classifier.image_size), s.labels)
         for d, s in sets.items()
     }
 
@@ -270,9 +280,11 @@ def accuracy(
     device: torch.device,
 ) -> dict[str, Any]:
     """The server's classifier on the synthetic set (``steps`` SGD steps, ``seed``), scored."""
-    recipe = FedBiPConfig.from_flat({**cfg.to_flat(), "seed": seed, "classifier-steps": steps})
-    model, facts = train_global(recipe, shards, dataset.class_names(cfg.data), folder, device)
-    scores = evaluate_models({"global": model}, tests, cfg.classifier_image_size, device)
+    recipe = FedBiPConfig.from_flat({**cfg.to_flat(), "seed": seed, "classifier.steps": steps})
+    model, facts = train_global(
+        recipe, shards, dataset.class_names(cfg.data_description), folder, device
+    )
+    scores = evaluate_models({"global": model}, tests, cfg.classifier.image_size, device)
     return {
         **scores,
         "classifier_steps": steps,
@@ -296,7 +308,7 @@ class Study:
 
 def measure(study: Study, name: str, cfg: FedBiPConfig) -> dict[str, Any]:
     """One method under one setting: its training set made, judged, and optionally trained on."""
-    job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: study.ldm, study.device)
+    job = ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: study.ldm, study.device)
     started = time.perf_counter()
     if name == "fedbip":
         uploads = fedbip_uploads(study.ldm, study.bases, study.clients, job)
@@ -308,9 +320,9 @@ def measure(study: Study, name: str, cfg: FedBiPConfig) -> dict[str, Any]:
         shards, seconds = training_set(name, uploads, job, folder)
         result = {
             "method": name,
-            "scheduler": str(cfg.scheduler),
-            "steps": cfg.num_inference_steps,
-            "spacing": cfg.timestep_spacing,
+            "scheduler": str(cfg.synthesis.scheduler),
+            "steps": cfg.synthesis.num_inference_steps,
+            "spacing": cfg.synthesis.timestep_spacing,
             "seed": cfg.seed,
             **setting_facts(study.ldm, cfg),
             "synthesis_seconds": seconds,
@@ -417,13 +429,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--steps",
         default="5,8,10,15,25",
         type=lambda t: [int(n) for n in t.split(",") if n.strip()],
-        help="comma-separated num-inference-steps",
+        help="comma-separated synthesis.num-inference-steps",
     )
     parser.add_argument(
         "--spacings",
         default="trailing",
         type=lambda t: names(t, SPACINGS, "spacings"),
-        help="comma-separated timestep-spacing values",
+        help="comma-separated synthesis.timestep-spacing values",
     )
     parser.add_argument(
         "--methods",
@@ -463,16 +475,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     base = run_config(args.seed)
-    device = select_device(base.device)
+    device = select_device(base.ldm.device)
     ldm = load_for_run(
-        base.model,
+        base.ldm.model,
         device,
-        base.half_precision,
-        base.image_size,
-        channels_last=base.channels_last,
-        compile_unet=base.compile_unet,
+        base.ldm.half_precision,
+        base.data.image_size,
+        channels_last=base.ldm.channels_last,
+        compile_unet=base.ldm.compile_unet,
     )
-    clients = client_sets(base)
+    clients = client_sets(base.data_description)
     study = Study(
         ldm=ldm,
         device=device,

@@ -55,27 +55,27 @@ ROOT = Path(__file__).resolve().parents[1]
 CLASSES = {"circle": "airplane", "square": "clock"}  # built-in shape folder -> DomainNet class
 INSTITUTIONS = ("quickdraw", "clipart")
 RUN_CONFIG = {
-    "dataset": '"imagefolder"',
-    "classes": '"' + ",".join(CLASSES.values()) + '"',
-    "prompt-template": '"A {S} of {V}."',  # DomainNet's (Table 5), n_s = n_v = 1
-    "n-s": "1",
-    "n-v": "1",
-    "image-size": "512",
+    "data.dataset": '"imagefolder"',
+    "data.classes": '"' + ",".join(CLASSES.values()) + '"',
+    "data.prompt-template": '"A {S} of {V}."',  # DomainNet's (Table 5), n_s = n_v = 1
+    "data.n-s": "1",
+    "data.n-v": "1",
+    "data.image-size": "512",
     "fedbip.concept-epochs": "1",
     "fedbip.concept-batch-size": "2",
-    "num-inference-steps": "3",
-    "guidance-scale": "7.5",
+    "synthesis.num-inference-steps": "3",
+    "synthesis.guidance-scale": "7.5",
     "fedbip.multiplier": "1",
-    "vae-batch-size": "2",
-    "synthesis-batch-size": "2",
-    "classifier-init": '"random"',
-    "classifier-epochs": "1",
-    "classifier-image-size": "512",
-    "classifier-batch-size": "8",
-    "evaluation": '"clients"',
-    "min-clients": "2",
-    "wait-for-clients-s": "600.0",
-    "reply-timeout-s": "7200.0",
+    "ldm.vae-batch-size": "2",
+    "synthesis.batch-size": "2",
+    "classifier.init": '"random"',
+    "classifier.epochs": "1",
+    "classifier.image-size": "512",
+    "classifier.batch-size": "8",
+    "federation.evaluation": '"clients"',
+    "federation.min-clients": "2",
+    "federation.wait-for-clients-s": "600.0",
+    "federation.reply-timeout-s": "7200.0",
 }
 
 
@@ -257,9 +257,9 @@ SIMULATION_CONF = ROOT / "conf" / "sd-v1-4-gpu.toml"
 SIMULATION_FEDERATION = "num-supernodes=3 client-resources-num-gpus=0.3"  # the README's
 SIMULATION_RUN_CONFIG = {  # over SIMULATION_CONF: a few minutes, random weights, offline
     "fedbip.concept-epochs": 1,
-    "num-inference-steps": 10,
-    "classifier-init": "random",  # ImageNet's weights cannot be downloaded offline
-    "classifier-epochs": 1,
+    "synthesis.num-inference-steps": 10,
+    "classifier.init": "random",  # ImageNet's weights cannot be downloaded offline
+    "classifier.epochs": 1,
 }
 
 
@@ -319,9 +319,9 @@ def deploy(args: argparse.Namespace, work: Path, env: dict, sampler: Sampler, re
             )
         values = {
             **RUN_CONFIG,
-            "model": f'"{args.model}"',
+            "ldm.model": f'"{args.model}"',
             "output-dir": f'"{work / "outputs"}"',
-            "device": f'"{args.device}"',
+            "ldm.device": f'"{args.device}"',
             "run-name": f'"{run_name}"',
         }
         run_config = " ".join(f"{k}={v}" for k, v in values.items())
@@ -373,10 +373,10 @@ def simulate(
         **SIMULATION_RUN_CONFIG,
         "model": str(args.model),
         "device": args.device,
-        "shots-per-class": args.shots,
-        "test-per-class": args.test_per_class,
-        "image-size": args.image_size,
-        "classifier-image-size": args.image_size,
+        "data.shots-per-class": args.shots,
+        "data.test-per-class": args.test_per_class,
+        "data.image-size": args.image_size,
+        "classifier.image-size": args.image_size,
         "output-dir": str(work / "outputs"),
         "run-name": run_name,
         **dict(toml_pair(pair) for pair in args.set),
@@ -413,7 +413,7 @@ def simulate(
 
 
 def toml_pair(pair: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with the value read as TOML (``compile-unet=true``)."""
+    """``KEY=VALUE`` with the value read as TOML (``ldm.compile-unet=true``)."""
     key, sep, value = pair.partition("=")
     if not sep:
         raise SystemExit(f"--set takes KEY=VALUE, got {pair!r}")
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="simulation only: one more run-config value, e.g. compile-unet=true",
+        help="simulation only: one more run-config value, e.g. ldm.compile-unet=true",
     )
     args = parser.parse_args(argv)
     work = args.work.resolve()

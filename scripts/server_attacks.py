@@ -68,7 +68,7 @@ from fedbip_flwr.captioner import load_captioner
 from fedbip_flwr.classifier import evaluate
 from fedbip_flwr.clusters import public_encoder
 from fedbip_flwr.conditions import initial_conditions
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import ClassifierConfig, FedBiPConfig
 from fedbip_flwr.dataset import ClientSet
 from fedbip_flwr.instance import (
     InstanceLatents,
@@ -438,7 +438,7 @@ def concept_attacks(
     concepts are learned on 4x64x64 latents), into
     ``results[domain]["SIZEpx/concepts/shots=S/epochs=E"]``."""
     own = fedbip_settings(cfg)
-    budgets = loss_ratio_budgets(args, cfg.shots_per_class, own.concept_epochs)
+    budgets = loss_ratio_budgets(args, cfg.data.shots_per_class, own.concept_epochs)
     settings = SynthesisSettings.from_config(cfg)
     for domain, (size, ldm), (shots, epochs, replicates) in itertools.product(
         domains, models.items(), budgets
@@ -469,7 +469,7 @@ def concept_attacks(
                 ldm,
                 payload.concepts,
                 settings,
-                encoded_sides(ldm, sides, cfg.vae_batch_size),
+                encoded_sides(ldm, sides, cfg.ldm.vae_batch_size),
                 timestep,
             )
             members.append(own_scores)
@@ -502,7 +502,7 @@ def condition_attacks(
     per domain) and overfitted (the positive control, one client per domain), at each image
     size of ``models`` (size: its LDM), into
     ``results[domain]["SIZEpx/espresso-conditions/shots=S/epochs=E"]``."""
-    budgets = loss_ratio_budgets(args, cfg.shots_per_class, cfg.settings_of(ESPRESSO).epochs)
+    budgets = loss_ratio_budgets(args, cfg.data.shots_per_class, cfg.settings_of(ESPRESSO).epochs)
     flat = project_run_config()
     for domain, (size, ldm), (shots, epochs, replicates) in itertools.product(
         domains, models.items(), budgets
@@ -512,7 +512,7 @@ def condition_attacks(
                 **flat,
                 "method": ESPRESSO,
                 f"{ESPRESSO}.epochs": epochs,
-                "image-size": size,
+                "data.image-size": size,
             }
         )
         method = methods.create_for(run)
@@ -533,7 +533,11 @@ def condition_attacks(
             sent, report = method.upload(job)
             accepted = method.accept(sent, server)
             start = initial_conditions(
-                ldm, run.prompt_template, domain, list(client.classes), method.settings.clusters
+                ldm,
+                run.data.prompt_template,
+                domain,
+                list(client.classes),
+                method.settings.clusters,
             )
             sides = ((client.images, client.labels), per_class_chunk(unseen, shots, r))
             timestep = accepted.meta.timestep
@@ -541,7 +545,7 @@ def condition_attacks(
                 args,
                 ldm,
                 (start, accepted.content.conditions),
-                encoded_sides(ldm, sides, run.vae_batch_size),
+                encoded_sides(ldm, sides, run.ldm.vae_batch_size),
                 timestep,
             )
             members.append(own_scores)
@@ -571,7 +575,7 @@ def per_image_and_class_means(
     own, classes, generator = cfg.settings_of(kind), len(shapes.CLASSES), torch.Generator()
     generator.manual_seed(seed)
     if kind == "fedpft":
-        features = public_encoder(cfg.model, cfg.classifier_image_size)(images)
+        features = public_encoder(cfg.ldm.model, cfg.classifier.image_size)(images)
         mixture = fit_class_mixtures(features, labels, classes, own, generator)
         return features, torch.einsum("ck,ckd->cd", mixture.weights, mixture.means)
     captioner = load_captioner(own.captioner)
@@ -593,7 +597,7 @@ def class_mean_attacks(
 ) -> None:
     """The class-mean test on ``kind``'s upload, ``replicates`` clients per domain, into
     ``results[domain]["64px/<kind>"]``."""
-    shots, size = cfg.shots_per_class, cfg.image_size
+    shots, size = cfg.data.shots_per_class, cfg.data.image_size
     for domain in domains:
         reference = shapes.pretrain_set(domain, args.reference_per_class, seed=cfg.seed, size=size)
         public, _ = per_image_and_class_means(
@@ -642,12 +646,12 @@ def dp_mixture_attacks(
     }
     run = FedBiPConfig.from_flat(flat)  # what every epsilon shares: sampler, sizes, the fit
     settings = SynthesisSettings.from_config(run)
-    t = settings.sampler(ldm).first_timestep(run.start_timestep)
+    t = settings.sampler(ldm).first_timestep(run.synthesis.start_timestep)
     a = float(ldm.scheduler.alphas_cumprod[t].sqrt())
-    size, shots = run.image_size, run.shots_per_class
+    size, shots = run.data.image_size, run.data.shots_per_class
     for domain in domains:
         reference = shapes.pretrain_set(domain, args.reference_per_class, seed=run.seed, size=size)
-        reference_z0 = encode_images(ldm.vae, reference.images, run.vae_batch_size)
+        reference_z0 = encode_images(ldm.vae, reference.images, run.ldm.vae_batch_size)
         prior = LatentReference.of(reference_z0, reference.labels)
         rows = noise_instances(
             ldm.scheduler,
@@ -669,7 +673,7 @@ def dp_mixture_attacks(
             encoded_sides(
                 ldm,
                 ((c.images, c.labels), per_class_chunk(unseen, shots, r)),
-                run.vae_batch_size,
+                run.ldm.vae_batch_size,
             )
             for r, c in enumerate(clients)
         ]
@@ -726,12 +730,12 @@ def classifier_attacks(
     itself and, with ``reference_models``, offline LiRA against classifiers the server trains by
     the same recipe on public images."""
     epochs = {"fedlmg.local-epochs": args.local_epochs} if args.local_epochs else {}
-    start = {"classifier-init": args.classifier_init} if args.classifier_init else {}
+    start = {"classifier.init": args.classifier_init} if args.classifier_init else {}
     run = FedBiPConfig.from_flat({**project_run_config(), "method": CLASSIFIER, **epochs, **start})
     local_epochs = run.settings_of(CLASSIFIER).local_epochs
     method = methods.create_for(run)
     server = ServerJob(run, list(shapes.CLASSES), lambda: ldm)
-    size, shots = run.image_size, run.shots_per_class
+    size, shots = run.data.image_size, run.data.shots_per_class
 
     def trained(images: shapes.ImageSet, name: str, seed: int) -> torch.nn.Module:
         data = ClientSet(images.images, images.labels, images.classes, images.domain, name)
@@ -739,7 +743,7 @@ def classifier_attacks(
         return method.accept(method.upload(job)[0], server).content
 
     def losses(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return evaluate(model, images, labels, run.classifier_image_size).losses
+        return evaluate(model, images, labels, run.classifier.image_size).losses
 
     def reference_models(domain: str) -> list[torch.nn.Module]:
         """Each trained by the client's recipe on its own public images of ``domain``."""
@@ -770,12 +774,12 @@ def classifier_attacks(
                 if references:
                     theirs = torch.stack([losses(m, images, labels) for m in references])
                     pooled["lira-offline"][side].append(lira_offline_scores(own, theirs))
-        key = classifier_key(size, run.classifier_init, local_epochs)
+        key = classifier_key(size, run.classifier.init, local_epochs)
         results.setdefault(domain, {})[key] = {
             "clients": args.replicates,
             "reference_models": args.reference_models,
             "local_epochs": local_epochs,
-            "classifier_init": run.classifier_init,
+            "classifier_init": run.classifier.init,
             "attacks": {
                 f"{CLASSIFIER}/{name}": membership_result(
                     torch.cat(m), torch.cat(n), statistic=name
@@ -806,13 +810,13 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
         run = FedBiPConfig.from_flat({**run.to_flat(), "fedavg.rounds": args.fedavg_rounds})
     method = cast(fedavg.FedAvg, methods.create_for(run))
     rounds = method.settings.rounds
-    size, shots = run.image_size, run.shots_per_class
+    size, shots = run.data.image_size, run.data.shots_per_class
 
     scorer = method.classifier(run, "random")  # built once: each score loads the part's weights
 
     def losses(weights: dict[str, torch.Tensor], images: tuple[torch.Tensor, torch.Tensor]):
         method.federated(scorer).load_state_dict(weights)
-        return evaluate(scorer, *images, run.classifier_image_size).losses
+        return evaluate(scorer, *images, run.classifier.image_size).losses
 
     unseen = {
         d: shapes.test_set(d, shots * args.replicates, seed=run.seed, size=size) for d in domains
@@ -829,7 +833,7 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
         }
         # the server's start, drawn as FedAvg.run_server draws it (from its own seed)
         torch.manual_seed(args.seed * 1_000_003 + r)
-        sent = method.federated(method.classifier(run, run.classifier_init)).state_dict()
+        sent = method.federated(method.classifier(run, run.classifier.init)).state_dict()
         # per domain and side: (rounds, candidates) losses under the sent model and the reply
         before = {d: ([], []) for d in domains}
         after = {d: ([], []) for d in domains}
@@ -867,7 +871,7 @@ def fedavg_attacks(args: argparse.Namespace, kind: str, domains: list[str], resu
             "part": method.settings.part,
             "rounds": rounds,
             "local_epochs": method.settings.local_epochs,
-            "classifier_init": run.classifier_init,
+            "classifier_init": run.classifier.init,
             "attacks": {
                 f"{kind}/{name}": membership_result(
                     torch.cat(m), torch.cat(n), statistic=name
@@ -990,7 +994,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--classifier-init",
-        choices=get_args(FedBiPConfig.model_fields["classifier_init"].annotation),
+        choices=get_args(ClassifierConfig.model_fields["init"].annotation),
         help="FedLMG: the client classifier's start (default: the run config's)",
     )
     parser.add_argument(
@@ -1013,15 +1017,17 @@ def main() -> None:
     started = time.perf_counter()
     # taken now: the code that runs is the tree as it is at the start
     cfg = FedBiPConfig.from_flat(project_run_config())
-    made = provenance.record(ROOT, torch.get_num_threads(), [args.out], model=ROOT / cfg.model)
-    ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
-    conditioning_models = {cfg.image_size: ldm}
+    made = provenance.record(ROOT, torch.get_num_threads(), [args.out], model=ROOT / cfg.ldm.model)
+    ldm = load_for_run(cfg.ldm.model, args.device, cfg.ldm.half_precision, cfg.data.image_size)
+    conditioning_models = {cfg.data.image_size: ldm}
     if args.large_size and set(args.kinds) & set(CONDITIONING_KINDS):
         made["large_model"] = provenance.model_digest(args.large_model)
         conditioning_models[args.large_size] = load_for_run(
-            str(args.large_model), args.device, cfg.half_precision, args.large_size
+            str(args.large_model), args.device, cfg.ldm.half_precision, args.large_size
         )
-    default_t = SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
+    default_t = (
+        SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.synthesis.start_timestep)
+    )
     sd = PNDMScheduler.from_pretrained(SD_SCHEDULER, subfolder="scheduler")
     same_schedule = bool(torch.equal(sd.alphas_cumprod, ldm.scheduler.alphas_cumprod))
     large_ts = args.large_timesteps or sorted(
@@ -1034,10 +1040,10 @@ def main() -> None:
     # of each image (no partner)
     zT_mixing = pair_mixing(fedbip)
     mixing = {kind: pair_mixing(cfg.settings_of(kind)) for kind in mixture_kinds}
-    domains = args.domains or cfg.domain_list
-    shots, seed = cfg.shots_per_class, cfg.seed
+    domains = args.domains or cfg.data.domain_list
+    shots, seed = cfg.data.shots_per_class, cfg.seed
     settings: list[tuple[int, SchedulerMixin, str, list[int]]] = [
-        (cfg.image_size, ldm.scheduler, "miniature", args.timesteps or [default_t])
+        (cfg.data.image_size, ldm.scheduler, "miniature", args.timesteps or [default_t])
     ]
     if args.large_size:
         settings.append((args.large_size, sd, "sd-v1-4", large_ts))
@@ -1061,7 +1067,7 @@ def main() -> None:
         class_mean_attacks(args, cfg, ldm, kind, domains, results)
     for domain in domains if set(args.kinds) & set(LATENT_KINDS) else []:
         for size, schedule, schedule_name, timesteps in settings:
-            encode = lambda images: encode_images(ldm.vae, images, cfg.vae_batch_size)  # noqa: E731
+            encode = lambda images: encode_images(ldm.vae, images, cfg.ldm.vae_batch_size)  # noqa: E731
             reference = shapes.pretrain_set(domain, args.reference_per_class, seed=seed, size=size)
             reference_z0 = encode(reference.images)
             prior = LatentReference.of(reference_z0, reference.labels)

@@ -72,8 +72,10 @@ def round_trip(ldm: LDM, judges: Judges, cfg: FedBiPConfig) -> dict[str, dict[st
     pixel error (images in [-1, 1])."""
     out = {}
     for domain in shapes.DOMAINS:
-        real = shapes.client_train_set(domain, cfg.shots_per_class, 0, cfg.seed, cfg.image_size)
-        back = decode_latents(ldm, encode_images(ldm.vae, real.images, cfg.vae_batch_size))
+        real = shapes.client_train_set(
+            domain, cfg.data.shots_per_class, 0, cfg.seed, cfg.data.image_size
+        )
+        back = decode_latents(ldm, encode_images(ldm.vae, real.images, cfg.ldm.vae_batch_size))
         out[domain] = {
             **judges.fidelity(back, real.labels, domain),
             "rms": float((back - real.images).pow(2).mean().sqrt()),
@@ -95,7 +97,7 @@ def main() -> None:
     made = provenance.record(ROOT, torch.get_num_threads(), [args.out])
     cfg = FedBiPConfig.from_flat(project_run_config())
     judges = load_judges(JUDGES)
-    ldm = load_ldm(cfg.model)
+    ldm = load_ldm(cfg.ldm.model)
     before = round_trip(ldm, judges, cfg)
     encoder = copy.deepcopy(ldm.vae.encoder.state_dict())
     images, _ = shapes.pretraining_corpus(args.per_class, args.seed)

@@ -14,7 +14,7 @@ benchmark's judges (:mod:`fedbip_tools.judges`):
 - ``no-mix``: z(T) of each image alone (gamma = 1: no same-class partner), same T and count;
 - ``guidance-G``: the uploaded z(T) at guidance G (``--guidances``);
 - ``T=t``: z(T) made at an earlier timestep t (``--timesteps``: the sampler's latest grid
-  timestep <= t, as run config start-timestep picks it), denoised from there;
+  timestep <= t, as run config synthesis.start-timestep picks it), denoised from there;
 - ``prompts``: the plain prompts ("a quickdraw of a circle") from fresh noise: the floor.
 
     OMP_NUM_THREADS=2 python scripts/zt_domain_probe.py --domain quickdraw \\
@@ -74,15 +74,15 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     cfg = FedBiPConfig.from_flat(
-        {**project_run_config(), "seed": args.seed, "replayable-client-noise": True}
+        {**project_run_config(), "seed": args.seed, "federation.replayable-client-noise": True}
     )
-    made = provenance.record(ROOT, args.threads, [args.out], model=ROOT / cfg.model)
-    ldm = load_for_run(cfg.model, args.device, cfg.half_precision, cfg.image_size)
+    made = provenance.record(ROOT, args.threads, [args.out], model=ROOT / cfg.ldm.model)
+    ldm = load_for_run(cfg.ldm.model, args.device, cfg.ldm.half_precision, cfg.data.image_size)
     own = fedbip_settings(cfg)
     settings = SynthesisSettings.from_config(cfg)
     if own.class_clusters != 1:
         raise SystemExit("the probe conditions each image on its class's V: class-clusters = 1")
-    client = next(c for c in client_sets(cfg).values() if c.domain == args.domain)
+    client = next(c for c in client_sets(cfg.data_description).values() if c.domain == args.domain)
     generator = client_generator(cfg, NodeConfig(), client.client_id)
     payload, report = personalize(
         ldm,
@@ -99,7 +99,7 @@ def main() -> None:
     pass0 = WorkUnit(client.client_id, 0, len(payload.labels))
     eta = pass_eta(concepts, own, cfg.seed, pass0)  # the eta of the run's first pass
     learned = pass_conditioning(ldm, concepts, settings, eta)
-    z0 = encode_images(ldm.vae, client.images, cfg.vae_batch_size)
+    z0 = encode_images(ldm.vae, client.images, cfg.ldm.vae_batch_size)
     noise = torch.Generator().manual_seed(args.seed + 1)  # each variant's own fresh draws
 
     def made_from(
@@ -137,7 +137,7 @@ def main() -> None:
     prompts = encode_texts(
         ldm,
         [
-            plain_prompt(cfg.prompt_template, concepts.domain_phrase, name)
+            plain_prompt(cfg.data.prompt_template, concepts.domain_phrase, name)
             for name in client.classes
         ],
     )

@@ -170,19 +170,18 @@ def free_port_block(count: int) -> int:
 
 
 SMALL = {
-    "domains": '"sketch,quickdraw,painting"',
-    "shots-per-class": 3,
-    "test-per-class": 4,
-    "image-size": 32,
-    "classifier-image-size": 32,
-    "fedbip.concept-epochs": 2,
-    "fedbip-mixture.concept-epochs": 2,
-    "num-inference-steps": 4,
+    "data.domains": '"sketch,quickdraw,painting"',
+    "data.shots-per-class": 3,
+    "data.test-per-class": 4,
+    "data.image-size": 32,
+    "classifier.image-size": 32,
+    "fedbip.concept-epochs": 2,  # fedbip-mixture's too: it runs FedBiP's client step
+    "synthesis.num-inference-steps": 4,
     "fedbip.multiplier": 1,
-    "fedbip-mixture.multiplier": 1,
-    "classifier-epochs": 2,
+    "classifier.epochs": 2,
     "run-name": '"e2e"',
-    "replayable-client-noise": "true",  # simulation opt-in: lets tests recompute payloads
+    # simulation opt-in: lets tests recompute payloads
+    "federation.replayable-client-noise": "true",
 }
 
 
@@ -199,20 +198,18 @@ WORDS = [*shapes.CLASSES, *shapes.DOMAINS, "a", "style", "of"]
 
 
 METHOD_CFG = {
-    "image-size": 32,
-    "classifier-image-size": 32,
-    "num-inference-steps": 4,
-    "fedbip.multiplier": 2,
-    "fedbip-mixture.multiplier": 2,
+    "data.image-size": 32,
+    "classifier.image-size": 32,
+    "synthesis.num-inference-steps": 4,
+    "fedbip.multiplier": 2,  # fedbip-mixture's too
     "local.epochs": 1,
     "fedlmg.local-epochs": 1,
     "espresso.epochs": 1,
-    "classifier-epochs": 1,
-    "shots-per-class": 2,
+    "classifier.epochs": 1,
+    "data.shots-per-class": 2,
     "fedbip.concept-epochs": 1,
-    "fedbip-mixture.concept-epochs": 1,
-    "replayable-client-noise": True,
-    "classifier-init": "random",
+    "federation.replayable-client-noise": True,
+    "classifier.init": "random",
 }
 
 
@@ -239,12 +236,12 @@ def own(cfg: FedBiPConfig) -> MethodSettings:
 
 
 def client_job(cfg: FedBiPConfig, ldm, partition: int = 0) -> ClientJob:
-    data = dataset.load_client_data(cfg.data, partition)
+    data = dataset.load_client_data(cfg.data_description, partition)
     return ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
 
 
 def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
-    return ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
+    return ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: ldm)
 
 
 def tampered(blob: bytes, method: str, cfg: FedBiPConfig, change) -> bytes:

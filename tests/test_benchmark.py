@@ -432,8 +432,8 @@ def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(t
     cfg = bench.settings.run_config
     setting = benchmark.ConditioningSetting(
         "fedbip-mixture-dp",
-        cfg["shots-per-class"],
-        cfg["fedbip-mixture.concept-epochs"],
+        cfg["data.shots-per-class"],
+        cfg["fedbip.concept-epochs"],  # the mixture runs fedbip's client step
         64,
         4.0,
     )
@@ -507,16 +507,16 @@ def one_seed(tmp_path_factory, tiny_model_dir):
         classifier_steps=3,
         mia_per_domain=6,
         run_config={
-            "model": str(tiny_model_dir),
-            "image-size": 32,
-            "classifier-image-size": 32,
-            "shots-per-class": 2,
-            "test-per-class": 2,
-            "num-inference-steps": 4,
-            "guidance-scale": 2.0,
+            "ldm.model": str(tiny_model_dir),
+            "data.image-size": 32,
+            "classifier.image-size": 32,
+            "data.shots-per-class": 2,
+            "data.test-per-class": 2,
+            "synthesis.num-inference-steps": 4,
+            "synthesis.guidance-scale": 2.0,
             "fedbip.concept-epochs": 1,
-            "classifier-init": "random",
-            "synthesis-batch-size": 16,
+            "classifier.init": "random",
+            "synthesis.batch-size": 16,
         },
     )
     bench = Bench(settings, work=root / "work", results=root / "results", threads=1, timeout_s=900)

@@ -1,5 +1,5 @@
-"""FedBiP's J class concepts per class (run config class-clusters): one V per sub-cluster of a
-class's images, each z(T) denoised with its own image's sub-cluster's concept; alone and with
+"""FedBiP's J class concepts per class (run config fedbip.class-clusters): one V per sub-cluster
+of a class's images, each z(T) denoised with its own image's sub-cluster's concept; alone and with
 the mixture mode."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ J = 3
 
 
 def upload_of(method: str, ldm, **values):
-    cfg = method_config(method, **{f"{method}.class-clusters": J, "shots-per-class": 4, **values})
+    cfg = method_config(method, **{"fedbip.class-clusters": J, "data.shots-per-class": 4, **values})
     job = client_job(cfg, ldm)
     blob, _ = create_for(cfg).upload(job)
     return cfg, job, blob
@@ -38,7 +38,12 @@ def test_one_concept_per_sub_cluster_and_each_z_t_tagged_with_its_images(tiny_ld
     # every row was learned: it moved from the class name it started from
     names = [name for name in job.data.classes for _ in range(J)]
     layout = prompt_layout(
-        tiny_ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, job.data.domain, names
+        tiny_ldm.tokenizer,
+        cfg.data.prompt_template,
+        cfg.data.n_s,
+        cfg.data.n_v,
+        job.data.domain,
+        names,
     )
     _, v0 = initial_concepts(tiny_ldm, layout, own(cfg).concept_space)
     assert ((payload.class_concepts - v0).flatten(1).abs().amax(1) > 0).all()
@@ -70,7 +75,7 @@ def _move_first_two(tensors, _meta):
 
 def test_the_server_refuses_another_cluster_count_and_out_of_range_sub_clusters(tiny_ldm):
     cfg, _, blob = upload_of("fedbip", tiny_ldm)
-    one = method_config("fedbip", **{"shots-per-class": 4})
+    one = method_config("fedbip", **{"data.shots-per-class": 4})
     with pytest.raises(PayloadError, match="class_clusters 3 does not match the server's 1"):
         create_for(one).accept(blob, server_job(one, tiny_ldm))
 
@@ -101,6 +106,6 @@ def test_the_mixture_mode_draws_among_the_learned_sub_cluster_concepts(tiny_ldm,
         torch.bincount(labels),
         torch.bincount(job.data.labels) * own(cfg).latents_per_image * own(cfg).multiplier,
     )
-    other = method_config("fedbip-mixture", **{"shots-per-class": 4})
+    other = method_config("fedbip-mixture", **{"data.shots-per-class": 4})
     with pytest.raises(PayloadError, match="class_clusters 3 does not match the server's 1"):
         create_for(other).accept(blob, server_job(other, tiny_ldm))

@@ -1,6 +1,6 @@
-"""The shared classifier recipe: its SGD-step budget (run config classifier-steps), its learning
-rate over the steps (classifier-schedule) and its BatchNorm statistics after training
-(classifier-precise-bn)."""
+"""The shared classifier recipe: its SGD-step budget (run config classifier.steps), its learning
+rate over the steps (classifier.schedule) and its BatchNorm statistics after training
+(classifier.precise-bn)."""
 
 from __future__ import annotations
 
@@ -94,13 +94,14 @@ def test_precise_bn_leaves_the_statistics_of_the_whole_unaugmented_set_under_the
 
 
 def test_the_run_config_turns_precise_bn_on_by_default_and_off_by_key():
-    assert train_settings(FedBiPConfig()).precise_bn
-    assert not train_settings(FedBiPConfig(classifier_precise_bn=False)).precise_bn
+    assert train_settings(FedBiPConfig().classifier).precise_bn
+    off = FedBiPConfig.from_flat({"classifier.precise-bn": False})
+    assert not train_settings(off.classifier).precise_bn
 
 
 def test_the_run_config_carries_the_schedule_and_refuses_an_unknown_one():
-    assert train_settings(FedBiPConfig.from_flat({})).schedule == "constant"
-    chosen = FedBiPConfig.from_flat({"classifier-schedule": "cosine"})
-    assert train_settings(chosen).schedule == "cosine"
-    with pytest.raises(ConfigError, match="classifier-schedule"):
-        FedBiPConfig.from_flat({"classifier-schedule": "linear"})
+    assert train_settings(FedBiPConfig.from_flat({}).classifier).schedule == "constant"
+    chosen = FedBiPConfig.from_flat({"classifier.schedule": "cosine"})
+    assert train_settings(chosen.classifier).schedule == "cosine"
+    with pytest.raises(ConfigError, match="classifier.schedule"):
+        FedBiPConfig.from_flat({"classifier.schedule": "linear"})

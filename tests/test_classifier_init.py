@@ -35,7 +35,7 @@ def test_missing_imagenet_weights_fail_at_once_with_one_sentence(tmp_path, monke
         check_classifier_init("imagenet")
     message = str(info.value)
     assert str(tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth") in message
-    assert 'classifier-init = "random"' in message and message.count(". ") == 0
+    assert 'classifier.init = "random"' in message and message.count(". ") == 0
     assert not (tmp_path / "hub").exists()  # nothing was downloaded or created
     check_classifier_init("random")  # random init needs no file
 
@@ -49,7 +49,7 @@ def test_cached_imagenet_weights_pass(tmp_path, monkeypatch):
     check_classifier_init("imagenet")
 
 
-# --- classifier-init = "pretrained": the miniature's own backbone ------------------------------
+# --- classifier.init = "pretrained": the miniature's own backbone ------------------------------
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,21 +99,21 @@ def test_the_shipped_backbone_is_a_fair_start():
     with open(ROOT / "pyproject.toml", "rb") as handle:
         flat = flatten_dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
     cfg = FedBiPConfig.from_flat(flat)
-    assert (cfg.dataset, cfg.domain_list, cfg.shots_per_class) == (
+    assert (cfg.data.dataset, cfg.data.domain_list, cfg.data.shots_per_class) == (
         "shapes",
         ["sketch", "quickdraw", "painting"],
         16,
     )
-    clients = [dataset.load_client_data(cfg.data, p) for p in range(3)]
+    clients = [dataset.load_client_data(cfg.data_description, p) for p in range(3)]
     assert [(c.client_id, len(c)) for c in clients] == [
         ("sketch-0", 96),
         ("quickdraw-0", 96),
         ("painting-0", 96),
     ]
-    tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
+    tests = dataset.load_test_sets(cfg.data_description, cfg.data.domain_list)
     private = set().union(*(_hashes(c.images) for c in clients))
     held_out = set().union(*(_hashes(t.images) for t in tests.values()))
-    assert len(private) == 3 * 96 and len(held_out) == 3 * 6 * cfg.test_per_class
+    assert len(private) == 3 * 96 and len(held_out) == 3 * 6 * cfg.data.test_per_class
     assert not corpus & private
     assert not corpus & held_out
 
@@ -147,7 +147,7 @@ def test_pretrained_init_loads_the_backbone_shipped_with_the_model(tmp_path, mon
     assert model.fc.weight.shape == (4, 512) and model.fc.bias.shape == (
         4,
     )  # fresh, the task's classes
-    assert FedBiPConfig.from_flat({"classifier-init": "pretrained"}).classifier_init == "pretrained"
+    assert FedBiPConfig.from_flat({"classifier.init": "pretrained"}).classifier.init == "pretrained"
 
 
 def test_missing_backbone_fails_with_one_sentence_naming_file_and_script(tmp_path):
@@ -161,6 +161,6 @@ def test_missing_backbone_fails_with_one_sentence_naming_file_and_script(tmp_pat
             attempt()
         message = str(info.value)
         assert str(expected) in message and "scripts/pretrain_backbone.py" in message
-        assert 'classifier-init = "pretrained"' in message and message.count(". ") == 0
+        assert 'classifier.init = "pretrained"' in message and message.count(". ") == 0
     assert not (tmp_path / "model" / BACKBONE_DIR).exists()  # nothing was created
     check_classifier_init("random", tmp_path / "model")

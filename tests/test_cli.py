@@ -286,8 +286,9 @@ def test_personalize_writes_what_inspect_and_the_server_accept(
 
     data = shapes.write_image_folder(tmp_path / "data", "quickdraw", 2, 1, size=32)
     run_config = (
-        f'dataset="imagefolder" classes="{",".join(shapes.CLASSES)}" '
-        f'model="{tiny_model_dir}" image-size=32 fedbip.concept-epochs=1 num-inference-steps=4'
+        f'data.dataset="imagefolder" data.classes="{",".join(shapes.CLASSES)}" '
+        f'ldm.model="{tiny_model_dir}" data.image-size=32 fedbip.concept-epochs=1 '
+        "synthesis.num-inference-steps=4"
     )
     out = tmp_path / "upload.safetensors"
     made = subprocess.run(
@@ -326,16 +327,16 @@ def test_personalize_writes_what_inspect_and_the_server_accept(
     cfg = FedBiPConfig.from_flat(
         {
             **project_run_config(),
-            "dataset": "imagefolder",
-            "classes": ",".join(shapes.CLASSES),
-            "model": str(tiny_model_dir),
-            "image-size": 32,
+            "data.dataset": "imagefolder",
+            "data.classes": ",".join(shapes.CLASSES),
+            "ldm.model": str(tiny_model_dir),
+            "data.image-size": 32,
             "fedbip.concept-epochs": 1,
-            "num-inference-steps": 4,
+            "synthesis.num-inference-steps": 4,
         }
     )
     ldm, fedbip = load_ldm(tiny_model_dir), cfg.settings_of("fedbip")
-    payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.class_list, fedbip))
+    payload = decode_payload(out.read_bytes(), expectations(cfg, ldm, cfg.data.class_list, fedbip))
     # 12 images, each as the federation's latents-per-image independent z(T) (default 2)
     assert (payload.meta.domain, payload.meta.num_examples) == (
         "quickdraw",
@@ -359,7 +360,7 @@ def test_personalize_with_a_bad_folder_says_why_in_one_line(tmp_path: Path) -> N
             "--out",
             str(tmp_path / "x.safetensors"),
             "--run-config",
-            'dataset="imagefolder" classes="a,b"',
+            'data.dataset="imagefolder" data.classes="a,b"',
         ],
         cwd=ROOT,
         capture_output=True,
@@ -479,7 +480,7 @@ def test_shapes_folder_into_a_file_says_so_in_one_line(
     ("extra", "reason"),
     [
         (
-            ["--run-config", "dataset=imagefolder"],
+            ["--run-config", "data.dataset=imagefolder"],
             "--run-config: The provided configuration string",
         ),
         (["--model", "/nonexistent/model"], "does not exist"),
@@ -501,7 +502,7 @@ def test_personalize_refuses_a_bad_run_config_or_model_in_one_line(
         "--out",
         str(tmp_path / "x.safetensors"),
         "--run-config",
-        f'dataset="imagefolder" classes="{classes}"',
+        f'data.dataset="imagefolder" data.classes="{classes}"',
         *extra,
     ]
     assert main(command) == 1

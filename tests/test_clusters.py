@@ -8,12 +8,12 @@ import torch
 from fedbip_flwr import shapes
 from fedbip_flwr.classifier import backbone_path, load_backbone
 from fedbip_flwr.clusters import cluster_classes, cluster_images, effective_clusters, public_encoder
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import ClassifierConfig
 
 FEATURES = 16
 MODEL = "models/miniature-ldm"
 # The classifier's input size, which the shipped backbone was trained at.
-CLASSIFIER_SIZE = FedBiPConfig.model_fields["classifier_image_size"].default
+CLASSIFIER_SIZE = ClassifierConfig.model_fields["image_size"].default
 
 
 def grouped_features(

@@ -281,16 +281,17 @@ def test_compose_federation_runs_to_completion(topology):
         statuses = [n["status"] for n in flwr_json(topology, "supernode", "ls").get("nodes", [])]
 
     # The deployment's federation, shrunk, on the institutions' own folders (the server holds
-    # none): the run config "register" wrote (the DP upload, client-nodes), then the test's.
+    # none): the run config "register" wrote (the DP upload, federation.client-nodes), then the
+    # test's.
     registered = written.read_text().strip()
     values = {
         **SMALL,
-        "model": '"models/tiny-ldm"',
+        "ldm.model": '"models/tiny-ldm"',
         "run-name": '"compose"',
-        "dataset": '"imagefolder"',
-        "classes": f'"{",".join(shapes.CLASSES)}"',
+        "data.dataset": '"imagefolder"',
+        "data.classes": f'"{",".join(shapes.CLASSES)}"',
     }
-    values.pop("replayable-client-noise")  # institutions keep the private default
+    values.pop("federation.replayable-client-noise")  # institutions keep the private default
     run_started = time.monotonic()
     output = run(
         [
@@ -323,7 +324,9 @@ def test_compose_federation_runs_to_completion(topology):
     assert metrics["config"]["fedbip-mixture.dp-epsilon"] == 4.0
     accepted = sorted(c["client_id"] for c in metrics["clients"] if c["status"] == "accepted")
     assert accepted == ["painting-0", "quickdraw-0", "sketch-0"]
-    bound = dict(pair.split("=") for pair in metrics["config"]["client-nodes"].split(","))
+    bound = dict(
+        pair.split("=") for pair in metrics["config"]["federation.client-nodes"].split(",")
+    )
     uploaders = json.loads((folder / "uploaders.json").read_text())
     assert {client: node for node, client in uploaders.items()} == bound
     assert "per_domain" not in metrics["accuracy"], "the server scored on data it cannot hold"

@@ -172,7 +172,7 @@ def test_lr_acts_on_the_spaces_own_scale(tiny_ldm, space):
 
 def test_adapted_concepts_round_trip_through_server_checks(tiny_ldm):
     """A 5-token class name: learning keeps V's unused rows at zero, the server (told the token
-    counts) accepts the payload, rebuilds the same layout and refuses other n-v."""
+    counts) accepts the payload, rebuilds the same layout and refuses other data.n-v."""
     names = ["circle", "zebra", "star"]
     template = "a {S} style of a {V}"
     layout = prompt_layout(tiny_ldm.tokenizer, template, 1, 1, "sketch", names)

@@ -5,7 +5,7 @@ Without a GPU the CUDA path is checked for shapes and dtypes only: fp16 models o
 Here the same code runs where it is meant to: every one-shot method's upload, the server's
 training set and the global classifier on the GPU, the frozen LDM in fp16 as
 ``half-precision = true`` puts it and the classifier under fp16 autocast
-(``classifier-precision = "auto"``), against the same run on the CPU in float32.
+(``classifier.precision = "auto"``), against the same run on the CPU in float32.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def gpu() -> None:
 
 def one_shot(method: str, model_dir: Path, device: torch.device, out: Path) -> dict:
     """Two clients' uploads, the server's training set and classifier, all on ``device``."""
-    cfg = method_config(method, device=device.type, classifier_precision="auto")
-    ldm = load_for_run(str(model_dir), device, cfg.half_precision, cfg.image_size)
+    cfg = method_config(method, **{"ldm.device": device.type, "classifier.precision": "auto"})
+    ldm = load_for_run(str(model_dir), device, cfg.ldm.half_precision, cfg.data.image_size)
     server = replace(server_job(cfg, ldm), device=device)
     uploads = {}
     for partition in range(2):

@@ -52,11 +52,11 @@ def demo(tmp_path_factory, tiny_model_dir):
     port = free_port_block(1 + NUM_SUPERNODES)
     values = {
         **SMALL,
-        "model": f'"{tiny_model_dir}"',
+        "ldm.model": f'"{tiny_model_dir}"',
         "output-dir": f'"{work / "outputs"}"',
         "run-name": '"deployment"',
     }
-    values.pop("replayable-client-noise")  # institutions keep the private default
+    values.pop("federation.replayable-client-noise")  # institutions keep the private default
     env = flwr_env(work / "flwr-home")
     proc = subprocess.Popen(
         [
@@ -112,15 +112,15 @@ def test_demo_runs_the_federation_to_completion(demo):
     run = demo["work"] / "outputs" / "deployment"
     record = results.read(run)
     assert record.status == "completed"
-    assert record.config["dataset"] == "imagefolder"
-    assert record.config["evaluation"] == "clients"
-    assert record.config["model"] == demo["model"]  # the run config reached the ServerApp
+    assert record.config["data.dataset"] == "imagefolder"
+    assert record.config["federation.evaluation"] == "clients"
+    assert record.config["ldm.model"] == demo["model"]  # the run config reached the ServerApp
     assert record.config["method"] == "fedbip-mixture"
     assert record.config["fedbip-mixture.dp-epsilon"] == 4.0
     accepted = sorted(c.client_id for c in record.clients if c.status == "accepted")
     assert accepted == ["quickdraw-0", "sketch-0"]
     uploaders = json.loads((run / "uploaders.json").read_text())
-    bound = dict(pair.split("=") for pair in record.config["client-nodes"].split(","))
+    bound = dict(pair.split("=") for pair in record.config["federation.client-nodes"].split(","))
     assert sorted(bound) == sorted(CLIENTS)
     assert {client: bound[client] for client in uploaders.values()} == {
         client: node for node, client in uploaders.items()

@@ -223,12 +223,12 @@ def test_superlink_script_warns_on_every_interface(fake_superlink):
 
 def test_the_shipped_deployment_binds_client_ids_and_asks_for_a_dp_upload():
     """Issue 91: the demo and compose both register through docker/register-supernodes.sh,
-    whose run config binds every client id to its registered node (client-nodes) and asks by
-    default for an upload a real institution's default policy accepts; FedBiP's own it
+    whose run config binds every client id to its registered node (federation.client-nodes) and
+    asks by default for an upload a real institution's default policy accepts; FedBiP's own it
     refuses. tests/test_deployment.py runs the script for real."""
     script = (ROOT / "docker" / "register-supernodes.sh").read_text()
     default = re.search(r': "\$\{FEDBIP_RUN_CONFIG:=(.*)\}"\n', script).group(1).replace('\\"', '"')
-    assert 'client-nodes="%s"' in script and '"$FEDBIP_RUN_CONFIG" "$bound"' in script
+    assert 'federation.client-nodes="%s"' in script and '"$FEDBIP_RUN_CONFIG" "$bound"' in script
     compose = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["register"]
     assert compose["entrypoint"][1:] == [
         "/app/register-supernodes.sh",
@@ -244,7 +244,7 @@ def test_the_shipped_deployment_binds_client_ids_and_asks_for_a_dp_upload():
     assert '--run-config "$(cat "$run_config")' in demo
 
     node = NodeConfig.from_flat({"data-root": "/srv/data", "domain": "x", "client-id": "a"})
-    run = {**project_run_config(), "dataset": "imagefolder", "classes": "a,b"}
+    run = {**project_run_config(), "data.dataset": "imagefolder", "data.classes": "a,b"}
     cfg = FedBiPConfig.from_flat({**run, **parse_config_args([default])})
     assert cfg.settings_of(cfg.method).guarantee == Guarantee(4.0, 1e-5)
     check_policy(create_for(cfg), cfg, node)  # accepted

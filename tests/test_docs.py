@@ -1,5 +1,5 @@
-"""The docs' promises: the README starts with two commands (CI runs the second), and every
-config key the docs tell users to set exists."""
+"""The docs' promises: the README starts with two commands (CI runs the second), every config
+key the docs tell users to set exists, and the run config's reference is what the code says."""
 
 from __future__ import annotations
 
@@ -58,6 +58,24 @@ def test_every_config_key_the_docs_set_is_one_the_config_accepts():
         for key in documented_keys(path.read_text()) - known
     }
     assert not unknown, f"docs set keys the config does not know: {sorted(unknown)}"
+
+
+def test_the_run_config_reference_names_every_key_the_config_accepts():
+    """docs/run-configs.md's key tables, generated from the models (their staleness fails
+    test_every_generated_table_is_what_its_record_makes), hold a row for every run-config key:
+    a table or key left out of the generator would leave it undocumented."""
+    from fedbip_flwr.config import FedBiPConfig
+    from fedbip_tools import config_doc, doc_tables
+
+    text = doc_tables.section(doc_tables.RUN_CONFIGS_PAGE, config_doc.MARKER)
+    assert text, "docs/run-configs.md has no generated key tables"
+    table, rows = "", set()
+    for line in text.splitlines():
+        if heading := re.match(r"### `(.+)`", line):
+            table = heading.group(1)
+        elif key := re.match(r"\| `([a-z0-9-]+)` \|", line):
+            rows.add(f"{table}.{key.group(1)}" if table else key.group(1))
+    assert rows == set(FedBiPConfig().to_flat()), rows ^ set(FedBiPConfig().to_flat())
 
 
 # ------------------------------------------------------------------ docs against the records

@@ -89,10 +89,10 @@ def _evaluate_reply(
         monkeypatch.setattr(TaskIdentity, field, 1)
     config = {
         **project_run_config(),
-        "dataset": "imagefolder",
-        "classes": ",".join(CLASSES),
-        "image-size": SIZE,
-        "classifier-image-size": 32,
+        "data.dataset": "imagefolder",
+        "data.classes": ",".join(CLASSES),
+        "data.image-size": SIZE,
+        "classifier.image-size": 32,
         **run,
     }
     node = {

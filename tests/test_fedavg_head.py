@@ -75,7 +75,7 @@ def global_head(cfg: FedBiPConfig) -> dict[str, torch.Tensor]:
 
 def message(arrays, cfg: FedBiPConfig, kind: str = MessageType.TRAIN, **config) -> Message:
     """A train or evaluate message as Flower's FedAvg sends it under part = head."""
-    sent = {fedavg.ENCODER: encoder_identity(cfg.model)[0], fedavg.ROUND: 1, **config}
+    sent = {fedavg.ENCODER: encoder_identity(cfg.ldm.model)[0], fedavg.ROUND: 1, **config}
     content = RecordDict(
         {fedavg.CONFIG: ConfigRecord({k: v for k, v in sent.items() if v is not None})}
     )
@@ -128,9 +128,9 @@ def test_a_head_round_trains_the_global_head_on_the_frozen_encoders_features_and
     backbone_bytes = backbone_path(tiny_model_dir).read_bytes()
     sent = method(cfg).client_round(message(start, cfg), cfg, NODE, CPU)
 
-    data = dataset.institution_data(cfg.data, NODE)
+    data = dataset.institution_data(cfg.data_description, NODE)
     assert torch.equal(
-        seen["features"], public_encoder(tiny_model_dir, cfg.classifier_image_size)(data.images)
+        seen["features"], public_encoder(tiny_model_dir, cfg.classifier.image_size)(data.images)
     )
     assert torch.equal(seen["labels"], data.labels)
     assert all(torch.equal(seen["start"][k], start[k]) for k in start), "from the global head"
@@ -150,8 +150,8 @@ def test_a_head_round_trains_the_global_head_on_the_frozen_encoders_features_and
     assert dict(sent[fedavg.METRICS]) == {SENT_IMAGES: len(data)}
     assert backbone_path(tiny_model_dir).read_bytes() == backbone_bytes, "the encoder stays frozen"
     # the server's check takes the reply; the global classifier is the frozen backbone + that head
-    fedavg.check_reply(sent, start, cfg.max_images_per_client)
-    model = method(cfg).classifier(cfg, cfg.classifier_init)
+    fedavg.check_reply(sent, start, cfg.federation.max_images_per_client)
+    model = method(cfg).classifier(cfg, cfg.classifier.init)
     model.fc.load_state_dict(arrays)
     backbone = load_backbone(backbone_path(tiny_model_dir))
     kept = {k: v for k, v in model.state_dict().items() if not k.startswith("fc.")}
@@ -299,7 +299,9 @@ def test_client_evaluation_scores_the_backbone_with_the_global_head(tiny_model_d
     )
     scores = dict(sent[fedavg.METRICS])
     assert set(scores) == {SENT_ACCURACY, SENT_IMAGES} and 0 <= scores[SENT_ACCURACY] <= 1
-    everything = method_config("fedavg", model=str(tiny_model_dir))  # part all: the whole model
+    everything = method_config(
+        "fedavg", **{"ldm.model": str(tiny_model_dir)}
+    )  # part all: the whole model
     torch.manual_seed(0)
     whole = method(everything).classifier(everything, "random").state_dict()
     msg = delivered(
@@ -330,7 +332,7 @@ def test_the_server_leaves_a_malformed_reply_out_of_the_average(tiny_model_dir, 
 
     bad = {
         "shape": content({"weight": torch.zeros(1, D), "bias": torch.zeros(C)}),
-        "images": content(metrics={SENT_IMAGES: cfg.max_images_per_client + 1}),
+        "images": content(metrics={SENT_IMAGES: cfg.federation.max_images_per_client + 1}),
         "keys": content(metrics={SENT_IMAGES: 10, "loss": 0.1}),
         "records": content(config=ConfigRecord({"x": 1})),
     }
@@ -342,10 +344,10 @@ def test_the_server_leaves_a_malformed_reply_out_of_the_average(tiny_model_dir, 
     }
     for name, record in bad.items():
         with pytest.raises(PayloadError, match=reasons[name]):
-            fedavg.check_reply(record, start, cfg.max_images_per_client)
+            fedavg.check_reply(record, start, cfg.federation.max_images_per_client)
     good = {k: v + 1 for k, v in start.items()}
     strategy = fedavg.CheckedFedAvg(
-        start, cfg.max_images_per_client, min_train_nodes=1, min_available_nodes=1
+        start, cfg.federation.max_images_per_client, min_train_nodes=1, min_available_nodes=1
     )
     replies = [reply(1, content(good)), *(reply(i + 2, c) for i, c in enumerate(bad.values()))]
     averaged, _ = strategy.aggregate_train(1, replies)
@@ -376,15 +378,15 @@ def test_head_only_fedavg_runs_end_to_end_through_flwr(tiny_model_dir, tmp_path)
     out, home = tmp_path / "outputs", tmp_path / "flwr-home"
     values = {
         **SMALL,
-        "shots-per-class": 2,
-        "domains": '"sketch,quickdraw"',
+        "data.shots-per-class": 2,
+        "data.domains": '"sketch,quickdraw"',
         "method": '"fedavg"',
         "fedavg.part": '"head"',
         "fedavg.rounds": 2,
         "fedavg.local-epochs": 1,
-        "evaluation": '"both"',
+        "federation.evaluation": '"both"',
         "run-name": '"head"',
-        "model": f'"{tiny_model_dir}"',
+        "ldm.model": f'"{tiny_model_dir}"',
         "output-dir": f'"{out}"',
     }
     try:
@@ -416,15 +418,15 @@ def test_the_servers_loss_drop_test_finds_a_head_clients_members_through_its_rou
     is found."""
     cfg = config(tiny_model_dir, **{"local-epochs": 40, "rounds": 3})
     fedavg_method = method(cfg)
-    members = shapes.client_train_set("sketch", 8, seed=0, size=cfg.image_size)
-    unseen = shapes.test_set("sketch", 8, seed=0, size=cfg.image_size)
+    members = shapes.client_train_set("sketch", 8, seed=0, size=cfg.data.image_size)
+    unseen = shapes.test_set("sketch", 8, seed=0, size=cfg.data.image_size)
     data = dataset.ClientSet(members.images, members.labels, members.classes, "sketch", "c0")
     sent = global_head(cfg)
 
     def losses(head: dict[str, torch.Tensor], images: shapes.ImageSet) -> torch.Tensor:
         model = fedavg_method.classifier(cfg, "random")
         model.fc.load_state_dict(head)
-        return evaluate(model, images.images, images.labels, cfg.classifier_image_size).losses
+        return evaluate(model, images.images, images.labels, cfg.classifier.image_size).losses
 
     before, after = {"in": [], "out": []}, {"in": [], "out": []}
     for server_round in (1, 2, 3):

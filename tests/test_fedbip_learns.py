@@ -40,23 +40,23 @@ def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
     cfg = FedBiPConfig.from_flat(
         {
             "method": method,
-            "domains": "sketch,quickdraw",
-            "shots-per-class": 8,
-            "test-per-class": 20,
-            "num-inference-steps": 10,
-            "guidance-scale": 4.0,
-            "classifier-init": "random",
-            "classifier-steps": SGD_STEPS,
-            "classifier-batch-size": BATCH,
+            "data.domains": "sketch,quickdraw",
+            "data.shots-per-class": 8,
+            "data.test-per-class": 20,
+            "synthesis.num-inference-steps": 10,
+            "synthesis.guidance-scale": 4.0,
+            "classifier.init": "random",
+            "classifier.steps": SGD_STEPS,
+            "classifier.batch-size": BATCH,
             "seed": seed,
-            "replayable-client-noise": True,
+            "federation.replayable-client-noise": True,
             **own,
         }
     )
-    server = ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
+    server = ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: ldm)
     uploads = {}
     for partition in range(2):
-        data = dataset.load_client_data(cfg.data, partition)
+        data = dataset.load_client_data(cfg.data_description, partition)
         job = ClientJob(
             cfg, data, torch.Generator().manual_seed(seed * 10 + partition), lambda: ldm
         )
@@ -67,9 +67,9 @@ def rare_domain_accuracy(method: str, seed: int, ldm, out: Path) -> float:
     model, _ = train_global(cfg, shards, server.class_names, folder, "cpu")
     tests = {
         d: (s.images, s.labels)
-        for d, s in dataset.load_test_sets(cfg.data, cfg.domain_list).items()
+        for d, s in dataset.load_test_sets(cfg.data_description, cfg.data.domain_list).items()
     }
-    scores = evaluate_models({"global": model}, tests, cfg.classifier_image_size, "cpu")
+    scores = evaluate_models({"global": model}, tests, cfg.classifier.image_size, "cpu")
     print(f"seed {seed} {method}: {scores['per_domain']}")
     return scores["mean"]
 

@@ -41,13 +41,13 @@ from fedbip_flwr.viz import quantize
 from tests.helpers import tampered
 
 CFG = {
-    "image-size": 32,
-    "classifier-image-size": 32,
-    "num-inference-steps": 3,
+    "data.image-size": 32,
+    "classifier.image-size": 32,
+    "synthesis.num-inference-steps": 3,
     "fedlmg.local-epochs": 1,
-    "shots-per-class": 2,
-    "replayable-client-noise": True,
-    "classifier-init": "random",
+    "data.shots-per-class": 2,
+    "federation.replayable-client-noise": True,
+    "classifier.init": "random",
     "method": "fedlmg",
     "fedlmg.images-per-class": 1,
     "fedlmg.noise-edits": 1,
@@ -59,11 +59,11 @@ def config(**values) -> FedBiPConfig:
 
 
 def server_job(cfg: FedBiPConfig, ldm) -> ServerJob:
-    return ServerJob(cfg, dataset.class_names(cfg.data), lambda: ldm)
+    return ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: ldm)
 
 
 def upload_of(cfg: FedBiPConfig, ldm, partition: int = 0):
-    data = dataset.load_client_data(cfg.data, partition)
+    data = dataset.load_client_data(cfg.data_description, partition)
     job = ClientJob(cfg, data, torch.Generator().manual_seed(partition), lambda: ldm)
     blob, _ = create_for(cfg).upload(job)
     return blob, data

@@ -89,7 +89,7 @@ def test_the_upload_is_the_classes_feature_mixtures_of_the_frozen_backbone(tiny_
     assert len(blob) < 4 * 6 * 514 + 8 * 6 + 2000, "C x K x (D + 2) floats, the counts and a header"
     # K = 1: the fit is each class's mean and spread of the backbone's features, unaugmented
     data = client_job(cfg, None).data
-    features = public_encoder(tiny_model_dir, cfg.classifier_image_size)(data.images).double()
+    features = public_encoder(tiny_model_dir, cfg.classifier.image_size)(data.images).double()
     assert (
         upload.tensors["class_counts"].tolist() == torch.bincount(data.labels, minlength=6).tolist()
     )
@@ -110,7 +110,7 @@ def test_diag_covariances_and_a_class_with_fewer_images_than_components(tiny_mod
     upload = accept(cfg, blob)
     weights = upload.tensors["gmm_weights"]
     assert tuple(upload.tensors["gmm_covariances"].shape) == (6, 3, 512)
-    # every class holds 2 images (shots-per-class): 2 fitted components and one of weight 0
+    # every class holds 2 images (data.shots-per-class): 2 fitted components and one of weight 0
     assert bool((weights[:, :2] > 0).all()) and bool((weights[:, 2] == 0).all())
     assert metrics["mixture-smallest-weight"] > 0
     assert torch.equal(upload.tensors["gmm_means"][:, 2], upload.tensors["gmm_means"][:, 0]), (
@@ -145,7 +145,7 @@ def test_the_server_head_classifies_the_clients_own_images(tiny_model_dir):
     assert tuple(model.fc.weight.shape) == (6, 512)
     jobs = [client_job(cfg, None, p).data for p in (0, 1)]
     images, labels = torch.cat([d.images for d in jobs]), torch.cat([d.labels for d in jobs])
-    assert evaluate(model, images, labels, cfg.classifier_image_size).accuracy >= 0.6
+    assert evaluate(model, images, labels, cfg.classifier.image_size).accuracy >= 0.6
 
 
 def test_draws_follow_the_clipped_counts(tiny_model_dir):
@@ -154,7 +154,7 @@ def test_draws_follow_the_clipped_counts(tiny_model_dir):
 
     def more_circles(
         tensors, meta
-    ):  # 5 of class 0 (above max-images-per-class 2), as many fewer elsewhere
+    ):  # 5 of class 0 (above federation.max-images-per-class 2), as many fewer elsewhere
         tensors["class_counts"] = torch.tensor([5, 2, 2, 0, 0, 3])
 
     upload = accept(cfg, tampered(blob, "fedpft", cfg, more_circles))

@@ -42,7 +42,7 @@ FLOWER_DEFAULT_PORT = 39091  # where `flwr run .` starts its local SuperLink (fl
 def e2e_run(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("flwr-home")
     out = tmp_path_factory.mktemp("outputs")
-    values = {**SMALL, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
+    values = {**SMALL, "ldm.model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
     try:
         run_id, log = run_simulation(home, as_run_config(values), supernodes=3, timeout=900)
         status = run_status(home, run_id)
@@ -132,7 +132,7 @@ def test_institutions_score_the_classifier_they_get_back(e2e_run):
     record = results.read(folder)
     per_client = record.evaluation.per_client
     assert sorted(per_client) == ["painting-0", "quickdraw-0", "sketch-0"]
-    test_size = 6 * 4  # classes x test-per-class
+    test_size = 6 * 4  # classes x data.test-per-class
     for client, score in per_client.items():
         assert isinstance(score, Scored), score
         assert score.num_examples == sum(score.per_class_total) == test_size
@@ -158,7 +158,7 @@ def test_persisted_payloads_are_what_the_clients_computed(e2e_run, tiny_model_di
             stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
             meta = f.metadata()
         assert json.loads(meta["fedbip.domain"]) == domain
-        data = shapes.client_train_set(domain, cfg.shots_per_class, 0, seed=cfg.seed, size=32)
+        data = shapes.client_train_set(domain, cfg.data.shots_per_class, 0, seed=cfg.seed, size=32)
         local, _ = personalize(
             ldm,
             data.images,

@@ -412,10 +412,11 @@ def test_a_node_cannot_claim_another_institutions_upload(tmp_path, monkeypatch):
 
 
 def test_with_client_nodes_a_squatter_that_uploads_first_does_not_lock_the_owner_out(tmp_path):
-    """Run config client-nodes binds each id to its registered node: node 1 uploading as
+    """Run config federation.client-nodes binds each id to its registered node: node 1 uploading as
     "sketch-0" before its owner (node 2) is refused, the owner's upload is then accepted, and
     an id no node is registered for is refused."""
-    owners = FedBiPConfig.from_flat({"client-nodes": "sketch-0=2"}).client_node_map
+    bound = FedBiPConfig.from_flat({"federation.client-nodes": "sketch-0=2"})
+    owners = bound.federation.client_node_map
     strategy = OneShotStrategy(
         lambda blob: as_upload(decode_payload(blob, SERVER)),
         CAP,
@@ -436,12 +437,12 @@ def test_with_client_nodes_a_squatter_that_uploads_first_does_not_lock_the_owner
     outcomes = {o.node_id: (o.status, o.reason) for o in strategy.outcomes}
     assert (
         outcomes[1][0] == "rejected"
-        and "belongs to node 2 (run config client-nodes)" in outcomes[1][1]
+        and "belongs to node 2 (run config federation.client-nodes)" in outcomes[1][1]
     )
     assert outcomes[2] == ("accepted", "")
     assert (
         outcomes[3][0] == "rejected"
-        and "'painting-0' is not in run config client-nodes" in outcomes[3][1]
+        and "'painting-0' is not in run config federation.client-nodes" in outcomes[3][1]
     )
     assert strategy.uploaded_by_node == {2: "sketch-0"}
 
@@ -495,7 +496,7 @@ def test_malformed_scores_from_an_institution_are_recorded_not_raised(tmp_path, 
                 "per-class-correct": [50, 50],
                 "per-class-total": [100, 100],
             },
-            "200 held-out images, more than max-images-per-client 100",
+            "200 held-out images, more than federation.max-images-per-client 100",
         ),
     }
     replies = {
@@ -579,7 +580,12 @@ def test_a_squatter_and_an_inflated_score_are_refused_and_the_honest_scores_reco
     no payload) or after (the id is node-bound), it is refused and sketch-0 is accepted."""
     out, home = tmp_path / "out", tmp_path / "home"
     out.mkdir()
-    values = {**SMALL, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"', "min-clients": 2}
+    values = {
+        **SMALL,
+        "ldm.model": f'"{tiny_model_dir}"',
+        "output-dir": f'"{out}"',
+        "federation.min-clients": 2,
+    }
     status, log = run_to_end(home, as_run_config(values), foreign_app)
     assert status == "finished:completed", log[-4000:]
     assert received(out) == ["0", "1", "2"]

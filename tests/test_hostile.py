@@ -46,7 +46,7 @@ def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_accep
     method, tiny_ldm
 ):
     """An institution names its own domain (no server domain list): a phrase of 240 tokens
-    gives S 240 vectors, consistent with n-s, but no prompt of 16 tokens holds it."""
+    gives S 240 vectors, consistent with data.n-s, but no prompt of 16 tokens holds it."""
     cfg, blob = upload_of(method, tiny_ldm)
 
     def long_domain(tensors, meta):
@@ -56,9 +56,13 @@ def test_a_domain_concept_longer_than_the_text_encoder_takes_is_refused_at_accep
 
     own_folders = method_config(
         method,
-        dataset="imagefolder",
-        classes=",".join(cfg.class_list or shapes.CLASSES),
-        **{"prompt-template": cfg.prompt_template, "n-s": cfg.n_s, "n-v": cfg.n_v},
+        **{
+            "data.dataset": "imagefolder",
+            "data.classes": ",".join(cfg.data.class_list or shapes.CLASSES),
+            "data.prompt-template": cfg.data.prompt_template,
+            "data.n-s": cfg.data.n_s,
+            "data.n-v": cfg.data.n_v,
+        },
     )
     create_for(own_folders).accept(
         blob, server_job(own_folders, tiny_ldm)
@@ -185,7 +189,7 @@ def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_oth
     """A check acceptance lacks (here: an upload whose decoded mixture is gone) makes synthesis
     raise for that client only: it is recorded as failed with the error, the training set is
     made from the others, and clients.json says so."""
-    cfg = method_config("fedld", **{"min-clients": 1})
+    cfg = method_config("fedld", **{"federation.min-clients": 1})
     uploads = accepted_uploads(cfg, tiny_ldm)
     broken, honest = sorted(uploads)
     uploads[broken] = dataclasses.replace(uploads[broken], content=None)
@@ -212,7 +216,7 @@ def test_a_client_whose_synthesis_fails_after_acceptance_is_recorded_and_the_oth
 def test_a_restart_records_a_stored_upload_that_no_longer_passes_and_goes_on(tiny_ldm, tmp_path):
     """An upload stored before the server's checks grew stricter (its mixture lacks class
     rows) fails its re-check on restart: recorded as rejected, the run resumes with the rest."""
-    cfg = method_config("fedld", **{"min-clients": 1})
+    cfg = method_config("fedld", **{"federation.min-clients": 1})
     uploads = accepted_uploads(cfg, tiny_ldm)
     stale, honest = sorted(uploads)
     folder = RunFolder(tmp_path / "run")
@@ -455,11 +459,11 @@ def _synthesized_labels(method, job, upload, folder) -> list[int]:
 
 @pytest.mark.parametrize("method", ["prompts-only", "fedld"])
 def test_an_inflated_class_count_buys_no_more_synthetic_images(method, tiny_ldm, tmp_path):
-    """A claim of 500 images of one class (within max-images-per-client, so taken) makes the
-    server synthesize that class only up to run config max-images-per-class (here the run's
-    2 shots): the liar's set is the honest one's, image count for image count."""
+    """A claim of 500 images of one class (within federation.max-images-per-client, so taken)
+    makes the server synthesize that class only up to run config federation.max-images-per-class
+    (here the run's 2 shots): the liar's set is the honest one's, image count for image count."""
     cfg, blob = upload_of(method, tiny_ldm)
-    assert cfg.class_cap == cfg.shots_per_class == 2
+    assert cfg.class_cap == cfg.data.shots_per_class == 2
     own, job = create_for(cfg), server_job(cfg, tiny_ldm)
     honest = own.accept(blob, job)
     inflated = own.accept(tampered(blob, method, cfg, _claim_in_class_0(500)), job)
@@ -471,7 +475,7 @@ def test_an_inflated_class_count_buys_no_more_synthetic_images(method, tiny_ldm,
 
 def test_fedbip_refuses_more_z_t_of_a_class_than_the_server_credits(tiny_ldm):
     """z(T) rows are the images FedBiP synthesizes from: one more row of a class than
-    max-images-per-class x latents-per-image is refused."""
+    federation.max-images-per-class x latents-per-image is refused."""
     cfg, blob = upload_of("fedbip", tiny_ldm)
 
     def one_more_row(tensors, meta):
@@ -481,7 +485,7 @@ def test_fedbip_refuses_more_z_t_of_a_class_than_the_server_credits(tiny_ldm):
         meta["fedbip.num_examples"] = json.dumps(len(tensors["labels"]))
 
     reason = refusal(cfg, tampered(blob, "fedbip", cfg, one_more_row), tiny_ldm)
-    assert "z(T) of class" in reason and "max-images-per-class 2" in reason
+    assert "z(T) of class" in reason and "federation.max-images-per-class 2" in reason
 
 
 def test_espressos_reach_does_not_grow_with_a_claimed_count(tiny_ldm):

@@ -186,12 +186,14 @@ def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(
     """Through the ClientApp's own entry: fail never reaches the model; skip reports the count
     in the metrics the reply carries (prompts-only: the upload needs no model at all)."""
     plant_bad_files(own_folder)
-    cfg = FedBiPConfig(
-        method="prompts-only",
-        dataset="imagefolder",
-        classes=",".join(CLASSES),
-        data_root=str(own_folder),
-        image_size=SIZE,
+    cfg = FedBiPConfig.from_flat(
+        {
+            "method": "prompts-only",
+            "data.dataset": "imagefolder",
+            "data.classes": ",".join(CLASSES),
+            "data.root": str(own_folder),
+            "data.image-size": SIZE,
+        }
     )
 
     def no_model():
@@ -206,15 +208,17 @@ def test_the_upload_fails_before_any_model_loads_or_counts_what_it_skipped(
 
 
 def test_an_institution_above_the_image_cap_fails_before_any_model_loads(own_folder: Path) -> None:
-    """The cap the server holds every upload to (max-images-per-client) is known to the
+    """The cap the server holds every upload to (federation.max-images-per-client) is known to the
     client too: it stops before its work instead of uploading what the server would refuse."""
-    cfg = FedBiPConfig(
-        method="fedbip",
-        dataset="imagefolder",
-        classes=",".join(CLASSES),
-        data_root=str(own_folder),
-        image_size=SIZE,
-        max_images_per_client=3 * 6 - 1,
+    cfg = FedBiPConfig.from_flat(
+        {
+            "method": "fedbip",
+            "data.dataset": "imagefolder",
+            "data.classes": ",".join(CLASSES),
+            "data.root": str(own_folder),
+            "data.image-size": SIZE,
+            "federation.max-images-per-client": 3 * 6 - 1,
+        }
     )
 
     def no_model():
@@ -222,7 +226,8 @@ def test_an_institution_above_the_image_cap_fails_before_any_model_loads(own_fol
 
     node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
     with pytest.raises(
-        DataError, match="inst holds more private images than the run's max-images-per-client 17"
+        DataError,
+        match="inst holds more private images than the run's federation.max-images-per-client 17",
     ) as info:
         institution_upload(cfg, node, no_model)
     assert "18" not in str(info.value)  # the refusal reaches the server: its count stays in the log
@@ -235,10 +240,10 @@ def test_a_dp_upload_sends_its_epsilon_and_nothing_its_guarantee_hides(
     each would tell the server what the noisy counts inside the upload hide."""
     values = {
         "method": "fedld",
-        "dataset": "imagefolder",
-        "classes": ",".join(CLASSES),
-        "data-root": str(own_folder),
-        "image-size": SIZE,
+        "data.dataset": "imagefolder",
+        "data.classes": ",".join(CLASSES),
+        "data.root": str(own_folder),
+        "data.image-size": SIZE,
     }
     node = NodeConfig(domain="sketch", client_id="inst", data_root=str(own_folder))
     plain = institution_upload(FedBiPConfig.from_flat(values), node, lambda: tiny_ldm)[1]
@@ -320,9 +325,9 @@ def test_an_error_reply_to_the_server_neither_counts_nor_names_the_bad_files(
     run = {
         **project_run_config(),
         "method": "prompts-only",
-        "dataset": "imagefolder",
-        "classes": ",".join(CLASSES),
-        "image-size": SIZE,
+        "data.dataset": "imagefolder",
+        "data.classes": ",".join(CLASSES),
+        "data.image-size": SIZE,
     }
     # an institution that lets counts leave without a DP guarantee (prompts-only's upload)
     node = {

@@ -78,7 +78,8 @@ def test_personalize_instances_equation_and_statistics(tiny_ldm):
 
 
 def test_encoding_in_slices_equals_one_batch(tiny_ldm):
-    """vae-batch-size bounds memory only: the posterior mean is per image (GroupNorm, no BatchNorm)."""
+    """ldm.vae-batch-size bounds memory only: the posterior mean is per image (GroupNorm, no
+    BatchNorm)."""
     vae = copy.deepcopy(tiny_ldm.vae).double()
     images = torch.rand(10, 3, 32, 32, dtype=torch.float64) * 2 - 1
     whole = encode_images(vae, images, batch_size=10)

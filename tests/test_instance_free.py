@@ -31,7 +31,7 @@ def test_no_per_image_tensor_leaves_and_the_server_synthesizes_from_the_mixture(
     method, tiny_ldm, tmp_path
 ):
     mixing = method == "fedbip-mixture"  # 2 z(T) per image; FedLD, Espresso: noisings = 2
-    values = {"fedbip-mixture.latents-per-image": 2} if mixing else {}
+    values = {"fedbip.latents-per-image": 2} if mixing else {}  # the mixture runs fedbip's step
     cfg, blob, metrics = upload_of(method, tiny_ldm, **values)
     audited = audit_upload(blob, 2**30)
     n = audited.meta.num_examples
@@ -341,9 +341,9 @@ def test_fedbip_inspect_and_report_show_the_mixture_guarantee(private_mixture, t
 def test_private_concepts_need_one_concept_per_class(tiny_ldm):
     cfg = method_config(
         "fedbip-mixture",
-        **{"fedbip-mixture.dp-epsilon": 4.0, "fedbip-mixture.class-clusters": 2},
+        **{"fedbip-mixture.dp-epsilon": 4.0, "fedbip.class-clusters": 2},
     )
-    with pytest.raises(ValueError, match="needs class-clusters = 1"):
+    with pytest.raises(ValueError, match="needs fedbip.class-clusters = 1"):
         create_for(cfg).upload(client_job(cfg, tiny_ldm))
 
 
@@ -356,12 +356,12 @@ def test_espresso_learns_one_condition_per_sub_cluster_and_leaves_the_rest_at_th
     from fedbip_flwr.conditions import initial_conditions
 
     cfg, blob, metrics = upload_of(
-        "espresso", tiny_ldm, **{"espresso.clusters": 3, "shots-per-class": 2}
+        "espresso", tiny_ldm, **{"espresso.clusters": 3, "data.shots-per-class": 2}
     )
     upload = create_for(cfg).accept(blob, server_job(cfg, tiny_ldm))
     conditions, counts = upload.content.conditions, upload.content.counts
     start = initial_conditions(
-        tiny_ldm, cfg.prompt_template, upload.domain, server_job(cfg, tiny_ldm).class_names, 3
+        tiny_ldm, cfg.data.prompt_template, upload.domain, server_job(cfg, tiny_ldm).class_names, 3
     )
     moved = (conditions - start).abs().flatten(2).amax(-1) > 0
     # a class of n images has min(n, J) sub-clusters, each trained; the others keep c0
@@ -432,25 +432,25 @@ def claim_total(extra: int):
 @pytest.mark.parametrize("method", METHODS)
 def test_claimed_image_counts_are_held_to_max_images_per_client(method, tiny_ldm):
     """The counts decide how many images the server makes (and Espresso's condition reach): a
-    claim above run config max-images-per-client, in all or for one class, is refused before
-    the mixture is read; a claim at the cap is taken."""
+    claim above run config federation.max-images-per-client, in all or for one class, is refused
+    before the mixture is read; a claim at the cap is taken."""
     cfg, blob, _ = upload_of(method, tiny_ldm)
     counts = audit_upload(blob, 2**30).tensors["class_counts"]
     n = int(counts.sum())
     assert int(counts.max()) < n - 1, "a per-class claim within the caps below"
-    at_cap = method_config(method, **{"max-images-per-client": n})
+    at_cap = method_config(method, **{"federation.max-images-per-client": n})
     assert create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm)).meta.num_examples == n
-    below = method_config(method, **{"max-images-per-client": n - 1})
+    below = method_config(method, **{"federation.max-images-per-client": n - 1})
     with pytest.raises(
         PayloadError,
         match=f"class_counts in all claims {n} images, above run config "
-        f"max-images-per-client {n - 1}",
+        f"federation.max-images-per-client {n - 1}",
     ):
         create_for(below).accept(blob, server_job(below, tiny_ldm))
     one_class = (
         f"class_counts of class 'circle' claims {int(counts[0]) + 10**9} images, above run config"
     )
-    with pytest.raises(PayloadError, match=f"{one_class} max-images-per-client 100000"):
+    with pytest.raises(PayloadError, match=f"{one_class} federation.max-images-per-client 100000"):
         create_for(cfg).accept(
             tampered(blob, method, cfg, claim_total(10**9)), server_job(cfg, tiny_ldm)
         )

@@ -29,11 +29,11 @@ RUN_CLASSES = ("star", "circle", "square", "triangle", "cross", "heart")  # not 
 def run_config(**values) -> FedBiPConfig:
     return FedBiPConfig.from_flat(
         {
-            "dataset": "imagefolder",
-            "classes": ",".join(RUN_CLASSES),
-            "image-size": 32,
+            "data.dataset": "imagefolder",
+            "data.classes": ",".join(RUN_CLASSES),
+            "data.image-size": 32,
             "fedbip.concept-epochs": 1,
-            "num-inference-steps": 4,
+            "synthesis.num-inference-steps": 4,
             **values,
         }
     )
@@ -55,14 +55,14 @@ def own_folder(tmp_path_factory) -> Path:
 
 def test_own_folder_is_labelled_by_the_run_class_order(own_folder):
     cfg, node = institution(own_folder)
-    data = dataset.institution_data(cfg.data, node)
+    data = dataset.institution_data(cfg.data_description, node)
     assert (data.domain, data.client_id) == ("sketch", "hospital-a")
     assert data.images.shape == (18, 3, 32, 32) and data.images.dtype == torch.float32
     assert data.classes == RUN_CLASSES
     # ImageFolder lists class folders sorted; the labels follow the run's class order
     want = [RUN_CLASSES.index(name) for name in sorted(shapes.CLASSES) for _ in range(3)]
     assert data.labels.tolist() == want
-    test = dataset.institution_test_set(cfg.data, node, data.domain)
+    test = dataset.institution_test_set(cfg.data_description, node, data.domain)
     assert len(test.labels) == 12 and set(test.labels.tolist()) == set(range(6))
 
 
@@ -74,10 +74,12 @@ def test_folder_without_test_split_holds_out_files_by_their_content(tmp_path, la
         root = (root / "train").rename(tmp_path / "flat")
     held = sum(held_out_by_content(path) for path in root.rglob("*.png"))
     cfg, node = institution(root)
-    train = dataset.institution_data(cfg.data, node)
-    test = dataset.institution_test_set(cfg.data, node, "sketch")
+    train = dataset.institution_data(cfg.data_description, node)
+    test = dataset.institution_test_set(cfg.data_description, node, "sketch")
     assert len(train.labels) + len(test.labels) == 30 and len(test.labels) == held
-    assert torch.equal(test.images, dataset.institution_test_set(cfg.data, node, "sketch").images)
+    assert torch.equal(
+        test.images, dataset.institution_test_set(cfg.data_description, node, "sketch").images
+    )
 
 
 def test_a_class_folder_the_run_does_not_know_is_one_sentence(tmp_path, own_folder):
@@ -87,7 +89,7 @@ def test_a_class_folder_the_run_does_not_know_is_one_sentence(tmp_path, own_fold
     with pytest.raises(
         DataError, match=r"class folder 'hexagon' in .* is not one of the run's classes"
     ) as err:
-        dataset.institution_data(cfg.data, node)
+        dataset.institution_data(cfg.data_description, node)
     assert "\n" not in str(err.value)
 
 
@@ -96,7 +98,7 @@ def test_a_missing_class_is_legal_label_skew_and_logged(tmp_path, own_folder, ca
     shutil.rmtree(tmp_path / "data" / "train" / "heart")
     cfg, node = institution(tmp_path / "data")
     with caplog.at_level(logging.WARNING):
-        data = dataset.institution_data(cfg.data, node)
+        data = dataset.institution_data(cfg.data_description, node)
     assert RUN_CLASSES.index("heart") not in data.labels.tolist()
     assert len(data.labels) == 15
     assert any(
@@ -116,7 +118,7 @@ def test_a_missing_class_is_legal_label_skew_and_logged(tmp_path, own_folder, ca
 def test_bad_node_config_is_one_sentence(own_folder, values, needle):
     cfg, node = institution(own_folder, **values)
     with pytest.raises(DataError, match=needle) as err:
-        dataset.institution_data(cfg.data, node)
+        dataset.institution_data(cfg.data_description, node)
     assert "\n" not in str(err.value)
 
 
@@ -133,30 +135,30 @@ def test_node_config_rejects_unknown_keys_and_sets_only_its_own_run_keys():
         }
     )
     assert node.run_overrides() == {
-        "model": "/models/sd",
-        "device": "cuda",
-        "half-precision": False,
+        "ldm.model": "/models/sd",
+        "ldm.device": "cuda",
+        "ldm.half-precision": False,
     }
 
 
 def test_simulated_node_without_partition_id_is_told_about_imagefolder():
     cfg = FedBiPConfig()
     with pytest.raises(DataError, match="dataset imagefolder"):
-        dataset.institution_data(cfg.data, NodeConfig())
+        dataset.institution_data(cfg.data_description, NodeConfig())
 
 
 def test_imagefolder_run_config_is_checked_at_the_edge():
-    with pytest.raises(ConfigError, match="needs classes"):
-        FedBiPConfig.from_flat({"dataset": "imagefolder"})
-    with pytest.raises(ConfigError, match='evaluation = "clients"'):
-        run_config(evaluation="server")
-    assert run_config().evaluation == "clients"
-    assert FedBiPConfig().evaluation == "both"
+    with pytest.raises(ConfigError, match="needs data.classes"):
+        FedBiPConfig.from_flat({"data.dataset": "imagefolder"})
+    with pytest.raises(ConfigError, match='federation.evaluation = "clients"'):
+        run_config(**{"federation.evaluation": "server"})
+    assert run_config().federation.evaluation == "clients"
+    assert FedBiPConfig().federation.evaluation == "both"
 
 
 def test_an_institutions_upload_is_accepted_under_any_domain_phrase(tmp_path, own_folder, tiny_ldm):
     cfg, node = institution(own_folder, domain="painting")
-    data = dataset.institution_data(cfg.data, node)
+    data = dataset.institution_data(cfg.data_description, node)
     payload, _ = personalize(
         tiny_ldm,
         data.images,

@@ -31,7 +31,8 @@ def test_run_loader_resolves_local_folder(tiny_model_dir):
 def test_sd_sized_run_on_cpu_is_refused_before_loading(tmp_path):
     """No weights are read: the folder does not even exist, the device check comes first."""
     with pytest.raises(
-        ModelLoadError, match="image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU"
+        ModelLoadError,
+        match="data.image-size 512 is a Stable Diffusion-sized run and needs a CUDA GPU",
     ):
         load_for_run(str(tmp_path / "absent"), "cpu", half_precision=True, image_size=512)
 
@@ -48,7 +49,7 @@ def test_sd_sized_run_on_cpu_when_the_environment_opts_in(tmp_path, tiny_model_d
 
 def test_uncached_hub_id_offline_is_one_clear_sentence(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="Set run config 'model' to a local folder"):
+    with pytest.raises(ModelLoadError, match="Set run config 'ldm.model' to a local folder"):
         load_ldm("CompVis/stable-diffusion-v1-4", allow_download=False)
 
 

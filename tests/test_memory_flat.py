@@ -44,12 +44,12 @@ CLASSES = ["circle", "square", "star"]
 CFG = FedBiPConfig.from_flat(
     {
         "fedbip.concept-epochs": 0,
-        "num-inference-steps": 4,
-        "image-size": 32,
+        "synthesis.num-inference-steps": 4,
+        "data.image-size": 32,
         "fedbip.multiplier": 2,
-        "synthesis-batch-size": 4,
-        "vae-batch-size": 3,
-        "classifier-image-size": 16,
+        "synthesis.batch-size": 4,
+        "ldm.vae-batch-size": 3,
+        "classifier.image-size": 16,
     }
 )
 
@@ -213,8 +213,9 @@ def test_auto_precision_is_half_where_the_device_computes_it(bf16_cpu, monkeypat
 
 
 def test_the_run_config_chooses_the_global_classifier_precision_not_the_judges():
-    assert train_settings(FedBiPConfig()).precision == "float32"
-    assert train_settings(FedBiPConfig(classifier_precision="auto")).precision == "auto"
+    assert train_settings(FedBiPConfig().classifier).precision == "float32"
+    auto = FedBiPConfig.from_flat({"classifier.precision": "auto"})
+    assert train_settings(auto.classifier).precision == "auto"
     assert TrainSettings(1, 0.01, 0.9, 8, 16).precision == "float32"  # judges, oracles
 
 

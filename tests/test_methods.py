@@ -152,13 +152,15 @@ def test_images_per_class_overrides_the_fedbip_equal_count():
     # by default 2 per image: what the default federation's FedBiP makes (2 z(T), 1 pass each)
     fedbip = FedBiPConfig.from_flat(project_run_config()).settings_of("fedbip")
     assert own(cfg).images_per_image == fedbip.latents_per_image * fedbip.multiplier == 2
-    assert fresh_noise_labels(counts, own(cfg), cfg).tolist() == [0] * 4 + [2] * 2
-    claimed_more = torch.tensor([3, 0, 1])  # than max-images-per-class (here the run's 2 shots)
-    assert fresh_noise_labels(claimed_more, own(cfg), cfg).tolist() == [0] * 4 + [2] * 2
+    assert fresh_noise_labels(counts, own(cfg), cfg.class_cap).tolist() == [0] * 4 + [2] * 2
+    claimed_more = torch.tensor(
+        [3, 0, 1]
+    )  # than federation.max-images-per-class (here the run's 2 shots)
+    assert fresh_noise_labels(claimed_more, own(cfg), cfg.class_cap).tolist() == [0] * 4 + [2] * 2
     fixed = method_config("prompts-only", **{"prompts-only.images-per-class": 2})
-    assert fresh_noise_labels(counts, own(fixed), fixed).tolist() == [0, 0, 1, 1, 2, 2]
+    assert fresh_noise_labels(counts, own(fixed), fixed.class_cap).tolist() == [0, 0, 1, 1, 2, 2]
     one = method_config("prompts-only", **{"prompts-only.images-per-image": 1})
-    assert fresh_noise_labels(counts, own(one), one).tolist() == [0] * 2 + [2]
+    assert fresh_noise_labels(counts, own(one), one.class_cap).tolist() == [0] * 2 + [2]
 
 
 def test_central_uploads_the_images_themselves_and_trains_on_them(tiny_ldm, tmp_path):
@@ -192,7 +194,7 @@ def test_local_uploads_a_trained_classifier_and_is_scored_per_client(tiny_ldm):
     assert sorted(models) == ["quickdraw-0", "sketch-0"]
     tests = {
         d: (s.images, s.labels)
-        for d, s in dataset.load_test_sets(cfg.data, ["sketch", "painting"]).items()
+        for d, s in dataset.load_test_sets(cfg.data_description, ["sketch", "painting"]).items()
     }
     scores = evaluate_models(models, tests, 32, "cpu")
     for domain in tests:
@@ -242,7 +244,7 @@ def test_malformed_uploads_are_refused_with_a_reason(method, lie, tiny_ldm):
 def test_oversize_truncated_and_non_finite_uploads_are_refused(method, tiny_ldm):
     blob, cfg = valid_upload(method, tiny_ldm)
     server = server_job(
-        method_config(method, **{"max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm
+        method_config(method, **{"federation.max-payload-mb": len(blob) / 2**20 / 2}), tiny_ldm
     )
     with pytest.raises(PayloadError, match="above the cap"):
         create_for(cfg).accept(blob, server)
@@ -269,11 +271,12 @@ def test_every_claimed_image_count_is_held_to_max_images_per_client(method, tiny
     client's claimed images, FedBiP's z(T) rows included."""
     blob, _ = valid_upload(method, tiny_ldm)
     n = len(client_job(method_config(method), tiny_ldm).data.labels)
-    at_cap = method_config(method, **{"max-images-per-client": n})
+    at_cap = method_config(method, **{"federation.max-images-per-client": n})
     create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm))
-    below = method_config(method, **{"max-images-per-client": n - 1})
+    below = method_config(method, **{"federation.max-images-per-client": n - 1})
     with pytest.raises(
-        PayloadError, match=f"claims {n} images, above run config max-images-per-client {n - 1}"
+        PayloadError,
+        match=f"claims {n} images, above run config federation.max-images-per-client {n - 1}",
     ):
         create_for(below).accept(blob, server_job(below, tiny_ldm))
 
@@ -299,13 +302,13 @@ def test_a_fedbip_payload_names_its_method(tiny_ldm):
 
 E2E = {
     **SMALL,
-    "shots-per-class": 2,
-    "classifier-epochs": 1,
+    "data.shots-per-class": 2,
+    "classifier.epochs": 1,
     "local.epochs": 1,
     "fedlmg.local-epochs": 1,
     "fedavg.rounds": 2,
     "fedavg.local-epochs": 1,
-    "domains": '"sketch,quickdraw"',
+    "data.domains": '"sketch,quickdraw"',
     "fedlmg.noise-edits": 1,
     "fedlmg.batch-size": 12,
 }
@@ -323,7 +326,7 @@ def runs(tmp_path_factory, tiny_model_dir):
                 **E2E,
                 "method": f'"{method}"',
                 "run-name": f'"{method}"',
-                "model": f'"{tiny_model_dir}"',
+                "ldm.model": f'"{tiny_model_dir}"',
                 "output-dir": f'"{out}"',
             }
             run_id, log = run_simulation(home, as_run_config(values), supernodes=2, timeout=900)
@@ -368,7 +371,9 @@ def test_fedbip_with_several_latents_per_image_uploads_k_z_T_each(tiny_ldm):
     # the rows come in a random order (instance.upload_order): each image's class twice
     counts = torch.bincount(upload.tensors["labels"], minlength=len(job.data.classes))
     assert torch.equal(counts, 2 * torch.bincount(job.data.labels, minlength=len(job.data.classes)))
-    at_cap = method_config("fedbip", **{"fedbip.latents-per-image": 2, "max-images-per-client": n})
+    at_cap = method_config(
+        "fedbip", **{"fedbip.latents-per-image": 2, "federation.max-images-per-client": n}
+    )
     create_for(at_cap).accept(blob, server_job(at_cap, tiny_ldm))  # 2n z(T) rows of n images
     one_cfg = method_config("fedbip")
     one, _ = create_for(one_cfg).upload(client_job(one_cfg, tiny_ldm))

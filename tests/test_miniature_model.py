@@ -22,8 +22,8 @@ FOLDER = ROOT / "models" / "miniature-ldm"
 
 def test_default_run_uses_the_shipped_folder():
     defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert defaults["model"] == FedBiPConfig().model == "models/miniature-ldm"
-    assert resolve(defaults["model"]) == FOLDER
+    assert defaults["ldm"]["model"] == FedBiPConfig().ldm.model == "models/miniature-ldm"
+    assert resolve(defaults["ldm"]["model"]) == FOLDER
     assert (FOLDER / "model_index.json").is_file()
 
 

@@ -61,13 +61,13 @@ pytestmark = pytest.mark.long(minutes=2.4)
 
 SHOTS = {"sketch": 2, "quickdraw": 3, "painting": 4}  # unequal clients: 12, 18, 24 images
 SMALL = {
-    "image-size": 32,
+    "data.image-size": 32,
     "fedbip.concept-epochs": 0,
-    "num-inference-steps": 3,
+    "synthesis.num-inference-steps": 3,
     "fedbip.multiplier": 2,
-    "synthesis-batch-size": 4,
+    "synthesis.batch-size": 4,
     "fedbip.eta-std": 0.5,
-    "device": "cpu",
+    "ldm.device": "cpu",
 }
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -117,10 +117,10 @@ def fedbip_synthesize(folder: RunFolder, processes: int = 1) -> subprocess.Compl
 def run(tmp_path_factory, tiny_model_dir) -> RunFolder:
     """A run folder as the ServerApp leaves it after its round: config, uploads, clients.json."""
     folder = RunFolder(tmp_path_factory.mktemp("multisynth") / "run")
-    cfg = FedBiPConfig.from_flat({"model": str(tiny_model_dir), **SMALL})
+    cfg = FedBiPConfig.from_flat({"ldm.model": str(tiny_model_dir), **SMALL})
     ldm = load_ldm(tiny_model_dir)
     for domain, shots in SHOTS.items():
-        data = shapes.client_train_set(domain, shots, 0, seed=0, size=cfg.image_size)
+        data = shapes.client_train_set(domain, shots, 0, seed=0, size=cfg.data.image_size)
         payload, _ = personalize(
             ldm,
             data.images,
@@ -222,16 +222,16 @@ def test_another_method_splits_per_client_through_its_own_train_set(run, tmp_pat
     sized as the images it writes; the shards are the bytes of one train_set call."""
     cfg = read_run_config(run).model_copy(update={"method": "prompts-only"})
     method = methods.create("prompts-only", {"images-per-class": 1})
-    job = ServerJob(cfg, cfg.class_list, functools.cache(lambda: load_ldm(tiny_model_dir)))
+    job = ServerJob(cfg, cfg.data.class_list, functools.cache(lambda: load_ldm(tiny_model_dir)))
     uploads = {}
     for domain, shots in SHOTS.items():
-        counts = torch.full((len(cfg.class_list),), shots, dtype=torch.int64)
+        counts = torch.full((len(cfg.data.class_list),), shots, dtype=torch.int64)
         blob = methods.base.encode_upload(
             methods.prompts_only.PromptsOnlyMeta(
                 schema_version=methods.base.SCHEMA_VERSION,
                 client_id=f"{domain}-0",
                 domain=domain,
-                class_names=cfg.class_list,
+                class_names=cfg.data.class_list,
                 num_examples=int(counts.sum()),
             ),
             {"class_counts": counts},
@@ -272,11 +272,11 @@ def test_the_server_waits_for_the_shards_and_times_out_with_the_command(run, sin
 
 EXTERNAL = {
     **E2E_SMALL,
-    "domains": '"sketch,quickdraw"',
+    "data.domains": '"sketch,quickdraw"',
     "fedbip.concept-epochs": 1,
     "run-name": '"external"',
-    "synthesis": '"external"',
-    "evaluation": '"server"',
+    "synthesis.where": '"external"',
+    "federation.evaluation": '"server"',
 }
 SUPERNODES = 2
 
@@ -297,13 +297,13 @@ def external_runs(tmp_path_factory, tiny_model_dir):
     the ServerApp waits, the test runs `fedbip synthesize`, the run completes."""
     out = tmp_path_factory.mktemp("outputs")
     home = tmp_path_factory.mktemp("flwr-home")
-    values = {**EXTERNAL, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
+    values = {**EXTERNAL, "ldm.model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
     folder = RunFolder(out / "external")
     result = {"folder": folder}
     try:
         run_id, log = run_simulation(
             home,
-            as_run_config({**values, "synthesis-timeout-s": 3}),
+            as_run_config({**values, "synthesis.timeout-s": 3}),
             supernodes=SUPERNODES,
             timeout=600,
         )
@@ -358,7 +358,7 @@ def test_without_the_command_the_server_gives_up_naming_it(external_runs):
     assert first["metrics"]["status"] == "failed"
     assert f"fedbip synthesize {folder.root}" in first["metrics"]["reason"]
     assert f"fedbip synthesize {folder.root}" in first["log"]  # logged while it waited
-    assert read_run_config(folder).synthesis == "external"
+    assert read_run_config(folder).synthesis.where == "external"
 
 
 def test_restarted_server_waits_for_the_command_and_trains_on_its_shards(external_runs):

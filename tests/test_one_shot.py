@@ -64,7 +64,12 @@ def test_failing_client_is_recorded_and_round_completes(tmp_path, tiny_model_dir
     out = tmp_path / "out"
     out.mkdir()
     home = tmp_path / "home"
-    values = {**SMALL, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"', "min-clients": 2}
+    values = {
+        **SMALL,
+        "ldm.model": f'"{tiny_model_dir}"',
+        "output-dir": f'"{out}"',
+        "federation.min-clients": 2,
+    }
     try:
         run_id, log = run_simulation(home, as_run_config(values), 3, timeout=900, app=app)
         status = run_status(home, run_id)

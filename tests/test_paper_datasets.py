@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from fedbip_flwr import dataset, shapes
-from fedbip_flwr.config import ConfigError, FedBiPConfig
+from fedbip_flwr.config import ConfigError, DataConfig, FedBiPConfig
 from fedbip_flwr.folders import TEST_FRACTION, medmnist_file
 from fedbip_flwr.methods import ServerJob, create
 from fedbip_flwr.methods.fedbip import personalize
@@ -26,7 +26,7 @@ from fedbip_tools.build_ldm import TINY, build_ldm
 from tests.helpers import WORDS
 
 STEP = 12  # colour quantum: channel value = STEP * code, decodable after JPEG and resizing
-SIZE = 8  # image-size of every test (the config's minimum)
+SIZE = 8  # data.image-size of every test (the config's minimum)
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,18 +60,18 @@ def codes(images: torch.Tensor) -> torch.Tensor:
 
 
 def config(**values) -> FedBiPConfig:
-    return FedBiPConfig.from_flat({"image-size": SIZE, **values})
+    return FedBiPConfig.from_flat({"data.image-size": SIZE, **values})
 
 
 def clients(cfg: FedBiPConfig, count: int, num_partitions: int | None = None) -> list:
-    return [dataset.load_client_data(cfg.data, p, num_partitions) for p in range(count)]
+    return [dataset.load_client_data(cfg.data_description, p, num_partitions) for p in range(count)]
 
 
 # --------------------------------------------------------------------------------------------
 # specs and config (Table 5)
 # --------------------------------------------------------------------------------------------
 def test_specs_follow_table_5() -> None:
-    literal = FedBiPConfig.model_fields["dataset"].annotation.__args__
+    literal = DataConfig.model_fields["dataset"].annotation.__args__
     assert set(literal) == set(SPECS)
     sizes = {name: (len(s.classes), len(s.domains), s.n_s, s.n_v) for name, s in SPECS.items()}
     assert sizes == {
@@ -110,46 +110,56 @@ def test_specs_follow_table_5() -> None:
 def test_config_takes_prompt_and_concept_sizes_from_the_dataset() -> None:
     derma = config(
         **{
-            "dataset": "dermamnist",
-            "data-root": "x",
-            "partitioning": "iid",
-            "prompt-template": "",
-            "n-s": 0,
-            "n-v": 0,
-            "domains": "",
+            "data.dataset": "dermamnist",
+            "data.root": "x",
+            "data.partitioning": "iid",
+            "data.prompt-template": "",
+            "data.n-s": 0,
+            "data.n-v": 0,
+            "data.domains": "",
         }
     )
-    assert derma.prompt_template == SPECS["dermamnist"].prompt_template
-    assert (derma.n_s, derma.n_v, derma.domain_list) == (2, 4, ["dermatoscopic image"])
+    assert derma.data.prompt_template == SPECS["dermamnist"].prompt_template
+    assert (derma.data.n_s, derma.data.n_v, derma.data.domain_list) == (
+        2,
+        4,
+        ["dermatoscopic image"],
+    )
     own = config(
         **{
-            "dataset": "ucm",
-            "data-root": "x",
-            "partitioning": "dirichlet",
-            "n-s": 1,
-            "prompt-template": "a {S} of a {V}",
+            "data.dataset": "ucm",
+            "data.root": "x",
+            "data.partitioning": "dirichlet",
+            "data.n-s": 1,
+            "data.prompt-template": "a {S} of a {V}",
         }
     )
-    assert (own.prompt_template, own.n_s, own.n_v) == ("a {S} of a {V}", 1, 3)
+    assert (own.data.prompt_template, own.data.n_s, own.data.n_v) == ("a {S} of a {V}", 1, 3)
     assert FedBiPConfig.from_flat(own.to_flat()) == own
     assert (
-        FedBiPConfig().prompt_template == shapes.CAPTION_TEMPLATE
+        FedBiPConfig().data.prompt_template == shapes.CAPTION_TEMPLATE
     )  # the miniature model's captions
 
 
 @pytest.mark.parametrize(
     ("values", "needle"),
     [
-        ({"dataset": "pacs", "data-root": "x", "domains": "art_painting"}, "valid: art, cartoon"),
         (
-            {"dataset": "domainnet", "data-root": "x", "domains": "Real"},
+            {"data.dataset": "pacs", "data.root": "x", "data.domains": "art_painting"},
+            "valid: art, cartoon",
+        ),
+        (
+            {"data.dataset": "domainnet", "data.root": "x", "data.domains": "Real"},
             "domainnet domains exactly",
         ),
-        ({"dataset": "dermamnist", "data-root": "x"}, "use dirichlet or iid"),
-        ({"dataset": "pacs", "partitioning": "iid", "data-root": "x"}, "does not apply to pacs"),
-        ({"dataset": "officehome"}, "set data-root"),
-        ({"dataset": "imagenet"}, "'dataset'"),
-        ({"dirichlet-beta": 0.0}, "'dirichlet-beta'"),
+        ({"data.dataset": "dermamnist", "data.root": "x"}, "use dirichlet or iid"),
+        (
+            {"data.dataset": "pacs", "data.partitioning": "iid", "data.root": "x"},
+            "does not apply to pacs",
+        ),
+        ({"data.dataset": "officehome"}, "set data.root"),
+        ({"data.dataset": "imagenet"}, "'data.dataset'"),
+        ({"data.dirichlet-beta": 0.0}, "'data.dirichlet-beta'"),
     ],
 )
 def test_bad_dataset_config_is_one_sentence(values: dict, needle: str) -> None:
@@ -162,11 +172,13 @@ def test_bad_dataset_config_is_one_sentence(values: dict, needle: str) -> None:
 # shapes: the default run is unchanged
 # --------------------------------------------------------------------------------------------
 def test_shapes_default_is_what_it_was() -> None:
-    cfg = FedBiPConfig.from_flat({"shots-per-class": 2, "test-per-class": 2, "image-size": 32})
+    cfg = FedBiPConfig.from_flat(
+        {"data.shots-per-class": 2, "data.test-per-class": 2, "data.image-size": 32}
+    )
     for p, (domain, index) in enumerate(
         [("sketch", 0), ("quickdraw", 0), ("painting", 0), ("sketch", 1)]
     ):
-        got = dataset.load_client_data(cfg.data, p)
+        got = dataset.load_client_data(cfg.data_description, p)
         want = shapes.client_train_set(domain, 2, index, seed=0, size=32)
         assert (got.client_id, got.domain, got.classes) == (
             f"{domain}-{index}",
@@ -174,10 +186,10 @@ def test_shapes_default_is_what_it_was() -> None:
             shapes.CLASSES,
         )
         assert torch.equal(got.images, want.images) and torch.equal(got.labels, want.labels)
-    tests = dataset.load_test_sets(cfg.data, ["painting"])
+    tests = dataset.load_test_sets(cfg.data_description, ["painting"])
     assert torch.equal(tests["painting"].images, shapes.test_set("painting", 2, size=32).images)
-    assert dataset.class_names(cfg.data) == list(shapes.CLASSES)
-    dataset.verify(cfg.data)  # nothing on disk to check
+    assert dataset.class_names(cfg.data_description) == list(shapes.CLASSES)
+    dataset.verify(cfg.data_description)  # nothing on disk to check
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,13 +211,13 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
     make_tree(tmp_path, folders, list(spec.folder_of_class()), per_class)
     cfg = config(
         **{
-            "dataset": name,
-            "data-root": str(tmp_path),
-            "domains": ",".join(domains),
-            "shots-per-class": shots,
+            "data.dataset": name,
+            "data.root": str(tmp_path),
+            "data.domains": ",".join(domains),
+            "data.shots-per-class": shots,
         }
     )
-    dataset.verify(cfg.data)
+    dataset.verify(cfg.data_description)
     got = clients(cfg, 2 * len(domains))  # two clients per domain
     assert [c.client_id for c in got] == [f"{d}-{i}" for i in range(2) for d in domains]
     for client in got:
@@ -220,7 +232,7 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
     for d in range(len(domains)):  # a domain's two clients share no image
         a, b = (codes(got[d + k * len(domains)].images).tolist() for k in (0, 1))
         assert not {tuple(x) for x in a} & {tuple(x) for x in b}
-    tests = dataset.load_test_sets(cfg.data, domains)
+    tests = dataset.load_test_sets(cfg.data_description, domains)
     held_out = round(TEST_FRACTION * per_class)
     for domain in domains:
         assert torch.bincount(tests[domain].labels).tolist() == [held_out] * len(spec.classes)
@@ -228,16 +240,16 @@ def test_feature_partition_from_folders(name: str, tmp_path: Path) -> None:
             tuple(x) for c in got if c.domain == domain for x in codes(c.images).tolist()
         }
         assert not train_codes & {tuple(x) for x in codes(tests[domain].images).tolist()}
-    assert dataset.class_names(cfg.data) == list(spec.classes)
+    assert dataset.class_names(cfg.data_description) == list(spec.classes)
 
 
 def test_partitions_are_reproducible_and_move_with_the_seed(tmp_path: Path) -> None:
     make_tree(tmp_path, ["sketch"], list(SPECS["pacs"].classes), 12, suffix=".png")
     values = {
-        "dataset": "pacs",
-        "data-root": str(tmp_path),
-        "domains": "sketch",
-        "shots-per-class": 2,
+        "data.dataset": "pacs",
+        "data.root": str(tmp_path),
+        "data.domains": "sketch",
+        "data.shots-per-class": 2,
     }
     first = dataset.load_client_data(config(**values).data, 0)
     again = dataset.load_client_data(config(**values).data, 0)
@@ -257,17 +269,17 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
     make_tree(tmp_path, ["sketch"], [c if c != "bird" else "birdhouse" for c in classes], 10)
     cfg = config(
         **{
-            "dataset": "domainnet",
-            "data-root": str(tmp_path),
-            "domains": "sketch",
-            "shots-per-class": 2,
+            "data.dataset": "domainnet",
+            "data.root": str(tmp_path),
+            "data.domains": "sketch",
+            "data.shots-per-class": 2,
         }
     )
     with pytest.raises(DataError, match="class folder 'bird' is missing"):
-        dataset.verify(cfg.data)
+        dataset.verify(cfg.data_description)
     make_tree(tmp_path, ["sketch"], ["bird"], 10)  # now both exist; only 'bird' may be read
     bird = classes.index("bird")
-    client = dataset.load_client_data(cfg.data, 0)
+    client = dataset.load_client_data(cfg.data_description, 0)
     assert (codes(client.images)[client.labels == bird, 0] == 0).all()  # bird folder's colour
     assert torch.equal(
         codes(client.images)[client.labels != bird, 0], client.labels[client.labels != bird]
@@ -277,10 +289,10 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
     make_tree(tmp_path / "oh", ["Art"], folders, 10)
     office = config(
         **{
-            "dataset": "officehome",
-            "data-root": str(tmp_path / "oh"),
-            "domains": "art",
-            "shots-per-class": 2,
+            "data.dataset": "officehome",
+            "data.root": str(tmp_path / "oh"),
+            "data.domains": "art",
+            "data.shots-per-class": 2,
         }
     )
     client = dataset.load_client_data(office.data, 0)
@@ -300,20 +312,20 @@ def test_domainnet_official_split_lists(tmp_path: Path) -> None:
         (tmp_path / f"clipart_{split}.txt").write_text("\n".join(lines) + "\n")
     cfg = config(
         **{
-            "dataset": "domainnet",
-            "data-root": str(tmp_path),
-            "domains": "clipart",
-            "shots-per-class": 2,
+            "data.dataset": "domainnet",
+            "data.root": str(tmp_path),
+            "data.domains": "clipart",
+            "data.shots-per-class": 2,
         }
     )
-    test = dataset.load_test_sets(cfg.data, ["clipart"])["clipart"]
+    test = dataset.load_test_sets(cfg.data_description, ["clipart"])["clipart"]
     assert len(test) == 2 * len(classes)  # birdhouse's listed images are not read
     assert set(codes(test.images)[:, 1].tolist()) == {4, 5}  # exactly the listed test files
-    train = dataset.load_client_data(cfg.data, 0)
+    train = dataset.load_client_data(cfg.data_description, 0)
     assert set(codes(train.images)[:, 1].tolist()) <= {0, 1, 2, 3}
     (tmp_path / "clipart_test.txt").write_text("clipart/clock/404.jpg 1\n")
     with pytest.raises(DataError, match="lists no image of class 'airplane'"):
-        dataset.verify(cfg.data)
+        dataset.verify(cfg.data_description)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,7 +355,9 @@ def test_dermamnist_label_partitions(tmp_path: Path) -> None:
     assert medmnist_file(spec, tmp_path, 64).name == "dermamnist_64.npz"
     assert medmnist_file(spec, tmp_path, 512).name == "dermamnist_64.npz"  # the largest there is
     for how in ("dirichlet", "iid"):
-        cfg = config(**{"dataset": "dermamnist", "data-root": str(tmp_path), "partitioning": how})
+        cfg = config(
+            **{"data.dataset": "dermamnist", "data.root": str(tmp_path), "data.partitioning": how}
+        )
         got = clients(cfg, 5, num_partitions=5)
         assert [c.client_id for c in got] == [f"dermamnist-{p}" for p in range(5)]
         assert all(c.domain == "dermatoscopic image" and c.classes == spec.classes for c in got)
@@ -354,23 +368,27 @@ def test_dermamnist_label_partitions(tmp_path: Path) -> None:
             assert torch.equal(codes(c.images)[:, 0], c.labels)
         if how == "iid":
             assert [len(c) for c in got] == [28] * 5
-    test = dataset.load_test_sets(cfg.data, ["dermatoscopic image"])["dermatoscopic image"]
+    test = dataset.load_test_sets(cfg.data_description, ["dermatoscopic image"])[
+        "dermatoscopic image"
+    ]
     assert torch.bincount(test.labels).tolist() == [3] * 7
     with pytest.raises(DataError, match="num-partitions"):
-        dataset.load_client_data(cfg.data, 0)
+        dataset.load_client_data(cfg.data_description, 0)
     with pytest.raises(DataError, match="outside 0..4"):
-        dataset.load_client_data(cfg.data, 5, 5)
+        dataset.load_client_data(cfg.data_description, 5, 5)
 
 
 def test_ucm_tif_folders(tmp_path: Path) -> None:
     folders = list(SPECS["ucm"].folder_of_class())
     make_tree(tmp_path / "UCMerced_LandUse", ["Images"], folders, 5, suffix=".tif")
     for root in (tmp_path / "UCMerced_LandUse", tmp_path / "UCMerced_LandUse" / "Images"):
-        cfg = config(**{"dataset": "ucm", "data-root": str(root), "partitioning": "iid"})
+        cfg = config(**{"data.dataset": "ucm", "data.root": str(root), "data.partitioning": "iid"})
         got = clients(cfg, 5, num_partitions=5)
         assert sum(len(c) for c in got) == 21 * 4 and got[0].client_id == "ucm-0"
         assert all(torch.equal(codes(c.images)[:, 0], c.labels) for c in got)
-        test = dataset.load_test_sets(cfg.data, cfg.domain_list)["centered satellite photo"]
+        test = dataset.load_test_sets(cfg.data_description, cfg.data.domain_list)[
+            "centered satellite photo"
+        ]
         assert torch.bincount(test.labels).tolist() == [1] * 21
 
 
@@ -398,28 +416,38 @@ def test_dirichlet_is_reproducible_and_skews_as_beta_shrinks() -> None:
 # missing or too little data: one sentence, before any heavy work
 # --------------------------------------------------------------------------------------------
 def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
-    pacs = {"dataset": "pacs", "domains": "art", "shots-per-class": 4}
+    pacs = {"data.dataset": "pacs", "data.domains": "art", "data.shots-per-class": 4}
     cases = [
-        (config(**pacs, **{"data-root": str(tmp_path / "nowhere")}), "does not exist"),
-        (config(**pacs, **{"data-root": str(tmp_path)}), "needs folder 'art_painting'"),
+        (config(**pacs, **{"data.root": str(tmp_path / "nowhere")}), "does not exist"),
+        (config(**pacs, **{"data.root": str(tmp_path)}), "needs folder 'art_painting'"),
         (
-            config(**{"dataset": "dermamnist", "data-root": str(tmp_path), "partitioning": "iid"}),
+            config(
+                **{
+                    "data.dataset": "dermamnist",
+                    "data.root": str(tmp_path),
+                    "data.partitioning": "iid",
+                }
+            ),
             "no dermamnist.npz",
         ),
     ]
     make_tree(tmp_path / "few", ["art_painting"], list(SPECS["pacs"].classes), 4)
-    cases.append((config(**pacs, **{"data-root": str(tmp_path / "few")}), "has 3 training images"))
+    cases.append((config(**pacs, **{"data.root": str(tmp_path / "few")}), "has 3 training images"))
     (tmp_path / "empty" / "art_painting" / "dog").mkdir(parents=True)
-    cases.append((config(**pacs, **{"data-root": str(tmp_path / "empty")}), "holds no images"))
+    cases.append((config(**pacs, **{"data.root": str(tmp_path / "empty")}), "holds no images"))
     for cfg, needle in cases:
         with pytest.raises(DataError) as err:
-            dataset.load_client_data(cfg.data, 0, 5)
+            dataset.load_client_data(cfg.data_description, 0, 5)
         assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(DataError, match="does not exist"):
         dataset.verify(cases[0][0].data)
     np.savez(tmp_path / "bad.npz", train_images=np.zeros((2, 28, 28, 3), np.uint8))
     bad = config(
-        **{"dataset": "dermamnist", "data-root": str(tmp_path / "bad.npz"), "partitioning": "iid"}
+        **{
+            "data.dataset": "dermamnist",
+            "data.root": str(tmp_path / "bad.npz"),
+            "data.partitioning": "iid",
+        }
     )
     with pytest.raises(DataError, match="lacks test_images, test_labels, train_labels"):
         dataset.verify(bad.data)
@@ -438,15 +466,15 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
     make_tree(tmp_path / "ucm", ["Images"], list(SPECS["ucm"].folder_of_class()), 3, suffix=".tif")
     cfg = FedBiPConfig.from_flat(
         {
-            "dataset": "ucm",
-            "data-root": str(tmp_path / "ucm"),
-            "partitioning": "iid",
-            "image-size": 32,
+            "data.dataset": "ucm",
+            "data.root": str(tmp_path / "ucm"),
+            "data.partitioning": "iid",
+            "data.image-size": 32,
             "fedbip.concept-epochs": 1,
-            "num-inference-steps": 4,
+            "synthesis.num-inference-steps": 4,
         }
     )
-    data = dataset.load_client_data(cfg.data, 1, 2)
+    data = dataset.load_client_data(cfg.data_description, 1, 2)
     payload, _ = personalize(
         tiny_ldm,
         data.images,
@@ -457,9 +485,9 @@ def test_label_skew_client_upload_is_accepted_and_scored(tmp_path: Path) -> None
         cfg,
         torch.Generator().manual_seed(0),
     )
-    job = ServerJob(cfg, dataset.class_names(cfg.data), lambda: tiny_ldm)
+    job = ServerJob(cfg, dataset.class_names(cfg.data_description), lambda: tiny_ldm)
     accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.client_id, accepted.meta.domain) == ("ucm-1", "centered satellite photo")
     assert accepted.meta.prompt_template == "A {S} of {V}." and accepted.meta.n_s == 3
-    tests = dataset.load_test_sets(cfg.data, [accepted.meta.domain])
+    tests = dataset.load_test_sets(cfg.data_description, [accepted.meta.domain])
     assert len(tests[accepted.meta.domain]) == 21  # round(0.2 * 3) = 1 per class

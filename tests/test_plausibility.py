@@ -27,16 +27,16 @@ from fedbip_flwr.upload import PayloadError
 
 CLASSES = ["circle", "square", "star"]
 SIZE = 32  # the tiny model's 4 x 16 x 16 latent
-CFG = FedBiPConfig(num_inference_steps=4, image_size=SIZE, shots_per_class=2).with_settings(
-    "fedbip", concept_epochs=1
-)
+CFG = FedBiPConfig.from_flat(
+    {"synthesis.num-inference-steps": 4, "data.image-size": SIZE, "data.shots-per-class": 2}
+).with_settings("fedbip", concept_epochs=1)
 
 
 def honest(ldm: LDM, latent_dtype: str = "float32", domain: str = "sketch") -> Payload:
     """A payload computed by the real client code on real (generated) images."""
     cfg = CFG.with_settings("fedbip", latent_dtype=latent_dtype)
     data = shapes.client_train_set(
-        domain, cfg.shots_per_class, 0, seed=0, size=SIZE, classes=CLASSES
+        domain, cfg.data.shots_per_class, 0, seed=0, size=SIZE, classes=CLASSES
     )
     payload, _ = personalize(
         ldm,

@@ -21,7 +21,7 @@ from tests.helpers import SMALL, as_run_config, make_wrapper_app, run_to_end
 
 pytestmark = pytest.mark.long(minutes=1.0)
 
-POISONED = {**SMALL, "min-clients": 2, "run-name": '"poisoned"'}
+POISONED = {**SMALL, "federation.min-clients": 2, "run-name": '"poisoned"'}
 
 POISONING_CLIENT = '''
 """The project's ClientApp; partition 1 scales the z(T) of its upload by 50 before sending."""
@@ -65,7 +65,7 @@ def poisoned_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path)
     )
     out = base / "out"
     out.mkdir()
-    values = {**POISONED, "model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
+    values = {**POISONED, "ldm.model": f'"{tiny_model_dir}"', "output-dir": f'"{out}"'}
     status, log = run_to_end(base / "home", as_run_config(values), app)
     return {"status": status, "log": log, "folder": RunFolder(out / "poisoned")}
 

@@ -38,7 +38,7 @@ def train(node: dict, monkeypatch: pytest.MonkeyPatch, **run) -> Message:
     project's defaults (its own folders: dataset imagefolder)."""
     for field in ("_task_id", "_run_id", "_node_id"):  # what a SuperNode's runtime sets
         monkeypatch.setattr(TaskIdentity, field, 1)
-    config = {**project_run_config(), "dataset": "imagefolder", "classes": CLASSES, **run}
+    config = {**project_run_config(), "data.dataset": "imagefolder", "data.classes": CLASSES, **run}
     context = Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=config)
     message = Message(content=train_content([]), dst_node_id=1, message_type=MessageType.TRAIN)
     return client_app.train(message, context)
@@ -89,9 +89,9 @@ def test_a_real_institution_refuses_an_upload_without_a_guarantee_before_any_wor
             {
                 "method": "fedbip-mixture",
                 "fedbip-mixture.dp-epsilon": 4.0,
-                "replayable-client-noise": True,
+                "federation.replayable-client-noise": True,
             },
-            "is void: run config replayable-client-noise",
+            "is void: run config federation.replayable-client-noise",
         ),
         ({"allow-uploads": "latents,concepts"}, {"method": "fedavg"}, "uploads classifier"),
     ],
@@ -126,8 +126,8 @@ def own_folder(tmp_path_factory) -> Path:
 
 def job(folder: Path, model: str, node: dict, **run) -> tuple[FedBiPConfig, NodeConfig]:
     node_config = NodeConfig.from_flat(institution(**{"data-root": str(folder), **node}))
-    flat = {**project_run_config(), "dataset": "imagefolder", "classes": CLASSES, **run}
-    cfg = FedBiPConfig.from_flat({**flat, "model": model, **node_config.run_overrides()})
+    flat = {**project_run_config(), "data.dataset": "imagefolder", "data.classes": CLASSES, **run}
+    cfg = FedBiPConfig.from_flat({**flat, "ldm.model": model, **node_config.run_overrides()})
     return cfg, node_config
 
 
@@ -154,7 +154,7 @@ def test_the_byte_cap_refuses_from_a_bound_before_computing_and_on_the_real_size
     at the tiny model's 32 px, a bound read from its VAE's config, no weight loaded; an upload
     whose size is known only once made (prompts-only's counts) is held to the cap after."""
     small = {"require-dp": False, "max-upload-mb": 40_000 / 2**20}
-    cfg, node = job(own_folder, str(tiny_model_dir), small, **{"image-size": 32})
+    cfg, node = job(own_folder, str(tiny_model_dir), small, **{"data.image-size": 32})
     with pytest.raises(PolicyRefusal) as refused:
         institution_upload(cfg, node, never_loaded(), policy=node.upload_policy)
     assert "would take at least 98304 bytes" in refused.value.detail

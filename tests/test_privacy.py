@@ -63,8 +63,15 @@ def upload(ldm, client_images, cfg: FedBiPConfig, node: NodeConfig) -> Payload:
     return payload
 
 
+REPLAYABLE = {"federation.replayable-client-noise": True}
+# T = 5 of 200 steps: so little noise that the rows of one image identify it
+LOW_T = {"synthesis.start-timestep": 5, "synthesis.num-inference-steps": 200}
+
+
 def config(latents_per_image: int = 1, **values) -> FedBiPConfig:
-    return FedBiPConfig(**{"image_size": 32, "num_inference_steps": 4, **values}).with_settings(
+    """A tiny run config with ``values`` (run-config keys) over it."""
+    flat = {"data.image-size": 32, "synthesis.num-inference-steps": 4, **values}
+    return FedBiPConfig.from_flat(flat).with_settings(
         "fedbip", concept_epochs=0, latents_per_image=latents_per_image
     )
 
@@ -80,7 +87,7 @@ def test_the_server_cannot_replay_a_clients_default_noise(tiny_ldm, client_image
 
 def test_the_attack_succeeds_under_the_simulation_opt_in(tiny_ldm, client_images):
     """The same attack recovers every latent when the client seeds from the run config."""
-    cfg = config(replayable_client_noise=True)
+    cfg = config(**REPLAYABLE)
     truth = encode_images(tiny_ldm.vae, client_images[0])
     estimate = replay_attack(
         upload(tiny_ldm, client_images, cfg, NodeConfig()), cfg, tiny_ldm.scheduler.alphas_cumprod
@@ -123,7 +130,7 @@ def test_the_upload_gives_away_no_order(tiny_ldm, client_images):
     that averaging the right rows identifies every image, averaging rows by their position
     (all a server without the client's generator can do) identifies few."""
     draws, seed = 5, 1234
-    cfg = config(latents_per_image=draws, start_timestep=5, num_inference_steps=200)
+    cfg = config(draws, **LOW_T)
     payload = upload(tiny_ldm, client_images, cfg, NodeConfig(seed=seed))
     truth = encode_images(tiny_ldm.vae, client_images[0])
     n, rows = len(truth), payload.latents.float()
@@ -138,11 +145,9 @@ def test_the_upload_gives_away_no_order(tiny_ldm, client_images):
 
 
 def test_the_benchmarks_oracle_replays_the_upload_order(tiny_ldm, client_images):
-    """Under replayable-client-noise the benchmark matches each row to its image (its
+    """Under federation.replayable-client-noise the benchmark matches each row to its image (its
     reconstruction scores need it): at a low T the rows it assigns to an image identify it."""
-    cfg = config(
-        latents_per_image=3, start_timestep=5, num_inference_steps=200, replayable_client_noise=True
-    )
+    cfg = config(3, **LOW_T, **REPLAYABLE)
     payload = upload(tiny_ldm, client_images, cfg, NodeConfig())
     truth = encode_images(tiny_ldm.vae, client_images[0])
     rows = payload.latents.float()

@@ -37,7 +37,7 @@ def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: 
     assert "| synthesis  |     2 min 55 s |" in report
     phases = re.findall(r"^\| (load_model|round|synthesis|classifier) ", report, re.MULTILINE)
     assert phases == ["load_model", "round", "synthesis", "classifier"]  # run order, not sorted
-    assert '(run config `evaluation = "both"`)' in report
+    assert '(run config `federation.evaluation = "both"`)' in report
     assert re.search(r"\| quickdraw 1 +\| +50\.0% +\| +100 \| ok", report)
     assert re.search(
         r"\| painting-0 +\| +n/a +\| +\| failed +\| no reply before the timeout", report
@@ -56,14 +56,14 @@ def test_report_names_every_client_and_domain_and_links_existing_pngs(tmp_path: 
 def test_report_of_a_failed_run_has_status_reason_and_no_dangling_links(tmp_path: Path) -> None:
     metrics = {
         "status": "failed",
-        "reason": "only 1 valid payload(s); min-clients is 2",
+        "reason": "only 1 valid payload(s); federation.min-clients is 2",
         "clients": [reported_client("sketch-0", "sketch"), {"node_id": 9, "status": "missing"}],
         "config": {},
     }
     folder = run_folder(tmp_path / "run-8", metrics, grids=[])
     report = write_report(folder).read_text()
 
-    assert "**Status: failed.** only 1 valid payload(s); min-clients is 2" in report
+    assert "**Status: failed.** only 1 valid payload(s); federation.min-clients is 2" in report
     assert "sketch-0" in report and "node 9" in report
     for absent in ("## Accuracy", "## Time per phase", "## Concept learning", "## Classifier"):
         assert absent not in report

@@ -58,8 +58,8 @@ def test_a_failed_run_keeps_only_what_it_reached(tmp_path: Path) -> None:
     clients = [ClientOutcome(node_id=3, status="missing", reason="no reply before the timeout")]
     record = RunResults(
         status="failed",
-        reason="only 0 valid payload(s); min-clients is 1",
-        config={"min-clients": 1, "seed": 0},
+        reason="only 0 valid payload(s); federation.min-clients is 1",
+        config={"federation.min-clients": 1, "seed": 0},
         started_unix=1.5,
         clients=clients,
     )
@@ -80,8 +80,8 @@ def test_phases_come_in_the_order_they_run() -> None:
 
 
 def test_an_inflated_evaluation_reply_weighs_as_one_institution(tmp_path: Path) -> None:
-    """Issue 91: 100,000 of 100,000 correct is self-consistent and within max-images-per-client,
-    so it passes every check a reply is held to; weighted by its claimed test images it would
+    """Issue 91: 100,000 of 100,000 correct is self-consistent and within
+    federation.max-images-per-client, so it passes every check a reply is held to; weighted by its claimed test images it would
     outweigh every honest institution (the mean 0.9997). Each institution weighs one; one that
     did not score counts not at all."""
     honest = Scored(

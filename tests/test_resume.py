@@ -115,7 +115,7 @@ def runs(tmp_path_factory, tiny_model_dir):
     result = {}
     for name in ("reference", "crashed"):
         (base / name).mkdir()
-        values = {**RESUME, "model": f'"{tiny_model_dir}"', "output-dir": f'"{base / name}"'}
+        values = {**RESUME, "ldm.model": f'"{tiny_model_dir}"', "output-dir": f'"{base / name}"'}
         result[name] = {"out": base / name, "config": as_run_config(values)}
     ref = result["reference"]
     ref["status"], ref["log"] = run_to_end(base / "home-ref", ref["config"], app)
@@ -185,12 +185,14 @@ def test_resumed_run_equals_uninterrupted_run(runs):
 
 def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path):
     """A resumed run skips work that an uninterrupted one did; the classifier must not care."""
-    cfg = FedBiPConfig(
-        classifier_init="random",
-        classifier_epochs=1,
-        classifier_image_size=16,
-        classifier_batch_size=4,
-        seed=3,
+    cfg = FedBiPConfig.from_flat(
+        {
+            "classifier.init": "random",
+            "classifier.epochs": 1,
+            "classifier.image-size": 16,
+            "classifier.batch-size": 4,
+            "seed": 3,
+        }
     )
     generator = torch.Generator().manual_seed(0)
     images = torch.rand(8, 3, 16, 16, generator=generator) * 2 - 1
@@ -208,7 +210,8 @@ def test_classifier_does_not_depend_on_global_rng_left_by_earlier_work(tmp_path)
 
 
 def test_shards_are_reused_under_the_same_settings_and_redone_under_others(tiny_ldm, tmp_path):
-    cfg = FedBiPConfig(num_inference_steps=4, image_size=32, synthesis_batch_size=4).with_settings(
+    flat = {"synthesis.num-inference-steps": 4, "data.image-size": 32, "synthesis.batch-size": 4}
+    cfg = FedBiPConfig.from_flat(flat).with_settings(
         "fedbip", concept_epochs=1, multiplier=2, eta_std=0.5
     )
     images = torch.rand(6, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1

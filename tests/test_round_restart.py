@@ -172,15 +172,15 @@ def restarted(tmp_path_factory, tiny_model_dir):
     out = work / "outputs"
     values = {
         **SMALL,
-        "dataset": '"imagefolder"',
-        "classes": f'"{",".join(shapes.CLASSES)}"',
-        "model": f'"{tiny_model_dir}"',
+        "data.dataset": '"imagefolder"',
+        "data.classes": f'"{",".join(shapes.CLASSES)}"',
+        "ldm.model": f'"{tiny_model_dir}"',
         "output-dir": f'"{out}"',
         "run-name": '"restart"',
         "fedbip.concept-epochs": 30,
-        "min-clients": 2,
+        "federation.min-clients": 2,
     }
-    values.pop("replayable-client-noise")  # institutions: the private default
+    values.pop("federation.replayable-client-noise")  # institutions: the private default
     config = as_run_config(values)
     folder = out / "restart"
     topology = Topology(work)

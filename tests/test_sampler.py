@@ -180,11 +180,15 @@ def test_z_samplings_round_trip_returns_z_t_under_an_exact_model(tiny_ldm, spaci
 def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm):
     """A client on DPM-Solver++ noises to its schedule's first timestep and says which sampler
     it noised for; a server on PNDM names the scheduler as the mismatch, not the timestep."""
-    cfg = FedBiPConfig(
-        num_inference_steps=10, image_size=32, scheduler="dpm-solver++"
+    cfg = FedBiPConfig.from_flat(
+        {
+            "synthesis.num-inference-steps": 10,
+            "data.image-size": 32,
+            "synthesis.scheduler": "dpm-solver++",
+        }
     ).with_settings("fedbip", concept_epochs=1)
     fedbip = cfg.settings_of("fedbip")
-    classes = cfg.class_list
+    classes = cfg.data.class_list
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     payload, _ = personalize(
         tiny_ldm,
@@ -199,10 +203,10 @@ def test_the_upload_records_its_sampler_and_the_server_refuses_another(tiny_ldm)
     assert (payload.meta.scheduler, payload.meta.timestep) == ("DPMSolverMultistepScheduler", 901)
     blob = encode_payload(payload)
     assert decode_payload(blob, expectations(cfg, tiny_ldm, classes, fedbip)).meta.timestep == 901
-    on_pndm = cfg.model_copy(update={"scheduler": SchedulerName.PNDM})
+    on_pndm = FedBiPConfig.from_flat({**cfg.to_flat(), "synthesis.scheduler": SchedulerName.PNDM})
     with pytest.raises(
         PayloadError,
         match="scheduler 'DPMSolverMultistepScheduler' does not match"
-        ".*'PNDMScheduler'.*run config scheduler",
+        ".*'PNDMScheduler'.*run config synthesis.scheduler",
     ):
         decode_payload(blob, expectations(on_pndm, tiny_ldm, classes, fedbip))

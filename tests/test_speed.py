@@ -72,7 +72,7 @@ def test_classifier_case_splits_data_preparation_from_training(args):
 
 
 def test_the_compiled_unet_draws_the_eager_loops_images(args, tiny_model_dir):
-    """compile-unet (torch.compile of the UNet) changes speed, not images."""
+    """ldm.compile-unet (torch.compile of the UNet) changes speed, not images."""
     from fedbip_flwr.ldm import load_for_run
 
     images = {}

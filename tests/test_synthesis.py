@@ -26,9 +26,9 @@ CLASSES = ["circle", "square", "star"]
 
 @pytest.fixture()
 def payload(tiny_ldm):
-    cfg = FedBiPConfig(num_inference_steps=10, image_size=32).with_settings(
-        "fedbip", concept_epochs=1
-    )
+    cfg = FedBiPConfig.from_flat(
+        {"synthesis.num-inference-steps": 10, "data.image-size": 32}
+    ).with_settings("fedbip", concept_epochs=1)
     images = torch.rand(6, 3, 32, 32) * 2 - 1
     labels = torch.tensor([0, 0, 1, 1, 2, 2])
     payload, _ = personalize(

@@ -42,7 +42,9 @@ def ldm() -> LDM:
 
 def personalized(ldm: LDM, n_s: int, n_v: int) -> tuple[Payload, FedBiPConfig]:
     """Two sketch images per class, one concept epoch: real learned concepts, in seconds."""
-    cfg = FedBiPConfig(n_s=n_s, n_v=n_v).with_settings("fedbip", concept_epochs=1)
+    cfg = FedBiPConfig.from_flat({"data.n-s": n_s, "data.n-v": n_v}).with_settings(
+        "fedbip", concept_epochs=1
+    )
     data = shapes.client_train_set("sketch", 2, classes=CLASSES)
     payload, _ = personalize(
         ldm,
@@ -75,7 +77,9 @@ def training_conditioning(
     ldm: LDM, payload: Payload, cfg: FedBiPConfig, label: int
 ) -> torch.Tensor:
     """tau(S, V_label): what the UNet saw while S and V were learned."""
-    layout = prompt_layout(ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, "sketch", CLASSES)
+    layout = prompt_layout(
+        ldm.tokenizer, cfg.data.prompt_template, cfg.data.n_s, cfg.data.n_v, "sketch", CLASSES
+    )
     with torch.no_grad():
         return encode_prompts(
             ldm,

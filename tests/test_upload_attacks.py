@@ -31,12 +31,12 @@ SHOTS = 8  # 48 members a side: standard error of an AUC about 0.06
 def candidates(cfg) -> Candidates:
     """Partition 0's private images against as many unseen images of its domain and classes."""
     members = client_job(cfg, None).data
-    others = shapes.client_train_set(members.domain, SHOTS, 1, cfg.seed, cfg.image_size)
+    others = shapes.client_train_set(members.domain, SHOTS, 1, cfg.seed, cfg.data.image_size)
     return Candidates(members, others)
 
 
 def view(cfg, ldm, domain: str) -> ServerView:
-    public = shapes.pretrain_set(domain, REFERENCE_PER_CLASS // 10, cfg.seed, cfg.image_size)
+    public = shapes.pretrain_set(domain, REFERENCE_PER_CLASS // 10, cfg.seed, cfg.data.image_size)
     return ServerView(cfg, lambda: ldm, public)
 
 
@@ -66,12 +66,14 @@ def test_every_one_shot_upload_of_an_image_has_a_test_and_prompts_only_none():
 def test_lightly_noised_z_t_give_the_members_away_and_other_images_give_nothing(tiny_ldm):
     """The positive control (fails if the scores were shuffled or the test ignored the rows)
     and the negative one (an upload of images no candidate is among)."""
-    cfg = method_config("fedbip", **{"shots-per-class": SHOTS, "start-timestep": 100})
+    cfg = method_config(
+        "fedbip", **{"data.shots-per-class": SHOTS, "synthesis.start-timestep": 100}
+    )
     c = candidates(cfg)
     found = attack_upload(accepted(cfg, tiny_ldm), c, view(cfg, tiny_ldm, c.members.domain))
     assert found.auc >= 0.9, found.summary()
     assert (len(found.member_scores), len(found.non_member_scores)) == (6 * SHOTS, 6 * SHOTS)
-    third = shapes.client_train_set(c.members.domain, SHOTS, 2, cfg.seed, cfg.image_size)
+    third = shapes.client_train_set(c.members.domain, SHOTS, 2, cfg.seed, cfg.data.image_size)
     third = type(c.members)(third.images, third.labels, third.classes, third.domain, "third")
     nothing = attack_upload(
         accepted(cfg, tiny_ldm, third), c, view(cfg, tiny_ldm, c.members.domain)
@@ -80,7 +82,7 @@ def test_lightly_noised_z_t_give_the_members_away_and_other_images_give_nothing(
 
 
 def test_centrals_upload_is_the_images_so_every_member_is_found(tiny_ldm):
-    cfg = method_config("central", **{"shots-per-class": SHOTS})
+    cfg = method_config("central", **{"data.shots-per-class": SHOTS})
     c = candidates(cfg)
     found = attack_upload(accepted(cfg, tiny_ldm), c, view(cfg, tiny_ldm, c.members.domain))
     assert found.auc == 1.0 and found.tpr_at_max_fpr == 1.0
@@ -88,7 +90,7 @@ def test_centrals_upload_is_the_images_so_every_member_is_found(tiny_ldm):
 
 @pytest.mark.parametrize("method", ["fedbip-mixture", "fedld", "fedpft", "oscar", "local"])
 def test_each_kind_scores_every_candidate_from_its_accepted_upload(method, tiny_ldm):
-    cfg = method_config(method, **{"shots-per-class": SHOTS})
+    cfg = method_config(method, **{"data.shots-per-class": SHOTS})
     c = candidates(cfg)
     found = attack_upload(accepted(cfg, tiny_ldm), c, view(cfg, tiny_ldm, c.members.domain))
     assert found.statistic == TESTS[method].statistic

@@ -95,7 +95,7 @@ def test_an_upload_is_recorded_in_the_institutions_own_folder_as_it_leaves(
     run = {
         **project_run_config(),
         **METHOD_CFG,
-        "model": str(tiny_model_dir),
+        "ldm.model": str(tiny_model_dir),
         "output-dir": str(tmp_path / "server"),
     }
     node = {"partition-id": 0, "num-partitions": 3, "output-dir": str(tmp_path / "own")}

@@ -26,10 +26,10 @@ from fedbip_tools import world
 
 # the benchmark's recipe (cosine schedule, precise BN, float32) at a fraction of its steps
 CHEAP = {
-    "classifier-init": "random",
-    "classifier-schedule": "cosine",
-    "classifier-precision": "float32",
-    "test-per-class": 30,
+    "classifier.init": "random",
+    "classifier.schedule": "cosine",
+    "classifier.precision": "float32",
+    "data.test-per-class": 30,
 }
 
 
@@ -65,15 +65,15 @@ def test_every_domain_is_learnable_from_one_client_of_it():
     the benchmark's budget, reads each domain's test images: a style made unlearnable (random
     brush-stroke noise once was, BENCHMARKS.md) fails it."""
     cfg = FedBiPConfig.from_flat(
-        {**CHEAP, "classifier-init": "pretrained", "classifier-steps": 150}
+        {**CHEAP, "classifier.init": "pretrained", "classifier.steps": 150}
     )
     parts = [shapes.client_train_set(d, 16, 0, cfg.seed) for d in shapes.DOMAINS]
-    model = build_classifier(len(shapes.CLASSES), cfg.classifier_init, cfg.model)
+    model = build_classifier(len(shapes.CLASSES), cfg.classifier.init, cfg.ldm.model)
     images, labels = torch.cat([p.images for p in parts]), torch.cat([p.labels for p in parts])
-    train_classifier(model, images, labels, train_settings(cfg), seed=cfg.seed)
+    train_classifier(model, images, labels, train_settings(cfg.classifier), seed=cfg.seed)
     found = {}
     for domain in shapes.DOMAINS:
-        test = shapes.test_set(domain, cfg.test_per_class)
+        test = shapes.test_set(domain, cfg.data.test_per_class)
         found[domain] = evaluate(model, test.images, test.labels, 64).accuracy
     assert all(accuracy >= 0.9 for accuracy in found.values()), found
 

@@ -117,15 +117,16 @@ def institution_upload(
     (:class:`~fedbip_flwr.policy.PolicyRefusal`); offline, nothing leaves."""
     started = time.perf_counter()
     method = one_shot_for(cfg)
-    data = dataset.institution_data(cfg.data, node)
+    data = dataset.institution_data(cfg.data_description, node)
     if (
-        len(data) > cfg.max_images_per_client
+        len(data) > cfg.federation.max_images_per_client
     ):  # the server would refuse the upload: fail before the work
         log.error("[%s] holds %d private images", data.client_id, len(data))  # its count stays here
         raise DataError(
-            f"{data.client_id} holds more private images than the run's max-images-per-client "
-            f"{cfg.max_images_per_client} (counted in its own log): the server refuses an upload that "
-            "stands for more (ask its operator to raise it, or hold fewer images)"
+            f"{data.client_id} holds more private images than the run's "
+            f"federation.max-images-per-client {cfg.federation.max_images_per_client} (counted in "
+            "its own log): the server refuses an upload that stands for more (ask its operator to "
+            "raise it, or hold fewer images)"
         )
     if policy is not None:
         policy.check_before_compute(len(data), lambda: method.upload_floor(cfg, len(data)))
@@ -144,9 +145,10 @@ def institution_upload(
     if (
         EPSILON_METRIC in metrics
     ):  # a DP upload: nothing beside it that its guarantee does not cover
-        if cfg.replayable_client_noise:
+        if cfg.federation.replayable_client_noise:
             log.warning(
-                "[%s] replayable-client-noise is on: a server that replays it removes the DP noise",
+                "[%s] federation.replayable-client-noise is on: a server that replays it removes "
+                "the DP noise",
                 data.client_id,
             )
         return blob, {EPSILON_METRIC: metrics[EPSILON_METRIC]}

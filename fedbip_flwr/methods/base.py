@@ -92,7 +92,7 @@ class ClientJob:
     """What one client's one upload is computed from."""
 
     cfg: FedBiPConfig
-    data: ClientSet  # private images (N, 3, s, s) in [-1, 1] at image-size, labels, id, domain
+    data: ClientSet  # private images (N, 3, s, s) in [-1, 1] at data.image-size, labels, id, domain
     generator: torch.Generator  # the client's only randomness (fedbip_flwr.client.client_generator)
     ldm: Callable[[], LDM]  # the frozen LDM, loaded on first call: not every method needs it
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -112,7 +112,7 @@ class ServerJob:
 
     @property
     def max_bytes(self) -> int:
-        return int(self.cfg.max_payload_mb * 2**20)
+        return int(self.cfg.federation.max_payload_mb * 2**20)
 
 
 @dataclass(frozen=True, eq=False)
@@ -421,8 +421,8 @@ def check_class_counts(
     upload: Upload, server: ServerJob, name: str = "class_counts"
 ) -> torch.Tensor:
     """:func:`check_counts`, each and their sum within the server's run config
-    max-images-per-client (it synthesizes as many images as they claim)."""
-    cap = server.cfg.max_images_per_client
+    federation.max-images-per-client (it synthesizes as many images as they claim)."""
+    cap = server.cfg.federation.max_images_per_client
     counts = check_counts(upload, name)
     for class_name, count in zip(upload.meta.class_names, counts.tolist(), strict=True):
         check_image_count(count, cap, f"{name} of class {class_name!r}")
@@ -431,28 +431,31 @@ def check_class_counts(
 
 
 def check_image_count(images: int, cap: int, what: str) -> None:
-    """Refuse a claim of more private images than ``cap`` (run config max-images-per-client):
-    the server's synthesis grows with the claim, so an unbounded claim is unbounded work."""
+    """Refuse a claim of more private images than ``cap`` (run config
+    federation.max-images-per-client): the server's synthesis grows with the claim, so an unbounded
+    claim is unbounded work."""
     if images > cap:
         raise PayloadError(
-            f"{what} claims {images} images, above run config max-images-per-client {cap} "
+            f"{what} claims {images} images, above run config "
+            f"federation.max-images-per-client {cap} "
             "(raise it on the server if a client legitimately holds that many)"
         )
 
 
 def check_class_rows(
-    labels: torch.Tensor, class_names: Sequence[str], cfg: FedBiPConfig, per_image: int
+    labels: torch.Tensor, class_names: Sequence[str], class_cap: int, per_image: int
 ) -> None:
-    """Refuse z(T) of one class beyond run config max-images-per-class x ``per_image`` (the
-    method's latents-per-image): each row is synthesized from, so extra rows would buy their
-    sender a larger share."""
-    cap = cfg.class_cap * per_image
+    """Refuse z(T) of one class beyond ``class_cap`` (the run's resolved
+    federation.max-images-per-class, :attr:`~fedbip_flwr.config.FedBiPConfig.class_cap`) x
+    ``per_image`` (the method's latents-per-image): each row is synthesized from, so extra rows
+    would buy their sender a larger share."""
+    cap = class_cap * per_image
     rows = torch.bincount(labels.to(torch.int64), minlength=len(class_names)).tolist()
     for class_name, count in zip(class_names, rows, strict=True):
         if count > cap:
             raise PayloadError(
                 f"{count} z(T) of class {class_name!r}, above {cap} (run config "
-                f"max-images-per-class {cfg.class_cap} x latents-per-image {per_image})"
+                f"federation.max-images-per-class {class_cap} x latents-per-image {per_image})"
             )
 
 
@@ -462,15 +465,16 @@ def class_counts(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 
 def fresh_noise_labels(
-    counts: torch.Tensor, own: FreshNoiseSettings, cfg: FedBiPConfig
+    counts: torch.Tensor, own: FreshNoiseSettings, class_cap: int
 ) -> torch.Tensor:
     """Labels of a client's sampled synthetic set, class by class: the method's
-    images-per-class each, or its images-per-image x the client's count clipped to run config
-    max-images-per-class: the server, not the claim, bounds what a client's set holds."""
+    images-per-class each, or its images-per-image x the client's count clipped to
+    ``class_cap`` (the run's resolved federation.max-images-per-class): the server, not the
+    claim, bounds what a client's set holds."""
     per_class = (
         torch.full_like(counts, own.images_per_class)
         if own.images_per_class
-        else counts.clamp(max=cfg.class_cap) * own.images_per_image
+        else counts.clamp(max=class_cap) * own.images_per_image
     )
     return torch.repeat_interleave(torch.arange(len(counts)), per_class)
 

@@ -45,7 +45,7 @@ class Central(Method):
         return encode_upload(CentralMeta(**common_meta(job)), tensors), {}
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
-        size = server.cfg.image_size
+        size = server.cfg.data.image_size
         check_tensor(upload, "images", torch.uint8, (upload.meta.num_examples, 3, size, size))
         check_labels(upload)
         return upload

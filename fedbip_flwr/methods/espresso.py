@@ -115,7 +115,7 @@ class Espresso(MixtureChecks, Method):
         seconds: dict[str, float] = {}
 
         started = time.perf_counter()
-        encoder = public_encoder(cfg.model, cfg.classifier_image_size, job.device)
+        encoder = public_encoder(cfg.ldm.model, cfg.classifier.image_size, job.device)
         sub_clusters = cluster_images(data.images, data.labels, own.clusters, encoder)
         seconds["seconds-clusters"] = time.perf_counter() - started
 
@@ -128,7 +128,7 @@ class Espresso(MixtureChecks, Method):
             timestep,
             gamma_mean=own.gamma_mean,
             gamma_std=own.gamma_std,
-            vae_batch_size=cfg.vae_batch_size,
+            vae_batch_size=cfg.ldm.vae_batch_size,
             draws=own.noisings,
             generator=job.generator,
         )
@@ -143,7 +143,9 @@ class Espresso(MixtureChecks, Method):
         seconds["seconds-instance"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        start = initial_conditions(ldm, cfg.prompt_template, data.domain, classes, own.clusters)
+        start = initial_conditions(
+            ldm, cfg.data.prompt_template, data.domain, classes, own.clusters
+        )
         progress = Progress(log, f"[{data.client_id}] conditions", own.epochs, "epochs")
         learned = learn_conditions(
             ldm,
@@ -164,7 +166,7 @@ class Espresso(MixtureChecks, Method):
         meta = EspressoMeta(
             **mixture_meta(job, ldm, timestep, own.components),
             clusters=own.clusters,
-            prompt_template=cfg.prompt_template,
+            prompt_template=cfg.data.prompt_template,
         )
         tensors = {
             "class_counts": class_counts(data.labels, len(classes)),
@@ -194,7 +196,7 @@ class Espresso(MixtureChecks, Method):
                 (
                     "prompt template",
                     meta.prompt_template,
-                    server.cfg.prompt_template,
+                    server.cfg.data.prompt_template,
                     "conditions start from its plain prompt",
                 ),
             ]
@@ -215,7 +217,7 @@ class Espresso(MixtureChecks, Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             content: EspressoUpload = upload.content
-            labels = fresh_noise_labels(content.counts, self.settings, server.cfg)
+            labels = fresh_noise_labels(content.counts, self.settings, server.cfg.class_cap)
             clusters = content.conditions.shape[1]
             rows = condition_rows(
                 content.counts,
@@ -242,14 +244,15 @@ class Espresso(MixtureChecks, Method):
 
 def check_conditions(upload: Upload, server: ServerJob, own: EspressoSettings) -> torch.Tensor:
     """(C, J, L, d) conditions, each coordinate within reach of its start c0 (tau of the plain
-    prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise. The reach grows
-    with num_examples, so this runs after :func:`check_mixture_upload` has held it to run config
-    max-images-per-client. The steps counted are those of the images the server credits (at
-    most run config max-images-per-class of each class), never more for a larger claim."""
+    prompt, rebuilt here) in the client's learning; ``PayloadError`` otherwise. The reach grows with
+    num_examples, so this runs after :func:`check_mixture_upload` has held it to run config
+    federation.max-images-per-client. The steps counted are those of the images the server credits
+    (at most run config federation.max-images-per-class of each class), never more for a larger
+    claim."""
     meta, ldm = upload.meta, server.ldm()
     images = min(meta.num_examples, server.cfg.class_cap * len(server.class_names))
     start = initial_conditions(
-        ldm, server.cfg.prompt_template, meta.domain, server.class_names, own.clusters
+        ldm, server.cfg.data.prompt_template, meta.domain, server.class_names, own.clusters
     )
     conditions = check_tensor(upload, CONDITIONS, torch.float32, tuple(start.shape))
     scale = concept_scale(ldm, SPACE)

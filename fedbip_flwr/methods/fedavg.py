@@ -4,7 +4,7 @@ send back. Not one-shot: it is what FedBiP's single upload is compared against.
 
 ``fedavg.part`` says what is federated:
 
-- ``all`` (default): the whole ResNet-18, from ``classifier-init``, trained with the shared
+- ``all`` (default): the whole ResNet-18, from ``classifier.init``, trained with the shared
   classifier recipe; every weight and BatchNorm statistic travels.
 - ``head``: only a linear head (512 -> C) on the frozen backbone shipped with the base model,
   FedPFT's encoder (:func:`fedbip_flwr.clusters.public_encoder`): the Flower FedPFT baseline's
@@ -18,8 +18,9 @@ send back. Not one-shot: it is what FedBiP's single upload is compared against.
 
 Everything received is checked before it is loaded (:func:`checked_arrays`): the client refuses
 a global model whose arrays are not exactly the model's names, shapes and dtypes, or hold NaN or
-Inf; the server drops such a client reply (and one claiming more than ``max-images-per-client``
-images, its averaging weight) before Flower's FedAvg averages it (:class:`CheckedFedAvg`).
+Inf; the server drops such a client reply (and one claiming more than
+``federation.max-images-per-client`` images, its averaging weight) before Flower's FedAvg
+averages it (:class:`CheckedFedAvg`).
 
 The client's round reads the same private data as every other method
 (:func:`fedbip_flwr.dataset.institution_data`); the server writes the same run folder
@@ -77,7 +78,7 @@ class FedAvg(MultiRound):
         """The global classifier's architecture: a ResNet-18 from ``init`` (part all), or the
         frozen backbone shipped with the base model with a fresh linear head (part head)."""
         return build_classifier(
-            len(cfg.class_list), "pretrained" if self.head_only else init, cfg.model
+            len(cfg.data.class_list), "pretrained" if self.head_only else init, cfg.ldm.model
         )
 
     def federated(self, model: nn.Module) -> nn.Module:
@@ -87,13 +88,13 @@ class FedAvg(MultiRound):
     def fresh_part(self, cfg: FedBiPConfig) -> nn.Module:
         """The federated part alone, randomly initialised: the head's shapes are any
         ResNet-18's, so no backbone is read for them."""
-        return self.federated(build_classifier(len(cfg.class_list), "random"))
+        return self.federated(build_classifier(len(cfg.data.class_list), "random"))
 
     def client_round(
         self, msg: Message, cfg: FedBiPConfig, node: NodeConfig, device: torch.device
     ) -> RecordDict:
         """One client's round: the server's message checked, then :meth:`local_update`."""
-        data = dataset.institution_data(cfg.data, node)
+        data = dataset.institution_data(cfg.data_description, node)
         if self.head_only:
             self._check_encoder(msg, cfg)
         rounds = self.settings.rounds
@@ -142,7 +143,7 @@ class FedAvg(MultiRound):
         part = self.fresh_part(cfg)
         part.load_state_dict(start)
         if self.head_only:
-            features = public_encoder(cfg.model, cfg.classifier_image_size, device)(data.images)
+            features = public_encoder(cfg.ldm.model, cfg.classifier.image_size, device)(data.images)
             recipe = cast(FedPFTSettings, cfg.settings_of("fedpft"))  # FedPFT's head recipe
             fit_head(
                 part,
@@ -158,7 +159,7 @@ class FedAvg(MultiRound):
                 part,
                 data.images,
                 data.labels,
-                train_settings(cfg, self.settings.local_epochs),
+                train_settings(cfg.classifier, self.settings.local_epochs),
                 seed=seed,
                 device=device,
             )
@@ -166,7 +167,7 @@ class FedAvg(MultiRound):
 
     def client_evaluate(self, msg: Message, cfg: FedBiPConfig, node: NodeConfig) -> RecordDict:
         """Flower's federated evaluation: the global weights scored on the client's held-out images."""
-        domain, _ = dataset.institution_identity(cfg.data, node)
+        domain, _ = dataset.institution_identity(cfg.data_description, node)
         if self.head_only:
             self._check_encoder(msg, cfg)
         model = self.classifier(cfg, "random")
@@ -175,7 +176,9 @@ class FedAvg(MultiRound):
             checked_arrays(_arrays(msg), part.state_dict(), f"the server's global {self._what}")
         )
         scores = score_classifier(
-            model, dataset.institution_test_set(cfg.data, node, domain), cfg.classifier_image_size
+            model,
+            dataset.institution_test_set(cfg.data_description, node, domain),
+            cfg.classifier.image_size,
         )
         return RecordDict(
             {
@@ -195,29 +198,32 @@ class FedAvg(MultiRound):
         """Flower's FedAvg over every connected client; the global model saved and scored.
 
         ``evaluate(model)`` scores on the server's test sets (empty where it holds none);
-        institutions score every round's model on their own images when ``evaluation`` asks.
+        institutions score every round's model on their own images where
+        ``federation.evaluation`` asks.
         """
         started = time.perf_counter()
         torch.manual_seed(cfg.seed)
-        model = self.classifier(cfg, cfg.classifier_init)
+        model = self.classifier(cfg, cfg.classifier.init)
         part = self.federated(model)
         template = {name: t.clone() for name, t in part.state_dict().items()}
-        on_clients = cfg.evaluation in ("clients", "both")
+        on_clients = cfg.federation.scored_at_institutions
         strategy = CheckedFedAvg(
             template,
-            cfg.max_images_per_client,
+            cfg.federation.max_images_per_client,
             fraction_train=1.0,
             fraction_evaluate=1.0 if on_clients else 0.0,
-            min_train_nodes=cfg.min_clients,
-            min_available_nodes=cfg.min_clients,
-            min_evaluate_nodes=cfg.min_clients if on_clients else 0,
+            min_train_nodes=cfg.federation.min_clients,
+            min_available_nodes=cfg.federation.min_clients,
+            min_evaluate_nodes=cfg.federation.min_clients if on_clients else 0,
         )
-        config = ConfigRecord({ENCODER: encoder_identity(cfg.model)[0]} if self.head_only else {})
+        config = ConfigRecord(
+            {ENCODER: encoder_identity(cfg.ldm.model)[0]} if self.head_only else {}
+        )
         result = strategy.start(
             grid,
             ArrayRecord(part.state_dict()),
             num_rounds=self.settings.rounds,
-            timeout=cfg.reply_timeout_s,
+            timeout=cfg.federation.reply_timeout_s,
             train_config=config,
             evaluate_config=ConfigRecord(dict(config)),
         )
@@ -226,7 +232,7 @@ class FedAvg(MultiRound):
         part.load_state_dict(
             checked_arrays(result.arrays, template, f"FedAvg's global {self._what}")
         )
-        save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.class_list)})
+        save_classifier(model, folder.classifier, {"class_names": ",".join(cfg.data.class_list)})
         record = RunResults(
             status="completed",
             config=cfg.to_flat(),
@@ -248,7 +254,7 @@ class FedAvg(MultiRound):
                 (
                     "the server's encoder",
                     _config(msg).get(ENCODER),
-                    encoder_identity(cfg.model)[0],
+                    encoder_identity(cfg.ldm.model)[0],
                     "fedavg.part = head trains on the features of the backbone shipped with the base "
                     "model: this client's base model must ship the server's",
                 )
@@ -308,7 +314,7 @@ def check_reply(content: RecordDict, template: Mapping[str, torch.Tensor], max_i
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= max_images:
         raise PayloadError(
             f"the reply claims {count!r} images, not an integer in 1..{max_images} (run config "
-            "max-images-per-client): the claim weighs its weights in the average"
+            "federation.max-images-per-client): the claim weighs its weights in the average"
         )
 
 
@@ -366,4 +372,6 @@ def _last_evaluation(cfg: FedBiPConfig, result: Result) -> Evaluation | None:
         return None
     last = max(result.evaluate_metrics_clientapp)
     mean = float(result.evaluate_metrics_clientapp[last][SENT_ACCURACY])  # as client_evaluate sent
-    return Evaluation(where=cfg.evaluation, per_client={}, weighted_mean=mean, round=last)
+    return Evaluation(
+        where=cfg.federation.evaluation, per_client={}, weighted_mean=mean, round=last
+    )

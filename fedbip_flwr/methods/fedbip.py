@@ -34,7 +34,7 @@ from ..config import FedBiPConfig
 from ..expectations import expectations
 from ..instance import personalize_instances, upload_order
 from ..ldm import LDM, configured_latent_shape
-from ..method_settings import FedBiPFamily, FedBiPSettings, PassSettings
+from ..method_settings import FedBiPSettings, FedBiPStepSettings, PassSettings
 from ..payload import (
     TENSOR_NAMES,
     Payload,
@@ -95,7 +95,7 @@ def personalize(
     client_id: str,
     cfg: FedBiPConfig,
     generator: torch.Generator,
-    own: FedBiPFamily | None = None,
+    own: FedBiPStepSettings | None = None,
 ) -> tuple[Payload, ClientReport]:
     """Instance level (z(T)) then concept level (S, V) under ``own`` (default: the run's
     ``fedbip`` table); returns the payload to upload once.
@@ -108,7 +108,7 @@ def personalize(
     sampler = SynthesisSettings.from_config(cfg).sampler(
         ldm
     )  # the server's sampler: z(T) is noised for it
-    timestep = sampler.first_timestep(cfg.start_timestep)
+    timestep = sampler.first_timestep(cfg.synthesis.start_timestep)
 
     order = upload_order(len(labels) * own.latents_per_image, generator)
     started = time.perf_counter()
@@ -121,7 +121,7 @@ def personalize(
         gamma_mean=own.gamma_mean,
         gamma_std=own.gamma_std,
         generator=generator,
-        vae_batch_size=cfg.vae_batch_size,
+        vae_batch_size=cfg.ldm.vae_batch_size,
         draws=own.latents_per_image,
     )
     report.seconds["instance"] = time.perf_counter() - started
@@ -151,12 +151,12 @@ def personalize(
         domain=domain,
         timestep=timestep,
         scheduler=sampler.name,
-        num_inference_steps=cfg.num_inference_steps,
+        num_inference_steps=cfg.synthesis.num_inference_steps,
         n_s=layout.n_s,
         n_v=layout.n_v,
         concept_space=own.concept_space,
         class_names=list(class_names),
-        prompt_template=cfg.prompt_template,
+        prompt_template=cfg.data.prompt_template,
         base_model=ldm.fingerprint,
         latent_shape=list(instances.zT.shape[1:]),
         latent_dtype=own.latent_dtype,
@@ -183,7 +183,7 @@ def client_concepts(
     domain: str,
     client_id: str,
     cfg: FedBiPConfig,
-    own: FedBiPFamily,
+    own: FedBiPStepSettings,
     timestep: int,
     generator: torch.Generator,
     privacy: DPSGD | None = None,
@@ -194,7 +194,7 @@ def client_concepts(
     clusters = own.class_clusters
     concept_names = [name for name in class_names for _ in range(clusters)]
     layout = prompt_layout(
-        ldm.tokenizer, cfg.prompt_template, cfg.n_s, cfg.n_v, domain, concept_names
+        ldm.tokenizer, cfg.data.prompt_template, cfg.data.n_s, cfg.data.n_v, domain, concept_names
     )
 
     progress = Progress(log, f"[{client_id}] concepts", own.concept_epochs, "epochs")
@@ -232,7 +232,7 @@ def sub_clusters(
     base model."""
     if clusters == 1:
         return torch.zeros_like(labels)
-    encoder = public_encoder(cfg.model, cfg.classifier_image_size, device)
+    encoder = public_encoder(cfg.ldm.model, cfg.classifier.image_size, device)
     return cluster_images(images, labels, clusters, encoder)
 
 
@@ -279,9 +279,9 @@ class FedBiP(Method):
 
     def upload_floor(self, cfg: FedBiPConfig, images: int) -> int:
         """The z(T) alone: latents-per-image rows per image, each a latent of the run's model
-        at image-size, in the table's latent-dtype (read from the model's VAE config only)."""
+        at data.image-size, in the table's latent-dtype (read from the model's VAE config only)."""
         own = self.settings
-        values = math.prod(configured_latent_shape(cfg.model, cfg.image_size))
+        values = math.prod(configured_latent_shape(cfg.ldm.model, cfg.data.image_size))
         itemsize = torch.finfo(getattr(torch, own.latent_dtype)).bits // 8
         return images * own.latents_per_image * values * itemsize
 
@@ -299,14 +299,14 @@ class FedBiP(Method):
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         """The payload against the server's model and config (docs/payload.md), and the images
-        its z(T) stand for within run config max-images-per-client, as every upload's claimed
-        images are."""
+        its z(T) stand for within run config federation.max-images-per-client, as every upload's
+        claimed images are."""
         own, payload = self.settings, upload.content
         check_expectations(payload, expectations(server.cfg, server.ldm(), server.class_names, own))
         rows, per_image = payload.meta.num_examples, own.latents_per_image
         what = f"num_examples {rows} ({per_image} z(T) per image)"
-        check_image_count(-(-rows // per_image), server.cfg.max_images_per_client, what)
-        check_class_rows(payload.labels, server.class_names, server.cfg, per_image)
+        check_image_count(-(-rows // per_image), server.cfg.federation.max_images_per_client, what)
+        check_class_rows(payload.labels, server.class_names, server.cfg.class_cap, per_image)
         return upload
 
     def train_set(

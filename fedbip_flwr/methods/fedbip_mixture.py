@@ -3,16 +3,16 @@ but the z(T) of a class are summarized by a diagonal Gaussian mixture, and only 
 leaves the client (``method = "fedbip-mixture"``).
 
 Client: FedBiP's whole client step (:func:`fedbip_flwr.methods.fedbip.personalize`: mixed same-class
-latents forward-noised to T, ``latents-per-image`` per image; S and V learned with the
+latents forward-noised to T, ``fedbip.latents-per-image`` per image; S and V learned with the
 diffusion loss), then per class a mixture of ``fedbip-mixture.components`` Gaussians fitted to
 those z(T). The upload is S, V, the mixture and the per-class counts; the z(T) stay home.
 
-Server: as FedBiP, ``multiplier`` passes per client, each with its own eta on S; in pass k every
-uploaded z(T) is replaced by a fresh draw from its class's mixture (seeded by the server's seed,
-the client id and k), so a pass makes as many images as FedBiP's.
+Server: as FedBiP, ``fedbip.multiplier`` passes per client, each with its own eta on S; in pass k
+every uploaded z(T) is replaced by a fresh draw from its class's mixture (seeded by the server's
+seed, the client id and k), so a pass makes as many images as FedBiP's.
 
-Checks: FedBiP's concept contract (shapes, the server's model, n-s, n-v, template, the concept
-scale) and FedLD's mixture checks (:func:`fedbip_flwr.methods.fedld.check_mixture_upload`).
+Checks: FedBiP's concept contract (shapes, the server's model, data.n-s, data.n-v, template, the
+concept scale) and FedLD's mixture checks (:func:`fedbip_flwr.methods.fedld.check_mixture_upload`).
 
 DP (``fedbip-mixture.dp-epsilon`` > 0, :meth:`FedBiPMixture.private_upload`): one
 (epsilon, delta) per private image for everything the upload derives from the images. The
@@ -222,16 +222,18 @@ class FedBiPMixture(MixtureChecks, Method):
         own, data, ldm, cfg, generator = self.settings, job.data, job.ldm(), job.cfg, job.generator
         if own.class_clusters != 1:
             raise ValueError(
-                "fedbip-mixture.dp-epsilon needs class-clusters = 1: sub-clusters come from all of a "
-                "class's images together, so one image can move every other image's sub-cluster"
+                "fedbip-mixture.dp-epsilon needs fedbip.class-clusters = 1: sub-clusters come from "
+                "all of a class's images together, so one image can move every other image's "
+                "sub-cluster"
             )
         if own.concept_epochs < 1:
             raise ValueError(
-                "fedbip-mixture.dp-epsilon needs concept-epochs >= 1 (without concepts: fedld.dp-epsilon)"
+                "fedbip-mixture.dp-epsilon needs fedbip.concept-epochs >= 1 (without concepts: "
+                "fedld.dp-epsilon)"
             )
         budget = dp_budget(own)
         timestep = first_timestep(cfg, ldm)
-        z0 = encode_images(ldm.vae, data.images, cfg.vae_batch_size)
+        z0 = encode_images(ldm.vae, data.images, cfg.ldm.vae_batch_size)
         z_t = forward_noise(ldm.scheduler, z0, timestep, torch.randn(z0.shape, generator=generator))
         stats = dp_stats_guarantee(own, z0[0].numel(), budget)
         alpha_bar = float(ldm.scheduler.alphas_cumprod[timestep])
@@ -243,7 +245,7 @@ class FedBiPMixture(MixtureChecks, Method):
             own.components,
             alpha_bar,
             generator,
-            cfg.replayable_client_noise,
+            cfg.federation.replayable_client_noise,
         )
         privacy = DPSGD(
             own.dp_sample_rate,
@@ -282,7 +284,7 @@ class FedBiPMixture(MixtureChecks, Method):
             n_s=layout.n_s,
             n_v=layout.n_v,
             concept_space=own.concept_space,
-            prompt_template=cfg.prompt_template,
+            prompt_template=cfg.data.prompt_template,
             class_clusters=1,
             dp=release,
         )
@@ -395,7 +397,7 @@ def check_private_release(
                 "DP-SGD steps",
                 sgd.steps,
                 steps,
-                f"concept-epochs {own.concept_epochs} x ceil(1 / sample rate)",
+                f"fedbip.concept-epochs {own.concept_epochs} x ceil(1 / sample rate)",
             ),
         ]
     )

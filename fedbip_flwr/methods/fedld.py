@@ -5,9 +5,10 @@ Client: VAE latents of its images, forward-noised to the first timestep T ``fedl
 times with fresh noise from its own generator; per class, a diagonal Gaussian mixture of
 ``fedld.components`` components fitted to those z(T) (:mod:`fedbip_flwr.mixture`, scikit-learn's
 EM), and its per-class counts. The paper leaves K, T and the covariance type open: here K is
-``fedld.components``, T is FedBiP's (the sampler's first timestep, or ``start-timestep``), the
-covariance diagonal (a full one has D^2 entries per component: 1,048,576 on the miniature, 2.7e8
-on SD v1-4's latents), and no mixing of pairs (that is FedBiP's and Espresso's instance step).
+``fedld.components``, T is FedBiP's (the sampler's first timestep, or
+``synthesis.start-timestep``), the covariance diagonal (a full one has D^2 entries per component:
+1,048,576 on the miniature, 2.7e8 on SD v1-4's latents), and no mixing of pairs (that is
+FedBiP's and Espresso's instance step).
 
 Server: per client, as many images as FedBiP makes from it, each from a z(T) drawn from its
 class's mixture, denoised from T with the plain prompt (Prompts-only's "a {domain} of a
@@ -139,15 +140,17 @@ def mixture_meta(job: ClientJob, ldm: LDM, timestep: int, components: int) -> di
         **common_meta(job),
         "timestep": timestep,
         "scheduler": SynthesisSettings.from_config(job.cfg).sampler(ldm).name,
-        "num_inference_steps": job.cfg.num_inference_steps,
+        "num_inference_steps": job.cfg.synthesis.num_inference_steps,
         "base_model": ldm.fingerprint,
-        "latent_shape": list(ldm.latent_shape(job.cfg.image_size)),
+        "latent_shape": list(ldm.latent_shape(job.cfg.data.image_size)),
         "components": components,
     }
 
 
 def first_timestep(cfg: FedBiPConfig, ldm: LDM) -> int:
-    return SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.start_timestep)
+    return (
+        SynthesisSettings.from_config(cfg).sampler(ldm).first_timestep(cfg.synthesis.start_timestep)
+    )
 
 
 def stated_mixture(upload: Upload) -> LatentMixture:
@@ -186,13 +189,13 @@ def check_mixture_upload(
     """The mixture of a :class:`MixtureMeta` upload, checked against the server's model and
     run config (``expect``, :func:`fedbip_flwr.expectations.expectations`), and for plausibility:
     draws from every held class must look like z(T) at T. Its class counts, which decide how
-    many images the server makes, are held to run config max-images-per-client, and so is
+    many images the server makes, are held to run config federation.max-images-per-client, and so is
     num_examples, their sum."""
     meta = upload.meta
     if expect.domains and meta.domain not in expect.domains:
         raise PayloadError(
             f"domain {meta.domain!r} is not one of the server's domains {list(expect.domains)} "
-            "(clients and server must share run config domains)"
+            "(clients and server must share run config data.domains)"
         )
     refuse_mismatch(
         [
@@ -234,7 +237,7 @@ class FedLD(MixtureChecks, Method):
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
         own, data, ldm = self.settings, job.data, job.ldm()
         timestep = first_timestep(job.cfg, ldm)
-        z0 = encode_images(ldm.vae, data.images, job.cfg.vae_batch_size)
+        z0 = encode_images(ldm.vae, data.images, job.cfg.ldm.vae_batch_size)
         noisings = 1 if own.dp_epsilon else own.noisings  # DP: one z(T) per image, so C bounds it
         z_t = torch.cat(
             [
@@ -256,7 +259,7 @@ class FedLD(MixtureChecks, Method):
                 own.components,
                 alpha_bar,
                 job.generator,
-                job.cfg.replayable_client_noise,
+                job.cfg.federation.replayable_client_noise,
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
@@ -300,11 +303,13 @@ class FedLD(MixtureChecks, Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             prompts = [
-                plain_prompt(server.cfg.prompt_template, upload.domain, c)
+                plain_prompt(server.cfg.data.prompt_template, upload.domain, c)
                 for c in server.class_names
             ]
             cond = encode_texts(server.ldm(), prompts)
-            labels = fresh_noise_labels(upload.tensors["class_counts"], self.settings, server.cfg)
+            labels = fresh_noise_labels(
+                upload.tensors["class_counts"], self.settings, server.cfg.class_cap
+            )
             out[client_id] = [
                 mixture_set(
                     server,

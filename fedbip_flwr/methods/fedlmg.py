@@ -112,7 +112,7 @@ class GuidanceSettings:
 def guidance_settings(cfg: FedBiPConfig, own: FedLMGSettings) -> GuidanceSettings:
     variant = VARIANTS[own.variant]
     return GuidanceSettings(
-        num_inference_steps=cfg.num_inference_steps,
+        num_inference_steps=cfg.synthesis.num_inference_steps,
         guidance_scale=own.guidance_scale,
         step=own.guidance_step,
         bn_weight=variant.bn_weight,
@@ -120,7 +120,7 @@ def guidance_settings(cfg: FedBiPConfig, own: FedLMGSettings) -> GuidanceSetting
         noise_edits=own.noise_edits,
         edit_step=own.edit_step,
         batch_size=own.batch_size,
-        classifier_size=cfg.classifier_image_size,
+        classifier_size=cfg.classifier.image_size,
     )
 
 
@@ -399,7 +399,7 @@ class FedLMG(Method):
         prompts = class_prompts(self.settings, server.class_names)
         cond = encode_texts(ldm, prompts)
         labels = {
-            cid: fresh_noise_labels(u.tensors["class_counts"], self.settings, cfg)
+            cid: fresh_noise_labels(u.tensors["class_counts"], self.settings, cfg.class_cap)
             for cid, u in uploads.items()
         }
         out = {}
@@ -415,7 +415,7 @@ class FedLMG(Method):
                 settings,
                 torch.Generator().manual_seed(seed),
                 progress.update,
-                cfg.vae_batch_size,
+                cfg.ldm.vae_batch_size,
             )
             key = guided_key(upload, settings, prompts, ldm, seed, labels[client_id])
             path = keyed_shard(

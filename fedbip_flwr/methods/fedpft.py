@@ -3,9 +3,9 @@ with Foundation Models"): clients upload per-class Gaussian mixtures of a frozen
 encoder's features; the server trains a classifier head on features drawn from them.
 
 Encoder: the ResNet-18 backbone shipped with the base model (:func:`fedbip_flwr.classifier.
-backbone_path`, what run config ``classifier-init = "pretrained"`` starts from; pretrained on
+backbone_path`, what run config ``classifier.init = "pretrained"`` starts from; pretrained on
 public data only, never on a client's or a test image), its 512-d penultimate output (``fc``
-replaced by the identity) on images resized to ``classifier-image-size`` exactly as the
+replaced by the identity) on images resized to ``classifier.image-size`` exactly as the
 classifier sees them (:func:`fedbip_flwr.clusters.public_encoder`). It stays frozen everywhere.
 
 Client: features of its private images (no augmentation); per class scikit-learn's
@@ -19,8 +19,8 @@ images than components gets one component per image, padded with weight-0 copies
 ``gmm_covariances`` (C, K) spherical or (C, K, D) diag, float32.
 
 Server: per client and class, ``fedpft.draws-per-image`` features per claimed image (the count
-clipped to max-images-per-class), drawn from the class's mixture (seeded by the run seed and
-the client id); one ``nn.Linear(512, C)`` trained on all of them with AdamW (the baseline's
+clipped to federation.max-images-per-class), drawn from the class's mixture (seeded by the run
+seed and the client id); one ``nn.Linear(512, C)`` trained on all of them with AdamW (the baseline's
 optimiser; ``head-*`` keys); then :meth:`FedPFT.final_models` returns the frozen backbone with
 that head as the global classifier, scored like any other (no synthetic images, no ResNet
 training).
@@ -100,7 +100,7 @@ GLOBAL = "global"  # the one model final_models returns, scored as the global cl
 class FedPFTMeta(UploadMeta):
     method: Literal["fedpft"] = "fedpft"
     encoder: str = Field(min_length=1)  # fingerprint of the backbone the features came from
-    image_size: int = Field(ge=1)  # the classifier-image-size the features were computed at
+    image_size: int = Field(ge=1)  # the classifier.image-size the features were computed at
     feature_dim: int = Field(ge=1)
     components: int = Field(ge=1)
     covariance_type: str = Field(min_length=1)
@@ -300,13 +300,13 @@ class FedPFT(Method):
 
     def upload(self, job: ClientJob) -> tuple[bytes, dict[str, Any]]:
         own, cfg, data = self.settings, job.cfg, job.data
-        encoder = public_encoder(cfg.model, cfg.classifier_image_size, job.device)
+        encoder = public_encoder(cfg.ldm.model, cfg.classifier.image_size, job.device)
         features = encoder(data.images)
-        identity, dim = encoder_identity(cfg.model)
+        identity, dim = encoder_identity(cfg.ldm.model)
         meta = {
             **common_meta(job),
             "encoder": identity,
-            "image_size": cfg.classifier_image_size,
+            "image_size": cfg.classifier.image_size,
             "feature_dim": dim,
             "components": own.components,
             "covariance_type": own.covariance_type,
@@ -314,7 +314,12 @@ class FedPFT(Method):
         classes = len(data.classes)
         if own.dp_epsilon:
             mixture, counts, release = private_mixture(
-                features, data.labels, classes, own, job.generator, cfg.replayable_client_noise
+                features,
+                data.labels,
+                classes,
+                own,
+                job.generator,
+                cfg.federation.replayable_client_noise,
             )
             meta["num_examples"] = max(1, int(counts.sum()))
             tensors = {"class_counts": counts, **mixture.to_tensors()}
@@ -330,7 +335,7 @@ class FedPFT(Method):
 
     def check(self, upload: Upload, server: ServerJob) -> Upload:
         own, meta, cfg = self.settings, upload.meta, server.cfg
-        identity, dim = encoder_identity(cfg.model)
+        identity, dim = encoder_identity(cfg.ldm.model)
         refuse_mismatch(
             [
                 (
@@ -342,8 +347,8 @@ class FedPFT(Method):
                 (
                     "image size",
                     meta.image_size,
-                    cfg.classifier_image_size,
-                    "run config classifier-image-size",
+                    cfg.classifier.image_size,
+                    "run config classifier.image-size",
                 ),
                 ("feature dimension", meta.feature_dim, dim, "the backbone's"),
                 (
@@ -448,7 +453,7 @@ class FedPFT(Method):
         head = train_head(
             features, labels, len(server.class_names), self.settings, server.cfg.seed, server.device
         )
-        model = load_backbone(backbone_path(server.cfg.model))
+        model = load_backbone(backbone_path(server.cfg.ldm.model))
         model.fc = head.cpu()
         return {GLOBAL: model.eval()}
 
@@ -457,8 +462,8 @@ def drawn_features(
     uploads: Mapping[str, Upload], server: ServerJob, per_image: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every client's draws, clients in id order: per class its count clipped to run config
-    max-images-per-class x ``per_image``, each from a component chosen by weight, seeded by the
-    run seed and the client id."""
+    federation.max-images-per-class x ``per_image``, each from a component chosen by weight,
+    seeded by the run seed and the client id."""
     parts, part_labels = [], []
     for client_id, upload in sorted(uploads.items()):
         counts = upload.tensors["class_counts"].clamp(max=server.cfg.class_cap) * per_image

@@ -39,12 +39,12 @@ def train_local_classifier(job: ClientJob, epochs: int) -> nn.Module:
     """ResNet-18 trained on the client's private images (seeded from the client's own noise)."""
     seed = int(torch.randint(2**31 - 1, (1,), generator=job.generator))
     torch.manual_seed(seed)
-    model = build_classifier(len(job.data.classes), job.cfg.classifier_init, job.cfg.model)
+    model = build_classifier(len(job.data.classes), job.cfg.classifier.init, job.cfg.ldm.model)
     return train_classifier(
         model,
         job.data.images,
         job.data.labels,
-        train_settings(job.cfg, epochs),
+        train_settings(job.cfg.classifier, epochs),
         seed=seed,
         device=job.device,
     ).cpu()

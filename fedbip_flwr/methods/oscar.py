@@ -13,10 +13,11 @@ Server (eq. 8): fresh Gaussian noise, classifier-free guidance toward each held 
 conditioning, ``images-per-class`` images per class (the paper: 10) or as many as FedBiP makes
 from the same client. OSCAR writes the guided noise as (1 + s) eps(c) - s eps(empty), which is
 standard CFG with w = 1 + s: the paper's s = 7.5 is w = 8.5, the official code's effective
-s = 6.5 is w = 7.5. The run's ``guidance-scale`` is w and is shared by every fresh-noise method,
-so a benchmark compares them at one guidance (the miniature LDM is trained for w about 4); set
-``guidance-scale = 8.5`` for the paper's value. The sampler is the project's PNDM (which the
-official code also ends up using: it builds a DDIM scheduler but never attaches it).
+s = 6.5 is w = 7.5. The run's ``synthesis.guidance-scale`` is w and is shared by every
+fresh-noise method, so a benchmark compares them at one guidance (the miniature LDM is trained
+for w about 4); set ``synthesis.guidance-scale = 8.5`` for the paper's value. The sampler is the
+project's PNDM (which the official code also ends up using: it builds a DDIM scheduler but never
+attaches it).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class OSCAR(Method):
         out = {}
         for client_id, upload in sorted(uploads.items()):
             counts = upload.tensors["class_counts"]
-            labels = fresh_noise_labels(counts, self.settings, server.cfg)
+            labels = fresh_noise_labels(counts, self.settings, server.cfg.class_cap)
             labels = labels[counts[labels] > 0]  # a class the client lacks has no conditioning
             cond = upload.tensors["conditioning"]
             out[client_id] = [

@@ -56,12 +56,14 @@ class PromptsOnly(Method):
         server: ServerJob,
         shard_path: Callable[[str, int], Path],
     ) -> dict[str, list[Path]]:
-        template = server.cfg.prompt_template
+        template = server.cfg.data.prompt_template
         out = {}
         for client_id, upload in sorted(uploads.items()):
             prompts = [plain_prompt(template, upload.domain, name) for name in server.class_names]
             cond = encode_texts(server.ldm(), prompts)
-            labels = fresh_noise_labels(upload.tensors["class_counts"], self.settings, server.cfg)
+            labels = fresh_noise_labels(
+                upload.tensors["class_counts"], self.settings, server.cfg.class_cap
+            )
             out[client_id] = [
                 fresh_noise_set(server, client_id, cond, labels, shard_path(client_id, 0))
             ]

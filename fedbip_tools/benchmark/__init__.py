@@ -3,7 +3,7 @@
 Issues 18 and 20. For every seed and every variant (a method of the registry plus run-config
 values), one simulation of the same three clients (sketch, quickdraw, painting of the shapes
 world, one client each) runs on Flower with the same seed, client data, test sets and classifier
-recipe; every classifier gets the same number of SGD steps (``classifier-steps``; Local's
+recipe; every classifier gets the same number of SGD steps (``classifier.steps``; Local's
 per-client classifiers and FedAvg's rounds are sized to the same budget). Every invocation
 summarizes all cached seeds into ``benchmarks/methods.json`` and a section of
 docs/benchmarks/methods.md, and draws one picture per client domain with a row per method. A row

@@ -91,7 +91,7 @@ def stand_in_setting(bench: Bench, v: Variant, timestep: int, size: int) -> tupl
         return fedavg_key(size, cfg), f"{kind}/{FEDAVG_ATTACK}"
     if v.method in CLASSIFIER_STAND_INS:
         epochs = getattr(own, "local_epochs", None) or own.epochs
-        return classifier_key(size, cfg.classifier_init, epochs), CLASSIFIER_ATTACK
+        return classifier_key(size, cfg.classifier.init, epochs), CLASSIFIER_ATTACK
     if getattr(own, "private", False):
         kind = DP_STAND_INS[v.method]
         return f"{size}px/T={timestep}/{kind}/epsilon={own.dp_epsilon:g}", f"{kind}/mean-filter"
@@ -111,7 +111,7 @@ def fedavg_key(size: int, cfg: FedBiPConfig) -> str:
     """A server_attacks record's key for a FedAvg run's replies: what travels, from where, and
     how many rounds of how many local epochs (a head always starts on the public backbone)."""
     own = cfg.settings_of("fedavg")
-    start = "pretrained" if own.part == "head" else cfg.classifier_init
+    start = "pretrained" if own.part == "head" else cfg.classifier.init
     return (
         f"{size}px/fedavg/part={own.part}/init={start}/rounds={own.rounds}"
         f"/local-epochs={own.local_epochs}"
@@ -277,7 +277,7 @@ def conditioning_attacks(
     from a record made on ``large_model`` (a digest). A DP upload's concepts are trained on the
     mixture mode's budget in the run config."""
     cfg = FedBiPConfig.from_flat({**base_values(bench, 0), "method": DP_CONCEPTS_METHOD})
-    dp_budget = cfg.shots_per_class, cfg.settings_of(DP_CONCEPTS_METHOD).concept_epochs
+    dp_budget = cfg.data.shots_per_class, cfg.settings_of(DP_CONCEPTS_METHOD).concept_epochs
     out: dict[ConditioningSetting, dict[str, ConditioningCell]] = {}
     for path in (bench.results / name for name in CONDITIONING_RECORDS):
         if not path.exists():

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fedbip_flwr import dataset, methods, shapes
 from fedbip_flwr.classifier import ShardImages, backbone_path, evaluate, load_classifier_bytes
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import DataDescription, FedBiPConfig
 from fedbip_flwr.instance import upload_order
 from fedbip_flwr.ldm import load_for_run
 from fedbip_flwr.method_settings import FedBiPSettings
@@ -59,7 +59,7 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         "mean": record.accuracy.mean,
         # the round is the clients' time, counted as theirs
         "server_seconds": record.seconds.model_dump(exclude_none=True, exclude={"round"}),
-        "sgd_steps": cfg.classifier_steps,
+        "sgd_steps": cfg.classifier.steps,
     }
     if record.clients is not None:
         outcomes = [c for c in record.clients if c.status in ("accepted", "kept")]
@@ -68,18 +68,20 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
             c.client_id: (c.metrics or {}).get(SENT_SECONDS) for c in outcomes
         }
     else:  # FedAvg: what it federates (the whole model, or the head) goes up from every client each round
-        sent = methods.create_for(cfg).federated(load_classifier(folder, cfg)).state_dict()
+        model = load_classifier(folder, cfg.data_description)
+        sent = methods.create_for(cfg).federated(model).state_dict()
         weights = sum(t.numel() * t.element_size() for t in sent.values())
         result["upload_bytes"] = {"every client": weights * cfg.settings_of("fedavg").rounds}
         result["fedavg_rounds"] = cfg.settings_of("fedavg").rounds
-    clients = client_sets(cfg)
+    clients = client_sets(cfg.data_description)
     if folder.training_set.exists():
         shards = folder.training_shards()
         result["num_images"] = sum(len(ShardImages(paths, 0)) for paths in shards.values())
         result["fidelity"], result["nearest_real"], result["dcr"] = {}, {}, {}
         result[JUDGES] = judges.accuracy_on_real  # judges differ between machines: which judged
         # a base model without a shipped backbone (the tests' tiny one) is measured in pixels only
-        features = backbone_features(cfg.model) if backbone_path(cfg.model).is_file() else None
+        base = cfg.ldm.model
+        features = backbone_features(base) if backbone_path(base).is_file() else None
         for client_id, paths in sorted(shards.items()):
             data = ShardImages(paths, judges.size)
             images, labels = data[torch.arange(len(data))]
@@ -92,34 +94,34 @@ def measure(folder: RunFolder, judges: Judges, settings: Settings) -> dict[str, 
         if reconstructs_images(cfg):
             result["reconstruction"] = {
                 clients[c].domain: reconstruction(
-                    ShardImages(paths, cfg.image_size), clients[c], cfg
+                    ShardImages(paths, cfg.data.image_size), clients[c], cfg
                 )
                 for c, paths in sorted(shards.items())
             }
     if upload_test(cfg.method) and folder.persisted_payloads():
         result[SERVER_ATTACK] = server_attacks(folder, cfg, clients)
     if folder.classifier.exists():
-        model = load_classifier(folder, cfg)
+        model = load_classifier(folder, cfg.data_description)
         result["mia_gap"], result["mia"] = membership_inference(
             model, cfg, clients, settings.mia_per_domain
         )
     return result
 
 
-def load_classifier(folder: RunFolder, cfg: FedBiPConfig) -> torch.nn.Module:
-    return load_classifier_bytes(folder.classifier.read_bytes(), dataset.class_names(cfg.data))
+def load_classifier(folder: RunFolder, data: DataDescription) -> torch.nn.Module:
+    return load_classifier_bytes(folder.classifier.read_bytes(), dataset.class_names(data))
 
 
-def client_sets(cfg: FedBiPConfig) -> dict[str, dataset.ClientSet]:
+def client_sets(data: DataDescription) -> dict[str, dataset.ClientSet]:
     """The benchmark's clients, one per domain, exactly as the simulation's nodes load them."""
-    sets = [dataset.load_client_data(cfg.data, p) for p in range(len(cfg.domain_list))]
+    sets = [dataset.load_client_data(data, p) for p in range(len(data.domains))]
     return {s.client_id: s for s in sets}
 
 
-def unseen_images(domain: str, cfg: FedBiPConfig, size: int) -> shapes.ImageSet:
+def unseen_images(domain: str, data: DataDescription, size: int) -> shapes.ImageSet:
     """As many images of ``domain`` as a client holds, of the same classes in the same order,
     that no client of the run holds: every membership test's non-members."""
-    return shapes.client_train_set(domain, cfg.shots_per_class, NON_MEMBER_CLIENT, cfg.seed, size)
+    return shapes.client_train_set(domain, data.shots_per_class, NON_MEMBER_CLIENT, data.seed, size)
 
 
 def distance_membership(
@@ -142,7 +144,7 @@ def distance_membership(
     size = members.images.shape[-1]
     if synthetic.shape[-1] != size:
         synthetic = F.interpolate(synthetic, size=(size, size), mode="bilinear", antialias=True)
-    non_members = unseen_images(members.domain, cfg, size)
+    non_members = unseen_images(members.domain, cfg.data_description, size)
     pixels = dcr_membership(members.images, non_members.images, synthetic)
     out = {"pixel_auc": pixels.auc, "pixel_share": pixels.share_closer}
     if features is not None:
@@ -165,16 +167,16 @@ def server_attacks(
     non-members), referenced by public images of the domain. Per domain: AUC, its standard
     error and TPR at 1% FPR."""
     ldm = functools.cache(
-        lambda: load_for_run(cfg.model, "cpu", cfg.half_precision, cfg.image_size)
+        lambda: load_for_run(cfg.ldm.model, "cpu", cfg.ldm.half_precision, cfg.data.image_size)
     )
-    server = ServerJob(cfg, dataset.class_names(cfg.data), ldm)
+    server = ServerJob(cfg, dataset.class_names(cfg.data_description), ldm)
     method = methods.one_shot_for(cfg)
     out = {}
     for client_id, path in folder.persisted_payloads().items():
         members = clients[client_id]
         size = members.images.shape[-1]
         public = shapes.pretrain_set(members.domain, REFERENCE_PER_CLASS, cfg.seed, size)
-        others = unseen_images(members.domain, cfg, size)
+        others = unseen_images(members.domain, cfg.data_description, size)
         upload = method.accept(path.read_bytes(), server)
         found = attack_upload(upload, Candidates(members, others), ServerView(cfg, ldm, public))
         out[members.domain] = {
@@ -214,17 +216,17 @@ def membership_inference(
     loss-threshold attack on all clients' members and non-members pooled (hundreds per side,
     one model): AUC with its standard error and the true-positive rate at 1% false positives.
     """
-    tests = dataset.load_test_sets(cfg.data, cfg.domain_list)
+    tests = dataset.load_test_sets(cfg.data_description, cfg.data.domain_list)
     gaps: dict[str, list[float]] = {"loss": [], "entropy": []}
     member_losses, other_losses = [], []
     for data in clients.values():
         test = tests[data.domain]
         inside, outside = balanced(data.labels, n), balanced(test.labels, n)
         member = evaluate(
-            model, data.images[inside], data.labels[inside], cfg.classifier_image_size
+            model, data.images[inside], data.labels[inside], cfg.classifier.image_size
         )
         other = evaluate(
-            model, test.images[outside], test.labels[outside], cfg.classifier_image_size
+            model, test.images[outside], test.labels[outside], cfg.classifier.image_size
         )
         gaps["loss"].append(other.mean_loss - member.mean_loss)
         gaps["entropy"].append(other.mean_entropy - member.mean_entropy)
@@ -254,12 +256,13 @@ def row_sources(client_id: str, n: int, cfg: FedBiPConfig, rows: int) -> torch.T
     """Which of its ``n`` private images each of a client's ``rows`` synthetic images comes from: pass p's
     image j is denoised from upload row j, which is drawn row ``order[j]``
     (:func:`~fedbip_flwr.instance.upload_order`), from image ``order[j] % N``. The order is
-    replayed from the client's generator, which the benchmark's ``replayable-client-noise``
-    lets it do (an oracle: a server without that flag cannot)."""
-    if not cfg.replayable_client_noise:
+    replayed from the client's generator, which the benchmark's
+    ``federation.replayable-client-noise`` lets it do (an oracle: a server without that flag
+    cannot)."""
+    if not cfg.federation.replayable_client_noise:
         raise ValueError(
             "the server's reconstructions are matched to their images by replaying the "
-            "client's upload order: the run needs replayable-client-noise"
+            "client's upload order: the run needs federation.replayable-client-noise"
         )
     uploaded = n * cfg.settings_of(cfg.method).latents_per_image
     if rows % uploaded:
@@ -281,7 +284,7 @@ def reconstruction(
     what a server that knew which rows come from one image could do (:func:`row_sources`)."""
     n = len(client.images)
     size = client.images.shape[-1]
-    unrelated = unseen_images(client.domain, cfg, size)
+    unrelated = unseen_images(client.domain, cfg.data_description, size)
     if not torch.equal(unrelated.labels, client.labels):
         raise ValueError(f"{client.client_id}: the baseline images are not in its class order")
     every = pixels_like(data[torch.arange(len(data))][0], client.images)

@@ -76,13 +76,13 @@ def markdown(
 
 Command: `{command}` (one `flwr run` per method and seed on Flower's simulation engine, three
 SuperNodes; `OMP_NUM_THREADS={bench.threads}`). Clients: {", ".join(s.domains)} (one each,
-{cfg["shots-per-class"]} images per class, 6 classes, chance 16.7%); test sets
-{cfg["test-per-class"]} images per class per domain, held by the server. Every global classifier
-is ResNet-18 ({cfg["classifier-init"]} init) trained for exactly {s.classifier_steps} SGD steps
+{cfg["data.shots-per-class"]} images per class, 6 classes, chance 16.7%); test sets
+{cfg["data.test-per-class"]} images per class per domain, held by the server. Every global classifier
+is ResNet-18 ({cfg["classifier.init"]} init) trained for exactly {s.classifier_steps} SGD steps
 (batch 64); Local's per-client classifiers and FedLMG's guiding classifiers get as many; FedAvg
 runs as many rounds of {s.fedavg_local_epochs} local epochs as make {s.classifier_steps} steps
-summed over clients. Sampling: {cfg["num-inference-steps"]} steps, guidance
-{cfg["guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
+summed over clients. Sampling: {cfg["synthesis.num-inference-steps"]} steps, guidance
+{cfg["synthesis.guidance-scale"]} for every method that samples (OSCAR's s = guidance - 1); concepts:
 {cfg["fedbip.concept-epochs"]} epochs. Fresh-noise methods make as many images per client as FedBiP-S.
 Accuracy is mean ± sample std over seeds; domain fidelity: the share of each domain's synthetic
 images the judges below place in that domain (100 for Central's real images; –: no synthetic
@@ -155,7 +155,7 @@ tested by the server with the strongest test this project has for that kind of u
 (`fedbip_tools.upload_attacks`; z(T) rows: the whitened likelihood ratio, rows in the order
 uploaded; mixtures: the matched filter on each class's mean; a mean per class of features or
 caption states: the class-mean test; a classifier: its loss; images: the nearest uploaded
-image). Members: the client's {cfg["shots-per-class"] * 6} private images; non-members: as many
+image). Members: the client's {cfg["data.shots-per-class"] * 6} private images; non-members: as many
 unseen images of its domain and classes; reference: {REFERENCE_PER_CLASS} public images per
 class of the domain. AUC (0.5: nothing told apart; standard error about 0.04 at 96 a side),
 mean ± sample std over the seeds measured (no spread from one), and TPR at 1% FPR.
@@ -183,7 +183,7 @@ epsilon).
 {server_attack_table(summary, sorted(s.domains))}
 The loss-ratio test on the conditioning uploaded beside the latents (`scripts/server_attacks.py
 --kinds concepts espresso-conditions`, commands in docs/benchmarks/privacy.md): AUC
-(± sample std over seeds) / mean TPR at 1% FPR (the seeds). {cfg["shots-per-class"]} shots,
+(± sample std over seeds) / mean TPR at 1% FPR (the seeds). {cfg["data.shots-per-class"]} shots,
 {cfg["fedbip.concept-epochs"]} epochs: the run's budget, 3 clients a domain, 288 members a side;
 4 shots, 200 epochs: the test's positive control, overfitted, one client, 24 a side. At 4x64x64
 the control fails on the shipped UNet, trained at 4x16x16, so the figures there are on a UNet
@@ -207,7 +207,7 @@ def pictures(bench: Bench, seed: int, names: Sequence[str]) -> list[Path]:
     """Per client domain: its real images, then a row per method that made a training set."""
     out = []
     cfg = FedBiPConfig.from_flat({**base_values(bench, seed), "method": "fedbip"})
-    clients = client_sets(cfg)
+    clients = client_sets(cfg.data_description)
     for client_id, data in sorted(clients.items()):
         rows, labels = [data.images[:: max(1, len(data.labels) // PICTURE_COLUMNS)]], ["real"]
         for name in names:
@@ -248,7 +248,7 @@ def report(
         raise ValueError(f"no results under {bench.results / 'methods'} for these settings")
     summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
     found, sampled = differences(runs), sampling(bench)
-    run_size = FedBiPConfig.from_flat(base_values(bench, 0)).image_size
+    run_size = FedBiPConfig.from_flat(base_values(bench, 0)).data.image_size
     for key, size in ((SERVER_ATTACK_STAND_IN, run_size), (SERVER_ATTACK_LARGE, LARGE_SIZE)):
         for name, attacked in stand_in_attacks(
             bench, sampled.timestep, size, list(summary)

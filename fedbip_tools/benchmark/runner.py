@@ -55,7 +55,7 @@ def copy_uploads(source: RunFolder, target: RunFolder) -> None:
 
 def variant_values(bench: Bench, v: Variant, seed: int) -> dict[str, Any]:
     """The run config of the variant's run for ``seed``."""
-    images = bench.settings.run_config["shots-per-class"] * len(dataset_classes())
+    images = bench.settings.run_config["data.shots-per-class"] * len(dataset_classes())
     return {**base_values(bench, seed), **v.run_values(bench.settings, images)}
 
 
@@ -85,7 +85,7 @@ def run_variant(bench: Bench, v: Variant, seed: int) -> RunFolder:
 
 
 def dataset_classes() -> list[str]:
-    return dataset.class_names(FedBiPConfig().data)
+    return dataset.class_names(FedBiPConfig().data_description)
 
 
 def slug(name: str) -> str:
@@ -109,7 +109,7 @@ def run_seed(
         stored = {"settings": bench.settings.digest(), "names": NAMES_VERSION, "results": {}}
     results = named(stored)["results"]
     root = project_dir() or Path.cwd()
-    model = provenance.model_digest(root / FedBiPConfig().model)  # the LDM every run loads
+    model = provenance.model_digest(root / FedBiPConfig().ldm.model)  # the LDM every run loads
     for v in ordered(available(names)):
         if v.name in results and results[v.name].get("model") == model:
             if remeasure and (

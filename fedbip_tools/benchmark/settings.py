@@ -13,12 +13,9 @@ from typing import Any
 
 from diffusers import PNDMScheduler
 
-from fedbip_flwr.config import FedBiPConfig
+from fedbip_flwr.config import FedBiPConfig, earlier_layout, in_tables
 from fedbip_flwr.paths import resolve
 from fedbip_flwr.sampler import Sampler
-
-FEDBIP_FAMILY = ("fedbip", "fedbip-mixture")  # the methods whose tables hold FedBiP's keys
-TWO_ZT_PER_IMAGE = {"latents-per-image": 2, "multiplier": 1}
 
 
 @dataclass(frozen=True)
@@ -33,28 +30,44 @@ class Settings:
     mia_per_domain: int = 96
     run_config: dict[str, Any] = field(
         default_factory=lambda: {
-            "shots-per-class": 16,
-            "test-per-class": 100,
-            "scheduler": "unipc",
-            "timestep-spacing": "trailing",
-            "num-inference-steps": 5,
-            "guidance-scale": 4.0,
+            "data.shots-per-class": 16,
+            "data.test-per-class": 100,
+            "synthesis.scheduler": "unipc",
+            "synthesis.timestep-spacing": "trailing",
+            "synthesis.num-inference-steps": 5,
+            "synthesis.guidance-scale": 4.0,
+            # FedBiP's client step, fedbip-mixture's too (fedbip's table declares it once)
             "fedbip.concept-epochs": 10,
-            "fedbip-mixture.concept-epochs": 10,
             # the default federation's upload: 2 z(T) per image, each denoised once
-            **{f"{m}.{k}": v for m in FEDBIP_FAMILY for k, v in TWO_ZT_PER_IMAGE.items()},
+            "fedbip.latents-per-image": 2,
+            "fedbip.multiplier": 1,
             # the paper's classifier starts pretrained (ImageNet); the miniature's public start
-            "classifier-init": "pretrained",
-            "classifier-image-size": 64,
-            "classifier-schedule": "cosine",
+            "classifier.init": "pretrained",
+            "classifier.image-size": 64,
+            "classifier.schedule": "cosine",
             # float32: rows compare across machines, and the judges are float32 too
-            "classifier-precision": "float32",
-            "classifier-precise-bn": True,
+            "classifier.precision": "float32",
+            "classifier.precise-bn": True,
         }
     )
 
+    @classmethod
+    def recorded(cls, values: dict[str, Any]) -> Settings:
+        """Settings as a record wrote them (``asdict``), also one written before the run config
+        had tables: its run config read in today's keys."""
+        return cls(
+            **{
+                **values,
+                "domains": tuple(values["domains"]),
+                "run_config": in_tables(values["run_config"]),
+            }
+        )
+
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """The key of the results cached under these settings, their run config in the flat
+        layout the caches were keyed in before the tables, so the move kept every cached row."""
+        keyed = {**asdict(self), "run_config": earlier_layout(self.run_config)}
+        return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -76,11 +89,12 @@ def base_values(bench: Bench, seed: int) -> dict[str, Any]:
     """The run config every variant of a seed shares."""
     return {
         **bench.settings.run_config,
-        "domains": ",".join(bench.settings.domains),
-        "classifier-steps": bench.settings.classifier_steps,
+        "data.domains": ",".join(bench.settings.domains),
+        "classifier.steps": bench.settings.classifier_steps,
         "seed": seed,
-        "replayable-client-noise": True,  # a benchmark replays the same clients for every method
-        "evaluation": "server",
+        # a benchmark replays the same clients for every method
+        "federation.replayable-client-noise": True,
+        "federation.evaluation": "server",
         "output-dir": str(bench.seed_folder(seed)),
     }
 
@@ -99,8 +113,10 @@ def sampling(bench: Bench) -> Sampling:
     """What the benchmark's pinned run config samples with, T from its model's noise schedule."""
     cfg = FedBiPConfig.from_flat({**base_values(bench, 0), "method": "fedbip"})
     noise = PNDMScheduler.from_config(
-        PNDMScheduler.load_config(str(resolve(cfg.model)), subfolder="scheduler")
+        PNDMScheduler.load_config(str(resolve(cfg.ldm.model)), subfolder="scheduler")
     )
-    steps, spacing = cfg.num_inference_steps, cfg.timestep_spacing
-    sampler = Sampler.create(cfg.scheduler, noise, steps, spacing)
-    return Sampling(str(cfg.scheduler), steps, spacing, sampler.first_timestep(cfg.start_timestep))
+    synthesis = cfg.synthesis
+    steps, spacing = synthesis.num_inference_steps, synthesis.timestep_spacing
+    sampler = Sampler.create(synthesis.scheduler, noise, steps, spacing)
+    first = sampler.first_timestep(synthesis.start_timestep)
+    return Sampling(str(synthesis.scheduler), steps, spacing, first)

@@ -18,8 +18,11 @@ from typing import Any
 
 from fedbip_flwr import methods
 from fedbip_flwr.classifier import batches_per_epoch
+from fedbip_flwr.method_settings import FEDBIP
 
-from .settings import FEDBIP_FAMILY, Settings
+from .settings import Settings
+
+FEDBIP_FAMILY = ("fedbip", "fedbip-mixture")  # the methods that run FedBiP's client step
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,9 @@ def fedavg_budget(settings: Settings, n: int) -> dict[str, Any]:
 
 
 def _zt_per_image(method: str, k: int, **more: Any) -> dict[str, Any]:
-    """A FedBiP-family row uploading ``k`` independent z(T) per image, each denoised once."""
-    return {"method": method, f"{method}.latents-per-image": k, f"{method}.multiplier": 1, **more}
+    """A FedBiP-family row uploading ``k`` independent z(T) per image, each denoised once (keys
+    of table fedbip, which declares FedBiP's client step for the family)."""
+    return {"method": method, f"{FEDBIP}.latents-per-image": k, f"{FEDBIP}.multiplier": 1, **more}
 
 
 def _dp(method: str, epsilon: float) -> dict[str, Any]:
@@ -72,7 +76,7 @@ def _dp(method: str, epsilon: float) -> dict[str, Any]:
     return {**own, f"{method}.dp-epsilon": epsilon}
 
 
-RANDOM_START = {"classifier-init": "random"}
+RANDOM_START = {"classifier.init": "random"}
 # One name per variant, used by the benchmark, its records and the docs. FedBiP-S / M / L upload
 # 2 / 5 / 10 independent z(T) per private image (each its own partner, gamma and noise) and
 # denoise each once: the paper's image counts, made the way its authors' code makes FedBiP-L
