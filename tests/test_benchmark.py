@@ -4,6 +4,7 @@ uploads as a restarted server would."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from fedbip_flwr.classifier import batches_per_epoch
+from fedbip_flwr.config import FedBiPConfig, earlier_layout
 from fedbip_flwr.paths import project_dir
 from fedbip_flwr.server import RunFolder
 from fedbip_flwr.storage import write_json
@@ -49,6 +51,30 @@ def test_variants_that_reuse_uploads_run_after_their_source():
     assert names == ["FedLMG-FT", "FedLMG-SD", "Central"]
     with pytest.raises(ValueError, match="unknown variant"):
         benchmark.variant("nope")
+
+
+# Settings().digest() on main before the run config had tables: the key of every cached row
+# (benchmarks/methods/seed-0.json), so the move into tables may not change it.
+DIGEST_BEFORE_THE_TABLES = "0d8674fbb14b52a3"
+
+
+def test_the_run_config_in_tables_keeps_the_cached_rows_key():
+    assert Settings().digest() == DIGEST_BEFORE_THE_TABLES
+    recorded = {
+        **dataclasses.asdict(Settings()),
+        "run_config": earlier_layout(Settings().run_config),
+    }
+    assert Settings.recorded(recorded) == Settings()
+
+
+def test_every_variant_runs_the_config_its_cached_rows_were_made_with(tmp_path):
+    """Each variant's run config, written in the flat layout of the cached rows' runs, reads as
+    the same config: the tables changed the keys, not what a row runs."""
+    bench = Bench(Settings(), work=tmp_path, results=tmp_path)
+    for v in benchmark.VARIANTS:
+        values = runner.variant_values(bench, v, 0)
+        cfg = FedBiPConfig.from_flat(values)
+        assert FedBiPConfig.from_recorded(earlier_layout(values)) == cfg, v.name
 
 
 def test_summary_is_mean_and_sample_std_over_seeds():
