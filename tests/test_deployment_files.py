@@ -228,7 +228,7 @@ def test_the_shipped_deployment_binds_client_ids_and_asks_for_a_dp_upload():
     refuses. tests/test_deployment.py runs the script for real."""
     script = (ROOT / "docker" / "register-supernodes.sh").read_text()
     default = re.search(r': "\$\{FEDBIP_RUN_CONFIG:=(.*)\}"\n', script).group(1).replace('\\"', '"')
-    assert 'federation.client-nodes="%s"' in script and '"$FEDBIP_RUN_CONFIG" "$bound"' in script
+    assert '"federation.client-nodes"="%s"' in script and '"$FEDBIP_RUN_CONFIG" "$bound"' in script
     compose = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["register"]
     assert compose["entrypoint"][1:] == [
         "/app/register-supernodes.sh",

@@ -169,7 +169,9 @@ def test_an_institutions_upload_is_accepted_under_any_domain_phrase(tmp_path, ow
         cfg,
         client_generator(cfg, node, data.client_id),
     )
-    job = ServerJob(run_config(), dataset.class_names(run_config().data), lambda: tiny_ldm)
+    job = ServerJob(
+        run_config(), dataset.class_names(run_config().data_description), lambda: tiny_ldm
+    )
     accepted = create("fedbip").accept(encode_payload(payload), job)
     assert (accepted.meta.domain, accepted.meta.client_id) == ("painting", "hospital-a")
     assert accepted.meta.class_names == list(RUN_CLASSES)

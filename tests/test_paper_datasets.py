@@ -251,14 +251,15 @@ def test_partitions_are_reproducible_and_move_with_the_seed(tmp_path: Path) -> N
         "data.domains": "sketch",
         "data.shots-per-class": 2,
     }
-    first = dataset.load_client_data(config(**values).data, 0)
-    again = dataset.load_client_data(config(**values).data, 0)
-    other = dataset.load_client_data(config(**values, seed=1).data, 0)
+    first = dataset.load_client_data(config(**values).data_description, 0)
+    again = dataset.load_client_data(config(**values).data_description, 0)
+    other = dataset.load_client_data(config(**values, seed=1).data_description, 0)
     assert torch.equal(first.images, again.images)
     assert not torch.equal(first.images, other.images)
     # the test split does not move with the run seed
     tests = [
-        dataset.load_test_sets(config(**values, seed=s).data, ["sketch"])["sketch"] for s in (0, 1)
+        dataset.load_test_sets(config(**values, seed=s).data_description, ["sketch"])["sketch"]
+        for s in (0, 1)
     ]
     assert torch.equal(tests[0].images, tests[1].images)
 
@@ -295,7 +296,7 @@ def test_class_folders_match_exactly(tmp_path: Path) -> None:
             "data.shots-per-class": 2,
         }
     )
-    client = dataset.load_client_data(office.data, 0)
+    client = dataset.load_client_data(office.data_description, 0)
     assert torch.equal(codes(client.images)[:, 0], client.labels)
     assert {"pen", "pencil"} <= set(client.classes)
 
@@ -440,7 +441,7 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
             dataset.load_client_data(cfg.data_description, 0, 5)
         assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(DataError, match="does not exist"):
-        dataset.verify(cases[0][0].data)
+        dataset.verify(cases[0][0].data_description)
     np.savez(tmp_path / "bad.npz", train_images=np.zeros((2, 28, 28, 3), np.uint8))
     bad = config(
         **{
@@ -450,7 +451,7 @@ def test_missing_data_is_one_clear_sentence(tmp_path: Path) -> None:
         }
     )
     with pytest.raises(DataError, match="lacks test_images, test_labels, train_labels"):
-        dataset.verify(bad.data)
+        dataset.verify(bad.data_description)
 
 
 # --------------------------------------------------------------------------------------------
