@@ -178,7 +178,7 @@ class MiniatureCaptionNet(nn.Module):
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """(N, hidden) from images in [-1, 1] at any size (resized to the captioner's)."""
-        size = self.cfg.data.image_size
+        size = self.cfg.image_size
         if images.shape[-1] != size or images.shape[-2] != size:
             images = F.interpolate(
                 images, size=(size, size), mode="bilinear", antialias=True, align_corners=False

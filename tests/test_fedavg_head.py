@@ -55,8 +55,8 @@ def one_thread():
 def config(tiny_model_dir, **values) -> FedBiPConfig:
     return method_config(
         "fedavg",
-        model=str(tiny_model_dir),
         **{
+            "ldm.model": str(tiny_model_dir),
             "fedavg.part": "head",
             "fedavg.local-epochs": 2,
             **{f"fedavg.{k}": v for k, v in values.items()},

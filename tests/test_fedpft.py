@@ -31,7 +31,8 @@ def one_thread():
 
 def config(tiny_model_dir, **values):
     return method_config(
-        "fedpft", model=str(tiny_model_dir), **{f"fedpft.{k}": v for k, v in values.items()}
+        "fedpft",
+        **{"ldm.model": str(tiny_model_dir), **{f"fedpft.{k}": v for k, v in values.items()}},
     )
 
 

@@ -134,7 +134,10 @@ MIXTURE_TENSORS = {
 def honest_mixtures(tiny_model_dir) -> dict:
     """Each mixture method's upload by the real client code on the tiny model."""
     ldm = load_ldm(tiny_model_dir)
-    return {method: upload_of(method, ldm, model=str(tiny_model_dir)) for method in MIXTURE_TENSORS}
+    return {
+        method: upload_of(method, ldm, **{"ldm.model": str(tiny_model_dir)})
+        for method in MIXTURE_TENSORS
+    }
 
 
 def _negative_variance_in(variances: str):
@@ -365,7 +368,7 @@ def test_fedbip_inspect_with_the_run_config_refuses_what_the_server_refuses(
 
     from fedbip_tools.cli import main
 
-    cfg, blob = upload_of(method, tiny_ldm, model=str(tiny_model_dir))
+    cfg, blob = upload_of(method, tiny_ldm, **{"ldm.model": str(tiny_model_dir)})
     run_config = tmp_path / "run.toml"
     run_config.write_text(tomli_w.dumps(cfg.to_flat()))
     honest, hostile = tmp_path / "honest.safetensors", tmp_path / "hostile.safetensors"
