@@ -11,6 +11,11 @@ A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- 
 - ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``;
 - ``run-config-tables`` in docs/run-configs.md: every run-config key with its default and
   meaning, from the config's models and ``pyproject.toml`` (:mod:`fedbip_tools.config_doc`).
+- ``world`` in docs/benchmarks/world.md: the world's contract (``fedbip world-check``) from
+  ``benchmarks/world.json``;
+- ``default-run`` in docs/benchmarks/default-run.md: the README's first command's runs
+  (``scripts/default_runs.py``) from ``benchmarks/default_run.json``, and ``first-run`` in
+  README.md: their summary beside the command.
 
 Names, model, machine kind and sampler come from the records; rows recorded under an old name
 read under today's (:data:`fedbip_tools.benchmark.LEGACY_NAMES`).
@@ -33,7 +38,7 @@ from scipy import stats
 
 from fedbip_flwr.config import FedBiPConfig
 
-from . import benchmark, config_doc, speed
+from . import benchmark, config_doc, speed, world
 from .upload_attacks import upload_test
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +49,13 @@ METHODS_PAGE = ROOT / "docs" / "benchmarks" / "methods.md"
 SPEED_PAGE = ROOT / "docs" / "benchmarks" / "speed.md"
 PYPROJECT = ROOT / "pyproject.toml"
 RUN_CONFIGS_PAGE = ROOT / "docs" / "run-configs.md"
+WORLD_RECORD = ROOT / "benchmarks" / "world.json"
+WORLD_PAGE = ROOT / "docs" / "benchmarks" / "world.md"
+DEFAULT_RUN_RECORD = ROOT / "benchmarks" / "default_run.json"
+DEFAULT_RUN_PAGE = ROOT / "docs" / "benchmarks" / "default-run.md"
+DEFAULT_RUN = "default-run"
+FIRST_RUN = "first-run"
+PHASES = ("round", "synthesis", "classifier")
 RESULTS = "results"
 LEVEL = 0.95
 
@@ -235,12 +247,65 @@ def speed_section(record: Mapping[str, Any]) -> str:
     return speed.markdown(record, speed_command(record))
 
 
+# ------------------------------------------------------------------------ the default run
+def default_run_section(record: Mapping[str, Any]) -> str:
+    """The README's first command's runs: accuracy per domain, wall time and phase seconds per
+    run, then their summary, with the record's provenance."""
+    made, runs = record["provenance"], record["runs"]
+    domains = sorted(runs[0]["per_domain"])
+    head = ["run", *domains, "mean", "wall s", *PHASES, "load before"]
+    lines = [
+        f"`{record['command']}` (record [`benchmarks/default_run.json`]"
+        f"(../../benchmarks/default_run.json)): model `{made['model']}`, commit "
+        f"`{made['commit'][:7]}`, {kind_text(made['machine']['kind'])}, {made['date'][:10]}. "
+        "Each run is the README's first command from a fresh `FLWR_HOME`, its wall time taken "
+        "from outside, its phases (seconds) from the run's `metrics.json`.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---:|" * len(head),
+    ]
+    for i, run in enumerate(runs, 1):
+        cells = [
+            str(i),
+            *(f"{100 * run['per_domain'][d]:.1f}" for d in domains),
+            f"{100 * run['mean']:.1f}",
+            f"{run['wall_seconds']:.0f}",
+            *(f"{run['seconds'][p]:.0f}" for p in PHASES),
+            f"{run['load_before']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    total = record["summary"]
+    lines += [
+        "",
+        f"Mean {100 * total['mean']:.1f}% (sample std {100 * total['std']:.1f} points), "
+        f"lowest {100 * total['min']:.1f}%; wall {total['wall_min']:.0f} / "
+        f"{total['wall_median']:.0f} / {total['wall_max']:.0f} s (min / median / max), the "
+        f"classifier's median {total['classifier_median']:.0f} s.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def first_run_line(record: Mapping[str, Any]) -> str:
+    """The README's line beside its first command: what five runs of it scored and took."""
+    total, kind = record["summary"], record["provenance"]["machine"]["kind"]
+    return (
+        f"Five runs of the first command scored {100 * total['mean']:.1f}% mean accuracy "
+        f"(lowest {100 * total['min']:.1f}%) in {total['wall_median']:.0f} s (median wall time) "
+        f"on {kind_text(kind)} ([docs/benchmarks/default-run.md]"
+        "(docs/benchmarks/default-run.md), record `benchmarks/default_run.json`).\n"
+    )
+
+
 # ---------------------------------------------------------------------------------- writing
 SECTIONS: Sequence[tuple[Path, str, Path, Callable[[dict[str, Any]], str]]] = (
     (README, RESULTS, METHODS_RECORD, results_table),
     (METHODS_PAGE, benchmark.MARKER, METHODS_RECORD, methods_section),
     (SPEED_PAGE, speed.MARKER, SPEED_RECORD, speed_section),
     (RUN_CONFIGS_PAGE, config_doc.MARKER, PYPROJECT, config_doc.reference),
+    (WORLD_PAGE, world.MARKER, WORLD_RECORD, world.markdown),
+    (DEFAULT_RUN_PAGE, DEFAULT_RUN, DEFAULT_RUN_RECORD, default_run_section),
+    (README, FIRST_RUN, DEFAULT_RUN_RECORD, first_run_line),
 )
 
 
