@@ -144,7 +144,7 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "readme_command": "flwr " + " ".join(COMMAND),
         "provenance": provenance.record(
-            root, torch.get_num_threads(), [root / "outputs"], model=root / FedBiPConfig().model
+            root, torch.get_num_threads(), [root / "outputs"], model=root / FedBiPConfig().ldm.model
         ),
         "runs": [],
     }
