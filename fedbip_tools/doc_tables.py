@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -56,6 +57,14 @@ DEFAULT_RUN_PAGE = ROOT / "docs" / "benchmarks" / "default-run.md"
 DEFAULT_RUN = "default-run"
 FIRST_RUN = "first-run"
 PHASES = ("round", "synthesis", "classifier")
+# Every phase the server times (metrics.json), in run order, with what it is.
+ALL_PHASES = (
+    ("load_model", "loading the LDM on the server, once"),
+    ("round", "the one round: the clients' concept steps and uploads, and their LDM loads"),
+    ("synthesis", "the synthetic set, UniPC 5 steps"),
+    ("classifier", "the ResNet-18's SGD steps and precise BN"),
+    ("evaluation", "the test images, the institutions' replies"),
+)
 RESULTS = "results"
 LEVEL = 0.95
 
@@ -282,8 +291,21 @@ def default_run_section(record: Mapping[str, Any]) -> str:
         f"{total['wall_median']:.0f} / {total['wall_max']:.0f} s (min / median / max), the "
         f"classifier's median {total['classifier_median']:.0f} s.",
         "",
+        *phase_medians(runs),
     ]
     return "\n".join(lines)
+
+
+def phase_medians(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where the runs' time goes: each phase's median over the runs, and the rest of the wall
+    time (Flower, Ray and the apps starting) as one more line."""
+    outside = [r["wall_seconds"] - sum(r["seconds"].values()) for r in runs]
+    rows = [("outside the phases", outside, "Flower, Ray and the apps starting, the rest")]
+    rows += [(name, [r["seconds"][name] for r in runs], what) for name, what in ALL_PHASES]
+    rows.append(("**wall**", [r["wall_seconds"] for r in runs], "the command, timed from outside"))
+    lines = ["| phase | median s | what it is |", "|---|---:|---|"]
+    lines += [f"| {name} | {statistics.median(v):.1f} | {what} |" for name, v, what in rows]
+    return [*lines, ""]
 
 
 def first_run_line(record: Mapping[str, Any]) -> str:
