@@ -15,6 +15,9 @@ adds the change, and ``--judges`` records each run's judged class and domain fid
     python scripts/default_runs.py --seeds 0 1 2 --run-config "synthesis.start-timestep=799" \
         --judges outputs/benchmark/judges.safetensors --out /tmp/t799.json
 
+``--federation-config`` weighs the simulation's resources the same way (e.g.
+``client-resources-num-cpus=1``: two clients at a time on two cores).
+
 Run it on an idle machine: the wall times are the figures. Each run leaves its run folder
 under outputs/ as the command always does.
 """
@@ -62,7 +65,14 @@ def run_config(seed: int | None, extra: str) -> list[str]:
     return ["--run-config", " ".join(pairs)] if pairs else []
 
 
-def one_run(root: Path, timeout: float, config: list[str], judges: Judged | None) -> dict:
+def command(federation: str) -> list[str]:
+    """The README's first command, its ``--federation-config`` extended by ``federation``."""
+    return [*COMMAND[:-1], f"{COMMAND[-1]} {federation}".strip()]
+
+
+def one_run(
+    root: Path, timeout: float, config: list[str], federation: str, judges: Judged | None
+) -> dict:
     """The README's first command from a fresh FLWR_HOME; what it wrote and how long it took."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
@@ -70,7 +80,7 @@ def one_run(root: Path, timeout: float, config: list[str], judges: Judged | None
         started = time.monotonic()
         try:
             done = subprocess.run(
-                [flwr_tool("flwr"), *COMMAND, *config],
+                [flwr_tool("flwr"), *command(federation), *config],
                 cwd=root,
                 env=env,
                 capture_output=True,
@@ -136,6 +146,11 @@ def main() -> None:
         "--seeds", type=int, nargs="+", help="one run per seed, its client noise replayed"
     )
     parser.add_argument("--run-config", default="", help="run config added to every run")
+    parser.add_argument(
+        "--federation-config",
+        default="",
+        help="added to the command's --federation-config, e.g. client-resources-num-cpus=1",
+    )
     parser.add_argument("--judges", type=Path, help="judge each run's synthetic set with these")
     args = parser.parse_args()
     root = project_dir() or Path.cwd()
@@ -143,6 +158,7 @@ def main() -> None:
     record = {
         "command": "python " + " ".join(sys.argv),
         "readme_command": "flwr " + " ".join(COMMAND),
+        "federation_config": command(args.federation_config)[-1],
         "provenance": provenance.record(
             root, torch.get_num_threads(), [root / "outputs"], model=root / FedBiPConfig().ldm.model
         ),
@@ -151,7 +167,7 @@ def main() -> None:
     judges = Judged(load_judges(args.judges), args.judges) if args.judges else None
     for i, seed in enumerate(seeds):
         config = run_config(seed, args.run_config)
-        record["runs"].append(one_run(root, args.timeout, config, judges))
+        record["runs"].append(one_run(root, args.timeout, config, args.federation_config, judges))
         r = record["runs"][-1]
         print(
             f"run {i + 1}/{len(seeds)} {' '.join(config[1:])}: {100 * r['mean']:.1f}% ("
