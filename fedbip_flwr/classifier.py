@@ -533,8 +533,8 @@ def recalibrate_batchnorm(
 
     The running averages training leaves behind weigh the last ten or so batches, seen by
     weights that have moved since and augmented; on the default federation they put a
-    classifier's rare-domain test images at chance on some runs (BENCHMARKS.md, "The
-    classifier's BatchNorm statistics")."""
+    classifier's rare-domain test images at chance on some runs (docs/benchmarks/default-run.md,
+    "The classifier's BatchNorm statistics")."""
     order = torch.randperm(len(data), generator=generator)
     batches = [batch for batch in order.split(settings.batch_size) if len(batch) >= 2]
     if not batches:  # nothing to estimate from: update_bn would leave the reset statistics

@@ -340,7 +340,7 @@ def load_for_run(
     if compile_unet:
         # In place: the module keeps its type, config and device. Inductor's freezing was
         # measured and left out: on an AVX2 CPU it gave 1.26x against plain compile's 1.25x
-        # for twice the compile time (BENCHMARKS.md, speed section).
+        # for twice the compile time (docs/benchmarks/speed.md).
         ldm.unet.compile()
         ldm.compiled = True
     return ldm

@@ -138,7 +138,14 @@ class ConceptSettings(MethodSettings):
 class PassSettings(MethodSettings):
     """FedBiP's synthesis (eq. 5): passes over every z(T), each with its own perturbed S."""
 
-    multiplier: int = Field(2, ge=1, description="Passes per z(T): FedBiP-S/M/L = 2/5/10.")
+    multiplier: int = Field(
+        2,
+        ge=1,
+        description="Passes over every z(T), each with its own perturbed S: the images each "
+        "z(T) gives. FedBiP-S / M / L are 2 / 5 / 10 z(T) per image (latents-per-image) with "
+        "multiplier = 1; multiplier = 2 with one z(T) per image is the paper's multiplier, the "
+        'benchmark\'s "FedBiP-S, 2 passes of one z(T)".',
+    )
     eta_std: float = Field(
         0.1,
         ge=0.0,

@@ -36,7 +36,9 @@ class Measured:
     membership test on one kind of upload at one latent size, under a DP guarantee of
     ``epsilon`` or none, as its range over the three domains of each domain's mean over the
     seeds' ``records`` (files in ``benchmarks/``). ``tests`` name where in a record it is:
-    the result setting and the attacks (by name prefix) whose best is the domain's figure."""
+    the result setting and the attacks (by name prefix) whose best is the domain's figure.
+    ``what`` ends with the model the records ran, by digest (their ``provenance.model``;
+    ``cc5d681c07eb`` for records older than that field)."""
 
     kind: UploadKind
     latent_shape: Shape
@@ -74,7 +76,7 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SMALL,
             None,
             (0.62, 0.66),
-            "FedBiP's z(T), 2 per image, T = 999, three seeds",
+            "FedBiP's z(T), 2 per image, T = 999, three seeds, model cc5d681c07eb",
             _ZT,
             (("64px/T=999/K=2", "rows/"),),
         ),
@@ -83,7 +85,7 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SD,
             None,
             (0.95, 0.99),
-            "FedBiP's z(T), 2 per image, T = 999, three seeds",
+            "FedBiP's z(T), 2 per image, T = 999, three seeds, model cc5d681c07eb",
             _ZT,
             (("256px/T=999/K=2", "rows/"),),
         ),
@@ -92,7 +94,8 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SMALL,
             None,
             (0.62, 0.63),
-            "class mixtures of z(T) (fedbip-mixture, FedLD), T = 999, three seeds",
+            "class mixtures of z(T) (fedbip-mixture, FedLD), T = 999, three seeds, "
+            "model cc5d681c07eb",
             _MIXTURES,
             (("64px/T=999/K=2", "fedbip-mixture/"), ("64px/T=999/K=2", "fedld/")),
         ),
@@ -101,7 +104,8 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SD,
             None,
             (0.84, 0.92),
-            "class mixtures of z(T) (fedbip-mixture, FedLD), T = 999, three seeds",
+            "class mixtures of z(T) (fedbip-mixture, FedLD), T = 999, three seeds, "
+            "model cc5d681c07eb",
             _MIXTURES,
             (("256px/T=999/K=2", "fedbip-mixture/"), ("256px/T=999/K=2", "fedld/")),
         ),
@@ -110,7 +114,8 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SMALL,
             None,
             (0.55, 0.72),
-            "FedBiP's concepts and Espresso's conditions, default budget, three seeds",
+            "FedBiP's concepts and Espresso's conditions, default budget, three seeds, "
+            "model fdf12bd6eb04",
             _CONDITIONING,
             (
                 ("64px/concepts/shots=16/epochs=10", "concepts/"),
@@ -122,7 +127,7 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SMALL,
             4.0,
             (0.50, 0.52),
-            "fedbip-mixture's DP class statistics, three seeds",
+            "fedbip-mixture's DP class statistics, three seeds, model fdf12bd6eb04",
             _DP,
             (
                 (_DP_MIXTURE, "fedbip-mixture-dp/likelihood-ratio"),
@@ -134,7 +139,7 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SMALL,
             4.0,
             (0.49, 0.51),
-            "fedbip-mixture's DP-SGD concepts, three seeds",
+            "fedbip-mixture's DP-SGD concepts, three seeds, model fdf12bd6eb04",
             _DP,
             ((_DP_MIXTURE, "fedbip-mixture-dp/concepts/"),),
         ),
@@ -143,7 +148,8 @@ MEMBERSHIP: dict[tuple[UploadKind, Shape, float | None], Measured] = {
             SD,
             4.0,
             (0.50, 0.53),
-            "the DP class statistics of fedbip-mixture and FedLD, T = 961, three seeds",
+            "the DP class statistics of fedbip-mixture and FedLD, T = 961, three seeds, "
+            "model fdf12bd6eb04",
             _DP_SD,
             (
                 ("256px/T=961/fedbip-mixture-dp-stats/epsilon=4", "fedbip-mixture-dp-stats/"),

@@ -63,7 +63,7 @@ def concept_embeddings(payload: Payload) -> list[tuple[ExportedConcept, torch.Te
         raise ExportError(
             f"this payload's concepts live in the text encoder's '{meta.concept_space}' output "
             "space, which textual inversion cannot express; export one made with "
-            'concept-space = "token"'
+            'fedbip.concept-space = "token"'
         )
     named = [("domain", meta.domain, payload.domain_concept)]
     classes = zip(meta.class_names, payload.class_concepts, strict=True)

@@ -5,7 +5,7 @@ The target: with the shipped miniature model, peak server RSS with multiplier 10
 process (its peak is ``ru_maxrss`` from ``os.wait4``, so nothing else in this process counts),
 once with this tree's code ("after") and once with an older commit's ("before", extracted with
 ``git archive``, the same child code run with that tree first on ``PYTHONPATH``). Payloads are
-made cheaply: the clients' own ``personalize`` with ``concept-epochs = 0`` (z(T) exactly as a
+made cheaply: the clients' own ``personalize`` with ``fedbip.concept-epochs = 0`` (z(T) exactly as a
 client makes it; concepts at their starting phrases). The run config is the default one
 (``pyproject.toml``) with fewer denoising steps and classifier epochs, which change time, not
 memory.
@@ -180,7 +180,7 @@ def markdown(result: dict) -> str:
         "own child process (peak RSS = its `ru_maxrss`): the default run config with "
         f"{result['steps']} denoising step(s), guidance {result['guidance']} and "
         f"{result['epochs']} classifier epoch(s) "
-        "(time, not memory), payloads from `personalize` with `concept-epochs = 0`, then "
+        "(time, not memory), payloads from `personalize` with `fedbip.concept-epochs = 0`, then "
         f"`synthesize_all` and `train_global`; model: {result['model']}.",
         "",
         "| code | clients | multiplier | synthetic images | peak RSS (MB) | after payloads | "

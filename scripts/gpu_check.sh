@@ -22,7 +22,8 @@
 #      classifier's steps/s; torch.compile; every sampler (run config scheduler) at 10, 25 and 50
 #      steps; the compiled UNet given a pass's smaller last batch, padded to the full batch and not.
 # Writes OUT_DIR/gpu_check.log, one JSON per stage and OUT_DIR/summary.md, the page to read first
-# (scripts/gpu_summary.py; BENCHMARKS.md, "On a GPU", has an H200's figures to compare with).
+# (scripts/gpu_summary.py; docs/benchmarks/gpu.md has an H200's and an H100's figures to compare
+# with).
 set -u
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 SD_MODEL=${SD_MODEL:-/tmp/sd-v1-4-random}

@@ -70,7 +70,8 @@ def estimate(
     rate = tflops * 1e12
     client = flops["vae_encode_512"] + epochs * flops["concept_step_per_image"]
     # PNDM (skip_prk_steps, as SD v1-4 ships) evaluates the UNet steps + 1 times: its first
-    # step twice (torch's flop counter on an H200 confirmed it: BENCHMARKS.md, "On a GPU")
+    # step twice (torch's flop counter on an H200 confirmed it: `git show c9d6dee:BENCHMARKS.md`,
+    # "On a GPU: NVIDIA H200"; docs/benchmarks/gpu.md's TFLOP/s column counts the same way)
     evaluations = (2 if guidance else 1) * (steps + 1)
     server = evaluations * flops["unet_forward_64x64_b1"] + flops["vae_decode_512"]
     return {

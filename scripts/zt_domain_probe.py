@@ -81,7 +81,9 @@ def main() -> None:
     own = fedbip_settings(cfg)
     settings = SynthesisSettings.from_config(cfg)
     if own.class_clusters != 1:
-        raise SystemExit("the probe conditions each image on its class's V: class-clusters = 1")
+        raise SystemExit(
+            "the probe conditions each image on its class's V: fedbip.class-clusters = 1"
+        )
     client = next(c for c in client_sets(cfg.data_description).values() if c.domain == args.domain)
     generator = client_generator(cfg, NodeConfig(), client.client_id)
     payload, report = personalize(

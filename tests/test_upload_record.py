@@ -52,6 +52,22 @@ def test_every_membership_figure_is_what_its_records_say(entry: Measured):
     assert recomputed(entry) == entry.auc
 
 
+EARLIEST_MODEL = "cc5d681c07eb"  # the model of every record made before records named theirs
+
+
+@pytest.mark.parametrize(
+    "entry", MEMBERSHIP.values(), ids=lambda m: f"{m.kind}-{m.latent_shape}-{m.epsilon}"
+)
+def test_every_membership_figure_names_the_model_its_records_ran(entry: Measured):
+    models = {
+        json.loads((BENCHMARKS / name).read_text()).get("provenance", {}).get("model")
+        or EARLIEST_MODEL
+        for name in entry.records
+    }
+    assert len(models) == 1, (entry.what, models)
+    assert entry.what.endswith(f", model {models.pop()}"), entry.what
+
+
 def payload_at(latent_shape: list[int]) -> bytes:
     meta = make_meta(latent_shape=latent_shape)
     return encode_payload(
