@@ -186,7 +186,7 @@ The loss-ratio test on the conditioning uploaded beside the latents (`scripts/se
 (± sample std over seeds) / mean TPR at 1% FPR (the seeds). {cfg["data.shots-per-class"]} shots,
 {cfg["fedbip.concept-epochs"]} epochs: the run's budget, 3 clients a domain, 288 members a side;
 4 shots, 200 epochs: the test's positive control, overfitted, one client, 24 a side. At 4x64x64
-the control fails on the shipped UNet, trained at 4x16x16, so the figures there are on a UNet
+the control fails on the previous model's UNet, trained at 4x16x16, so the figures there are on a UNet
 continued at {LARGE_SIZE} px (`{CONDITIONING_LARGE_MODEL}`), where the conditions' control
 passes on every domain and the concepts' on painting only: it fails on quickdraw and is weak on
 sketch (within 1.5 standard errors, about 0.08 at 24 a side, of chance), so the concepts'
