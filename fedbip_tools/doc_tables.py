@@ -187,7 +187,8 @@ def results_table(record: Mapping[str, Any]) -> str:
     seeds = sorted({seed for n in names for seed in rows[n]["seeds"]})
     others = [n for n in rows if n not in names]
     lines = [
-        f"`{record['command']}` (record [`benchmarks/methods.json`](benchmarks/methods.json)): "
+        f"`fedbip benchmark --seeds {' '.join(map(str, seeds))} --variants ROW` for each row "
+        "(record [`benchmarks/methods.json`](benchmarks/methods.json)): "
         f"model `{model}` on {kind_text(kind)}, seeds {', '.join(map(str, seeds))}; "
         f"sampler `{s['scheduler']}`, {s['steps']} steps from T = {s['timestep']}; ResNet-18 "
         f"from a {settings.run_config['classifier.init']} start, {settings.classifier_steps} SGD "

@@ -74,7 +74,8 @@ def markdown(
     order = [v.name for v in VARIANTS]
     return f"""## Every method side by side on the miniature world
 
-Command: `{command}` (one `flwr run` per method and seed on Flower's simulation engine, three
+Each row: `fedbip benchmark --seeds S ... --variants ROW` (several rows comma-separated; this
+record's last call: `{command}`), one `flwr run` per method and seed on Flower's simulation engine, three
 SuperNodes; `OMP_NUM_THREADS={bench.threads}`). Clients: {", ".join(s.domains)} (one each,
 {cfg["data.shots-per-class"]} images per class, 6 classes, chance 16.7%); test sets
 {cfg["data.test-per-class"]} images per class per domain, held by the server. Every global classifier
