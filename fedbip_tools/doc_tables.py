@@ -55,6 +55,9 @@ WORLD_PAGE = ROOT / "docs" / "benchmarks" / "world.md"
 DEFAULT_RUN_RECORD = ROOT / "benchmarks" / "default_run.json"
 DEFAULT_RUN_PAGE = ROOT / "docs" / "benchmarks" / "default-run.md"
 DEFAULT_RUN = "default-run"
+# One change to the default each, weighed by the same fresh-FLWR_HOME runs on one machine.
+DEFAULT_RUN_LEVERS = ROOT / "benchmarks" / "default_run_levers"
+LEVERS = "default-run-levers"
 FIRST_RUN = "first-run"
 PHASES = ("round", "synthesis", "classifier")
 # Every phase the server times (metrics.json), in run order, with what it is.
@@ -309,6 +312,32 @@ def phase_medians(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def levers_section(records: Mapping[str, Any]) -> str:
+    """The default's runs beside each lever's (one change each, made on the same machine):
+    accuracy, the phase medians and the wall time, with each record's change and commit."""
+    head = ["record", "change", "commit", "runs", "mean (lowest)", *PHASES, "outside", "wall"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    for name, record in records.items():
+        runs, made = record["runs"], record["provenance"]
+        federation = record.get("federation_config", "").removeprefix("num-supernodes=3")
+        change = " ".join(part for part in (runs[0]["run_config"], federation.strip()) if part)
+        outside = [r["wall_seconds"] - sum(r["seconds"].values()) for r in runs]
+        cells = [
+            f"`{name}`",
+            f"`{change}`" if change else "the default",
+            f"`{made['commit'][:7]}`",
+            str(len(runs)),
+            f"{100 * statistics.fmean(r['mean'] for r in runs):.1f} "
+            f"({100 * min(r['mean'] for r in runs):.1f})",
+            *(f"{statistics.median(r['seconds'][p] for r in runs):.1f}" for p in PHASES),
+            f"{statistics.median(outside):.1f}",
+            f"{statistics.median(r['wall_seconds'] for r in runs):.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    kinds = sorted({kind_text(r["provenance"]["machine"]["kind"]) for r in records.values()})
+    return "\n".join([*lines, "", f"Medians in seconds; all on {', '.join(kinds)}.", ""])
+
+
 def first_run_line(record: Mapping[str, Any]) -> str:
     """The README's line beside its first command: what five runs of it scored and took."""
     total, kind = record["summary"], record["provenance"]["machine"]["kind"]
@@ -329,6 +358,7 @@ SECTIONS: Sequence[tuple[Path, str, Path, Callable[[dict[str, Any]], str]]] = (
     (WORLD_PAGE, world.MARKER, WORLD_RECORD, world.markdown),
     (DEFAULT_RUN_PAGE, DEFAULT_RUN, DEFAULT_RUN_RECORD, default_run_section),
     (README, FIRST_RUN, DEFAULT_RUN_RECORD, first_run_line),
+    (DEFAULT_RUN_PAGE, LEVERS, DEFAULT_RUN_LEVERS, levers_section),
 )
 
 
@@ -339,6 +369,9 @@ def read(source: Path) -> dict[str, Any]:
         return methods_record(source)
     if source == PYPROJECT:
         return config_doc.project_config(source)
+    if source == DEFAULT_RUN_LEVERS:  # the default's record, then each lever's
+        paths = [DEFAULT_RUN_RECORD, *sorted(source.glob("*.json"))]
+        return {str(p.relative_to(ROOT / "benchmarks")): json.loads(p.read_text()) for p in paths}
     return json.loads(source.read_text())
 
 
