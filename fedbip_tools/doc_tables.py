@@ -300,11 +300,17 @@ def default_run_section(record: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def outside_phases(runs: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Each run's wall time less the server's phases: Flower, Ray and the apps starting."""
+    return [r["wall_seconds"] - sum(r["seconds"].values()) for r in runs]
+
+
 def phase_medians(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Where the runs' time goes: each phase's median over the runs, and the rest of the wall
     time (Flower, Ray and the apps starting) as one more line."""
-    outside = [r["wall_seconds"] - sum(r["seconds"].values()) for r in runs]
-    rows = [("outside the phases", outside, "Flower, Ray and the apps starting, the rest")]
+    rows = [
+        ("outside the phases", outside_phases(runs), "Flower, Ray and the apps starting, the rest")
+    ]
     rows += [(name, [r["seconds"][name] for r in runs], what) for name, what in ALL_PHASES]
     rows.append(("**wall**", [r["wall_seconds"] for r in runs], "the command, timed from outside"))
     lines = ["| phase | median s | what it is |", "|---|---:|---|"]
@@ -321,7 +327,6 @@ def levers_section(records: Mapping[str, Any]) -> str:
         runs, made = record["runs"], record["provenance"]
         federation = record.get("federation_config", "").removeprefix("num-supernodes=3")
         change = " ".join(part for part in (runs[0]["run_config"], federation.strip()) if part)
-        outside = [r["wall_seconds"] - sum(r["seconds"].values()) for r in runs]
         cells = [
             f"`{name}`",
             f"`{change}`" if change else "the default",
@@ -330,7 +335,7 @@ def levers_section(records: Mapping[str, Any]) -> str:
             f"{100 * statistics.fmean(r['mean'] for r in runs):.1f} "
             f"({100 * min(r['mean'] for r in runs):.1f})",
             *(f"{statistics.median(r['seconds'][p] for r in runs):.1f}" for p in PHASES),
-            f"{statistics.median(outside):.1f}",
+            f"{statistics.median(outside_phases(runs)):.1f}",
             f"{statistics.median(r['wall_seconds'] for r in runs):.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
