@@ -4,8 +4,8 @@ A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- 
 (:func:`fedbip_tools.benchmark.write_section`), so a remade record leaves no stale copy behind:
 
 - ``results`` in README.md: the headline rows of ``benchmarks/methods.json`` made with one model
-  on one machine kind (the group holding most of them), per row mean accuracy with its 95%
-  interval, upload size, the server's membership AUC at both latent sizes, the guarantee;
+  on one machine kind (the group holding most of them), per row its seeds, mean accuracy with
+  its 95% interval, FedBiP-S minus the row paired over seeds with its interval, upload size, the server's membership AUC at both latent sizes, the guarantee;
 - ``methods`` in docs/benchmarks/methods.md: the methods benchmark's own section
   (:func:`fedbip_tools.benchmark.markdown`) from the same record;
 - ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``;
@@ -70,6 +70,7 @@ ALL_PHASES = (
 )
 RESULTS = "results"
 LEVEL = 0.95
+REFERENCE = "FedBiP-S"  # the README's paired column: FedBiP as the default federation uploads
 
 
 # -------------------------------------------------------------------------------- records
@@ -166,6 +167,28 @@ def auc_cell(found: Mapping[str, Any] | None) -> str:
     return low if low == high else f"{low}-{high}"
 
 
+def seeds_text(seeds: Sequence[int]) -> str:
+    """Seeds as a range where they run on ("0-9"), else listed."""
+    ordered = sorted(seeds)
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ", ".join(map(str, ordered))
+
+
+def paired_cell(record: Mapping[str, Any], name: str) -> str:
+    """REFERENCE minus the row in points over the seeds both hold, with its 95% interval
+    (the record's paired difference, either way round), and how many seeds where fewer than
+    the row's; a dash where the record has none."""
+    for d in record["differences"]:
+        if {d["a"], d["b"]} == {REFERENCE, name} and name != REFERENCE:
+            mean = d["mean"] if d["a"] == REFERENCE else -d["mean"]
+            low, high = mean - d["half_width"], mean + d["half_width"]
+            n = len(d["per_seed"])
+            fewer = f" ({n} seeds)" if n < len(record["methods"][name]["seeds"]) else ""
+            return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]{fewer}"
+    return "–"
+
+
 def guarantee_cell(name: str) -> str:
     """The variant's DP guarantee, "none" for an upload the server can test without one."""
     v = benchmark.variant(name)
@@ -187,27 +210,29 @@ def results_table(record: Mapping[str, Any]) -> str:
     (model, kind), names = headline(record)
     rows, s = record["methods"], record["sampling"]
     settings = benchmark.Settings.recorded(record["settings"])
-    seeds = sorted({seed for n in names for seed in rows[n]["seeds"]})
     others = [n for n in rows if n not in names]
     lines = [
-        f"`fedbip benchmark --seeds {' '.join(map(str, seeds))} --variants ROW` for each row "
+        "`fedbip benchmark --seeds SEEDS --variants ROW` for each row with its seeds "
         "(record [`benchmarks/methods.json`](benchmarks/methods.json)): "
-        f"model `{model}` on {kind_text(kind)}, seeds {', '.join(map(str, seeds))}; "
+        f"model `{model}` on {kind_text(kind)}; "
         f"sampler `{s['scheduler']}`, {s['steps']} steps from T = {s['timestep']}; ResNet-18 "
         f"from a {settings.run_config['classifier.init']} start, {settings.classifier_steps} SGD "
         "steps. Accuracy: mean over seeds and domains [its 95% t-interval over the seeds, which can "
-        "pass 100]; AUC: the range over the domains of the server's strongest test on the "
-        "uploads (0.5: chance; –: no latent upload at that size, or no test).",
+        f"pass 100]; {REFERENCE} − row: the paired difference in points over the seeds both rows "
+        "hold [its 95% t-interval]; AUC: the range over the domains of the server's strongest "
+        "test on the uploads (0.5: chance; –: no latent upload at that size, or no test).",
         "",
-        "| row | accuracy (%) | upload per client (kB) | server AUC, 4x16x16 "
-        "| server AUC, 4x64x64 | guarantee |",
-        "|---|---|---|---|---|---|",
+        f"| row | seeds | accuracy (%) | {REFERENCE} − row | upload per client (kB) "
+        "| server AUC, 4x16x16 | server AUC, 4x64x64 | guarantee |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for n in names:
         e = rows[n]
         cells = [
             n,
+            seeds_text(e["seeds"]),
             accuracy_cell(e),
+            paired_cell(record, n),
             benchmark.kilobytes(e),
             auc_cell(server_auc(e, large=False)),
             auc_cell(server_auc(e, large=True)),

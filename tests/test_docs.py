@@ -122,6 +122,28 @@ def readme_results() -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
+def assert_paired(cell: str, record: dict, name: str) -> None:
+    """The README's FedBiP-S − row cell against the record's per-seed differences."""
+    import math
+    import statistics
+
+    from scipy import stats
+
+    found = [d for d in record["differences"] if {d["a"], d["b"]} == {"FedBiP-S", name}]
+    if name == "FedBiP-S" or not found:
+        assert cell == "–", name
+        return
+    sign = 1 if found[0]["a"] == "FedBiP-S" else -1
+    per_seed = [sign * v for v in found[0]["per_seed"].values()]
+    mean, n = statistics.fmean(per_seed), len(per_seed)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(per_seed) / math.sqrt(n)
+    figures = [float(x) for x in re.findall(r"[-+]?[\d.]+(?= |\]|,)", cell.split(" (")[0])]
+    expected = [round(100 * x, 1) for x in (mean, mean - half, mean + half)]
+    assert figures == expected, (name, cell, expected)
+    fewer = re.search(r"\((\d+) seeds\)", cell)
+    assert (int(fewer.group(1)) if fewer else len(record["methods"][name]["seeds"])) == n, name
+
+
 def test_every_figure_in_the_readmes_table_equals_its_record():
     """Read against benchmarks/methods.json itself, not through the generator."""
     import json
@@ -143,9 +165,13 @@ def test_every_figure_in_the_readmes_table_equals_its_record():
     table = readme_results()
     assert 1 <= len(table) <= 12, f"the README's table has {len(table)} rows"
     kinds = set()
-    for name, (accuracy, kb, small, large, _guarantee) in table.items():
+    for name, (seeds, accuracy, paired, kb, small, large, _guarantee) in table.items():
         e = rows[name]
         kinds |= set(e["made_with"]["kinds"])
+        low, _, high = seeds.partition("-")
+        listed = range(int(low), int(high) + 1) if high else map(int, seeds.split(", "))
+        assert list(listed) == sorted(e["seeds"]), name
+        assert_paired(paired, record, name)
         mean, *bounds = re.findall(r"-?[\d.]+", accuracy)
         assert float(mean) == round(100 * e["mean"], 1), name
         n = len(e["seeds"])
