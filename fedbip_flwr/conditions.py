@@ -12,7 +12,7 @@ template with the words S and V start from), so a sub-cluster without images kee
 Prompts-only's conditioning, and moves as ``c0 + scale * u`` in the hidden space's coordinate
 scale (:func:`fedbip_flwr.concepts.concept_scale`), so the learning rate means what it means
 for FedBiP's concepts. The sources leave the initialisation and parametrisation open; these
-are this project's choices (docs/methods.md).
+are this project's choices (docs/peers.md).
 """
 
 from __future__ import annotations

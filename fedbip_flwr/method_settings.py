@@ -184,7 +184,7 @@ class MixtureSettings(MethodSettings):
 
 
 class DPMixtureSettings(MixtureSettings):
-    """The opt-in DP upload of a mixture's class statistics (docs/methods.md says, per method,
+    """The opt-in DP upload of a mixture's class statistics (docs/dp.md says, per method,
     which tensors its guarantee covers)."""
 
     dp_epsilon: float = Field(
@@ -192,7 +192,7 @@ class DPMixtureSettings(MixtureSettings):
         ge=0.0,
         le=100.0,
         description="> 0: an (epsilon, dp-delta)-DP upload per private "
-        "image (docs/methods.md): per class one Gaussian, its mean the noisy mean of the clipped "
+        "image (docs/dp.md): per class one Gaussian, its mean the noisy mean of the clipped "
         "z(T) (one per image), its variance the forward process's; counts noisy too. 0: off. At "
         "most 100: beyond that no guarantee means anything, and the accountant's grid grows "
         "without bound.",
@@ -438,7 +438,7 @@ class FedPFTSettings(MethodSettings):
         ge=0.0,
         le=100.0,
         description="> 0: an (epsilon, dp-delta)-DP upload per private "
-        "image (docs/methods.md): per class one Gaussian from dp.py's noisy sum, sum of squares "
+        "image (docs/peers.md): per class one Gaussian from dp.py's noisy sum, sum of squares "
         "and count of the clipped features. Needs components = 1. 0: off.",
     )
     dp_delta: float = Field(1e-5, gt=0.0, lt=1.0, description="The DP upload's delta.")
