@@ -265,9 +265,7 @@ def methods_section(record: Mapping[str, Any]) -> str:
         if d["a"] in summary and d["b"] in summary
     ]
     sampled = benchmark.Sampling(**record["sampling"])
-    return benchmark.markdown(
-        summary, bench, record["command"], record["judges_on_real"], found, sampled
-    )
+    return benchmark.markdown(summary, bench, record["judges_on_real"], found, sampled)
 
 
 def speed_command(record: Mapping[str, Any]) -> str:

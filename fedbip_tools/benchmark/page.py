@@ -64,7 +64,6 @@ PUBLISHED = """\
 def markdown(
     summary: Mapping[str, Any],
     bench: Bench,
-    command: str,
     judged: Mapping[str, Mapping[str, float]],
     found: Sequence[Difference],
     sampled: Sampling,
@@ -74,9 +73,9 @@ def markdown(
     order = [v.name for v in VARIANTS]
     return f"""## Every method side by side on the miniature world
 
-Each row: `fedbip benchmark --seeds S ... --variants ROW` (several rows comma-separated; this
-record's last call: `{command}`), one `flwr run` per method and seed on Flower's simulation engine, three
-SuperNodes; `OMP_NUM_THREADS={bench.threads}`). Clients: {", ".join(s.domains)} (one each,
+Each row: `fedbip benchmark --seeds SEEDS --variants ROW` with the row's seeds (the seeds
+column below; several rows comma-separated), one `flwr run` per method and seed on Flower's
+simulation engine, three SuperNodes; `OMP_NUM_THREADS={bench.threads}`. Clients: {", ".join(s.domains)} (one each,
 {cfg["data.shots-per-class"]} images per class, 6 classes, chance 16.7%); test sets
 {cfg["data.test-per-class"]} images per class per domain, held by the server. Every global classifier
 is ResNet-18 ({cfg["classifier.init"]} init) trained for exactly {s.classifier_steps} SGD steps
@@ -270,7 +269,7 @@ def report(
             "differences": [asdict(d) for d in found],
         },
     )
-    write_section(benchmarks_md, markdown(summary, bench, command, judged, found, sampled))
+    write_section(benchmarks_md, markdown(summary, bench, judged, found, sampled))
     first = min(runs)
     names = [v.name for v in VARIANTS if v.name in runs[first]]
     pictured = [n for n in names if "num_images" in runs[first][n]]  # rows that made images
