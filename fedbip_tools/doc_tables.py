@@ -5,7 +5,8 @@ A table generated from a record sits between ``<!-- name:start -->`` and ``<!-- 
 
 - ``results`` in README.md: the headline rows of ``benchmarks/methods.json`` made with one model
   on one machine kind (the group holding most of them), per row its seeds, mean accuracy with
-  its 95% interval, FedBiP-S minus the row paired over seeds with its interval, upload size, the server's membership AUC at both latent sizes, the guarantee;
+  its 95% interval, FedBiP-S minus the row paired over seeds with its interval, upload size,
+  the server's membership AUC at both latent sizes, the guarantee;
 - ``methods`` in docs/benchmarks/methods.md: the methods benchmark's own section
   (:func:`fedbip_tools.benchmark.markdown`) from the same record;
 - ``speed`` in docs/benchmarks/speed.md: ``fedbip speed``'s section from ``benchmarks/perf.json``;
@@ -179,14 +180,15 @@ def paired_cell(record: Mapping[str, Any], name: str) -> str:
     """REFERENCE minus the row in points over the seeds both hold, with its 95% interval
     (the record's paired difference, either way round), and how many seeds where fewer than
     the row's; a dash where the record has none."""
-    for d in record["differences"]:
-        if {d["a"], d["b"]} == {REFERENCE, name} and name != REFERENCE:
-            mean = d["mean"] if d["a"] == REFERENCE else -d["mean"]
-            low, high = mean - d["half_width"], mean + d["half_width"]
-            n = len(d["per_seed"])
-            fewer = f" ({n} seeds)" if n < len(record["methods"][name]["seeds"]) else ""
-            return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]{fewer}"
-    return "–"
+    found = [d for d in record["differences"] if {d["a"], d["b"]} == {REFERENCE, name}]
+    if name == REFERENCE or not found:
+        return "–"
+    d = found[0]
+    mean = d["mean"] if d["a"] == REFERENCE else -d["mean"]
+    low, high = mean - d["half_width"], mean + d["half_width"]
+    n = len(d["per_seed"])
+    fewer = f" ({n} seeds)" if n < len(record["methods"][name]["seeds"]) else ""
+    return f"{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]{fewer}"
 
 
 def guarantee_cell(name: str) -> str:
