@@ -122,12 +122,18 @@ def readme_results() -> dict[str, list[str]]:
     return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}
 
 
-def assert_paired(cell: str, record: dict, name: str) -> None:
-    """The README's FedBiP-S − row cell against the record's per-seed differences."""
+def t_half_width(std: float, n: int) -> float:
+    """Half the 95% t-interval of a mean of n values of sample std ``std``."""
     import math
-    import statistics
 
     from scipy import stats
+
+    return float(stats.t.ppf(0.975, n - 1)) * std / math.sqrt(n)
+
+
+def assert_paired(cell: str, record: dict, name: str) -> None:
+    """The README's FedBiP-S − row cell against the record's per-seed differences."""
+    import statistics
 
     found = [d for d in record["differences"] if {d["a"], d["b"]} == {"FedBiP-S", name}]
     if name == "FedBiP-S" or not found:
@@ -136,7 +142,7 @@ def assert_paired(cell: str, record: dict, name: str) -> None:
     sign = 1 if found[0]["a"] == "FedBiP-S" else -1
     per_seed = [sign * v for v in found[0]["per_seed"].values()]
     mean, n = statistics.fmean(per_seed), len(per_seed)
-    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(per_seed) / math.sqrt(n)
+    half = t_half_width(statistics.stdev(per_seed), n)
     figures = [float(x) for x in re.findall(r"[-+]?[\d.]+(?= |\]|,)", cell.split(" (")[0])]
     expected = [round(100 * x, 1) for x in (mean, mean - half, mean + half)]
     assert figures == expected, (name, cell, expected)
@@ -147,9 +153,6 @@ def assert_paired(cell: str, record: dict, name: str) -> None:
 def test_every_figure_in_the_readmes_table_equals_its_record():
     """Read against benchmarks/methods.json itself, not through the generator."""
     import json
-    import math
-
-    from scipy import stats
 
     from fedbip_tools import benchmark as b
     from fedbip_tools.doc_tables import legacy_names
@@ -177,7 +180,7 @@ def test_every_figure_in_the_readmes_table_equals_its_record():
         n = len(e["seeds"])
         expected = []
         if n > 1:  # one seed has no interval
-            half = stats.t.ppf(0.975, n - 1) * e["std"] / math.sqrt(n)
+            half = t_half_width(e["std"], n)
             expected = [round(100 * (e["mean"] - half), 1), round(100 * (e["mean"] + half), 1)]
         assert [float(b) for b in bounds] == expected, name
         sizes = list((e.get("upload_bytes") or {}).values())
