@@ -282,16 +282,7 @@ class FedLD(MixtureChecks, Method):
         mixture = check_mixture_upload(upload, server, self.settings, expect)
         check_stats_release(upload.meta.dp, self.settings, self.tensor_names, mixture)
         if upload.meta.dp is not None:
-            release = upload.meta.dp
-            epsilon = composed_epsilon(
-                release.delta, gaussian_releases(release.noise_multiplier, release.releases)
-            )
-            check_claimed_epsilon(
-                release.epsilon,
-                epsilon,
-                release.delta,
-                f"noise multiplier {release.noise_multiplier:.6g}",
-            )
+            check_gaussian_epsilon(upload.meta.dp)
         return dataclasses.replace(upload, content=mixture)
 
     def train_set(
@@ -448,6 +439,19 @@ def check_claimed_epsilon(claimed: float, accounted: float, delta: float, noise:
         raise PayloadError(
             f"its guarantee claims epsilon {claimed:.6g}, but its {noise} give {accounted:.6g} at delta {delta:g}"
         )
+
+
+def check_gaussian_epsilon(release: DPRelease) -> None:
+    """A release of Gaussian noise alone claims the epsilon the server's accountant gives it."""
+    accounted = composed_epsilon(
+        release.delta, gaussian_releases(release.noise_multiplier, release.releases)
+    )
+    check_claimed_epsilon(
+        release.epsilon,
+        accounted,
+        release.delta,
+        f"noise multiplier {release.noise_multiplier:.6g}",
+    )
 
 
 def stats_guarantee(

@@ -49,9 +49,7 @@ from ..classifier import backbone_path, load_backbone
 from ..clusters import public_encoder
 from ..dp import (
     EPSILON_METRIC,
-    composed_epsilon,
     gaussian_guarantee,
-    gaussian_releases,
     noisy_estimate,
 )
 from ..ldm import fingerprint
@@ -75,7 +73,7 @@ from .base import (
     encode_upload,
     register,
 )
-from .fedld import DPRelease, check_claimed_epsilon, check_release_header
+from .fedld import DPRelease, check_gaussian_epsilon, check_release_header
 
 WEIGHTS, MEANS, COVARIANCES = "gmm_weights", "gmm_means", "gmm_covariances"
 # scikit-learn's default reg_covar (the baseline keeps it): added to every fitted variance, so
@@ -428,15 +426,7 @@ class FedPFT(Method):
                 ),
             ]
         )
-        accounted = composed_epsilon(
-            release.delta, gaussian_releases(release.noise_multiplier, release.releases)
-        )
-        check_claimed_epsilon(
-            release.epsilon,
-            accounted,
-            release.delta,
-            f"noise multiplier {release.noise_multiplier:.6g}",
-        )
+        check_gaussian_epsilon(release)
 
     def train_set(
         self,
