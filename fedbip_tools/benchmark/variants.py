@@ -121,8 +121,8 @@ VARIANTS: tuple[Variant, ...] = (
     # the Flower FedPFT baseline's comparison: FedAvg of a linear head on FedPFT's frozen encoder
     Variant("FedAvg-head", {"method": "fedavg", "fedavg.part": "head"}, sized=fedavg_budget),
 )
-# The headline rows (issue 89), run by default; FedLMG-FT, whose guided synthesis costs about 45
-# CPU-minutes a seed, last.
+# The headline rows (issue 89), run by default; FedLMG-FT, the costliest (its guided synthesis
+# backpropagates through the VAE decoder and the client's classifier at every step), last.
 HEADLINE = (
     "Central",
     "Prompts-only",
