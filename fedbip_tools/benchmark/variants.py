@@ -170,6 +170,7 @@ COMPARISONS: tuple[tuple[str, str], ...] = (
     # the peers, each against FedBiP as the default federation uploads
     *(("FedBiP-S", peer) for peer in ("FedLD", "Espresso", "OSCAR", "FedPFT", "FedLMG-FT")),
     ("OSCAR", "Prompts-only"),  # what the uploaded caption encodings add to the class names
+    ("FedLMG-FT", "Prompts-only"),  # what the uploaded classifier's guidance adds to them
     # the mixture mode, and what its DP guarantee costs
     ("FedBiP-S", "FedBiP-mixture"),
     ("FedBiP-S", "FedBiP-mixture-DP eps 4"),
