@@ -4,9 +4,9 @@ The premise of the paper at CPU scale. The miniature model never saw sketch or q
 in a caption, so "a sketch of a star" draws a photo- or clipart-like star; a classifier trained on
 such images does poorly on real sketches. FedBiP's uploads (z(T) of the client's own images and
 its learned concepts) bring the domain back. A reduced configuration (8 shots, 10 denoising
-steps, one pass, the same short classifier schedule from the public start for both), averaged over two seeds, each
-redoing personalization, synthesis and training through the methods registry: the code
-`flwr run` runs, called directly.
+steps, one pass, the same short classifier schedule from the public start for both), averaged
+over two seeds, each redoing personalization, synthesis and training through the methods
+registry: the code `flwr run` runs, called directly.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MARGIN = 0.10  # accuracy points FedBiP must gain over prompts-only, on average over rare domains
 # The classifier is most of this test's time. From the shipped public start (the benchmark's and
 # the default run's) 40 steps of batch 32 tell the methods apart further than 120 from a random
-# start, in half the time (model 56ea4b09e7eb, seeds 0 and 1, one thread, AVX512+bf16 Xeon,
+# start, in half the time (model 56ea4b09e7eb, seeds 0 and 1, one thread, AVX512+bf16+AMX Xeon,
 # 2026-12-06: FedBiP 0.531 vs prompts-only 0.229, 0.30, 93 CPU-s for the four runs; random
 # start, 120 steps: 0.398 vs 0.171, 0.23, 190 CPU-s).
 CLASSIFIER = {"classifier.init": "pretrained", "classifier.steps": 40, "classifier.batch-size": 32}
