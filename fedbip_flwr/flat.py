@@ -10,10 +10,9 @@ with one readable :class:`ConfigError`.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from typing_extensions import Self
 
 
 class ConfigError(ValueError):

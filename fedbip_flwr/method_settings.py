@@ -18,10 +18,9 @@ table holds only its mixture and its DP upload. Espresso reuses the pairs'
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
-from typing_extensions import Self
 
 from .flat import FlatConfig
 from .policy import Guarantee

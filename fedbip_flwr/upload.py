@@ -22,12 +22,11 @@ import os
 import struct
 import unicodedata
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import safetensors.torch
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from typing_extensions import Self
 
 from fedbip_flwr.config import FederationConfig
 from fedbip_flwr.logs import short_reason

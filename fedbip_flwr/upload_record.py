@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -199,7 +199,7 @@ class UploadRecord(_Part):
 
 def sent(blob: bytes, run_id: int) -> UploadRecord:
     """The record of an upload a ClientApp sends now, in run ``run_id``."""
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     return describe(blob).model_copy(update={"time": now, "run_id": run_id})
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -76,7 +76,7 @@ def record(
         "commit": commit(root, outputs),
         "machine": {**machine.model_dump(), "threads": threads, "kind": machine.kind},
         **{name: metadata.version(name) for name in PACKAGES},
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 

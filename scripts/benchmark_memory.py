@@ -37,6 +37,8 @@ CLIENT_DOMAINS = ("sketch", "quickdraw", "painting")
 
 def child(args: argparse.Namespace) -> None:
     """One case, in this process: payloads, synthesize_all, train_global; JSON on stdout."""
+    import tomllib
+
     import torch
     from flwr.common.config import flatten_dict
 
@@ -46,11 +48,6 @@ def child(args: argparse.Namespace) -> None:
     from fedbip_flwr.methods.fedbip import personalize, synthesize_all
     from fedbip_flwr.seeds import client_seed
     from fedbip_flwr.server import RunFolder, train_global
-
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
 
     def peak_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -30,12 +30,12 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import tomli_w
-import tomllib
 
 from fedbip_flwr import results
 from fedbip_flwr.results import SENT_SECONDS, RunResults, Seconds

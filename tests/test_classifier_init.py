@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from flwr.common.config import flatten_dict
 from safetensors import safe_open

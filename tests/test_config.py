@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from flwr.common.config import flatten_dict, parse_config_args
 
 from fedbip_flwr.config import (

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
-import tomllib
 import torch
 from diffusers import StableDiffusionPipeline
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import re
-
 import tomllib
 
 from fedbip_flwr.methods import names
