@@ -350,8 +350,8 @@ class ClassifierConfig(FlatConfig):
         "float32",
         description="float32 everywhere (the benchmark's, so its rows compare across machines); "
         "auto: fp16 autocast with loss scaling and channels-last on CUDA, bfloat16 autocast and "
-        "channels-last on a CPU with bf16 instructions above 16 px (faster; its accuracy is not "
-        "yet measured against float32: scripts/precision_check.py), float32 elsewhere.",
+        "channels-last on a CPU with bf16 instructions above 16 px (the default run's: faster "
+        "on AMX at the same accuracy, docs/benchmarks/default-run.md), float32 elsewhere.",
     )
     precise_bn: bool = Field(
         True,

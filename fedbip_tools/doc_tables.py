@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -343,20 +344,41 @@ def phase_medians(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+REPLAY = re.compile(r"\bseed=(\d+)|\bfederation\.replayable-client-noise=true")
+
+
+def seeds_of(record: Mapping[str, Any]) -> list[int]:
+    """The seeds a record's runs replayed (``default_runs.py --seeds``), in run order; none for
+    runs that drew their clients' noise from the OS."""
+    found = [re.search(r"\bseed=(\d+)", r["run_config"]) for r in record["runs"]]
+    return [int(m.group(1)) for m in found if m]
+
+
+def change_of(record: Mapping[str, Any]) -> str:
+    """What a record changed against the README's command of its day: its run config without
+    the seed replay, and its additions to that command's ``--federation-config``."""
+    config = " ".join(REPLAY.sub("", record["runs"][0]["run_config"]).split())
+    readme = record["readme_command"].partition("--federation-config ")[2]
+    federation = record.get("federation_config", "").removeprefix(readme).strip()
+    return " ".join(part for part in (config, federation) if part)
+
+
 def levers_section(records: Mapping[str, Any]) -> str:
     """The default's runs beside each lever's (one change each, made on the same machine):
-    accuracy, the phase medians and the wall time, with each record's change and commit."""
-    head = ["record", "change", "commit", "runs", "mean (lowest)", *PHASES, "outside", "wall"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * (len(head) - 3)]
+    accuracy, the phase medians and the wall time, with each record's change and commit; then,
+    for records that replayed the same seeds, each change minus the unchanged command, paired."""
+    head = ["record", "change", "commit", "kind", "runs", "mean (lowest)", *PHASES, "outside"]
+    head.append("wall")
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * (len(head) - 4)]
     for name, record in records.items():
-        runs, made = record["runs"], record["provenance"]
-        federation = record.get("federation_config", "").removeprefix("num-supernodes=3")
-        change = " ".join(part for part in (runs[0]["run_config"], federation.strip()) if part)
+        runs, made, seeds = record["runs"], record["provenance"], seeds_of(record)
+        change = change_of(record)
         cells = [
             f"`{name}`",
             f"`{change}`" if change else "the default",
             f"`{made['commit'][:7]}`",
-            str(len(runs)),
+            machine_cell(made["machine"]),
+            f"{len(runs)} (seeds {', '.join(map(str, seeds))})" if seeds else str(len(runs)),
             f"{100 * statistics.fmean(r['mean'] for r in runs):.1f} "
             f"({100 * min(r['mean'] for r in runs):.1f})",
             *(f"{statistics.median(r['seconds'][p] for r in runs):.1f}" for p in PHASES),
@@ -364,8 +386,42 @@ def levers_section(records: Mapping[str, Any]) -> str:
             f"{statistics.median(r['wall_seconds'] for r in runs):.1f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    kinds = sorted({kind_text(r["provenance"]["machine"]["kind"]) for r in records.values()})
-    return "\n".join([*lines, "", f"Medians in seconds; all on {', '.join(kinds)}.", ""])
+    return "\n".join([*lines, "", "Medians in seconds.", "", *paired_levers(records)])
+
+
+def machine_cell(machine: Mapping[str, Any]) -> str:
+    """A record's machine kind, and the kernel caps that made it so where it ran under any."""
+    caps = ", ".join(f"`{k}={v}`" for k, v in sorted(machine.get("switches", {}).items()))
+    return f"{machine['kind']} ({caps} on {machine['cpu']})" if caps else machine["kind"]
+
+
+def paired_levers(records: Mapping[str, Any]) -> list[str]:
+    """Each seeded change minus the unchanged command on the same seeds and machine kind: the
+    mean accuracy and the wall time, 95% t-intervals over the seeds."""
+    seeded = {name: r for name, r in records.items() if seeds_of(r)}
+    bases = [(n, r) for n, r in seeded.items() if not change_of(r)]
+    lines = []
+    for name, record in seeded.items():
+        for base_name, base in bases:
+            if name == base_name or not same_runs(record, base):
+                continue
+            accuracy = [100 * (a["mean"] - b["mean"]) for a, b in zip(record["runs"], base["runs"])]
+            wall = [
+                a["wall_seconds"] - b["wall_seconds"] for a, b in zip(record["runs"], base["runs"])
+            ]
+            (da, ha), (dw, hw) = benchmark.t_interval(accuracy), benchmark.t_interval(wall)
+            lines.append(
+                f"- Paired on seeds {', '.join(map(str, seeds_of(record)))}, `{name}` minus "
+                f"`{base_name}`: accuracy {da:+.1f} [{da - ha:+.1f}, {da + ha:+.1f}] points, "
+                f"wall {dw:+.1f} [{dw - hw:+.1f}, {dw + hw:+.1f}] s (95% t)."
+            )
+    return [*lines, ""] if lines else []
+
+
+def same_runs(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two records replayed the same seeds in the same order on one machine kind."""
+    kind = [r["provenance"]["machine"]["kind"] for r in (a, b)]
+    return seeds_of(a) == seeds_of(b) and len(seeds_of(a)) > 1 and kind[0] == kind[1]
 
 
 def first_run_line(record: Mapping[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """The README's first command, run as a newcomer runs it: N times, each from a fresh FLWR_HOME.
 
-Each run is the exact command (``flwr run . --stream --federation-config "num-supernodes=3"``,
-the project's defaults, no run config), timed from the outside. Recorded per run: accuracy per
+Each run is the exact command (``flwr run . --stream --federation-config "num-supernodes=3
+client-resources-num-cpus=1"``, the project's defaults, no run config), timed from the outside. Recorded per run: accuracy per
 domain and their mean, the server's phase seconds, the wall time and the load average before
 it started; once: the provenance (commit, machine kind, library versions, date). The README's
 first row quotes ``benchmarks/default_run.json``.
@@ -16,7 +16,7 @@ adds the change, and ``--judges`` records each run's judged class and domain fid
         --judges outputs/benchmark/judges.safetensors --out /tmp/t799.json
 
 ``--federation-config`` weighs the simulation's resources the same way (e.g.
-``client-resources-num-cpus=1``: two clients at a time on two cores).
+``client-resources-num-cpus=2``: one client at a time on two cores, Flower's default).
 
 Run it on an idle machine: the wall times are the figures. Each run leaves its run folder
 under outputs/ as the command always does.
@@ -46,7 +46,13 @@ from fedbip_tools import provenance
 from fedbip_tools.judges import Judges, judge_run, load_judges, write_fidelity
 from fedbip_tools.simulation import flwr_tool, stop_local_superlink
 
-COMMAND = ["run", ".", "--stream", "--federation-config", "num-supernodes=3"]
+COMMAND = [
+    "run",
+    ".",
+    "--stream",
+    "--federation-config",
+    "num-supernodes=3 client-resources-num-cpus=1",
+]
 
 
 @dataclass(frozen=True)
