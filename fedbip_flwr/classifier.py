@@ -83,10 +83,10 @@ def check_classifier_init(init: str, model: str | Path = "") -> None:
     """Fail at start-up, not hours later after synthesis, when the initial weights cannot be had.
 
     Looks in the torch hub cache (``imagenet``) or the base ``model``'s folder (``pretrained``)
-    only: nothing is downloaded and no model is built.
+    only: nothing is downloaded and no model is built, and torchvision (1.5 s to import, before
+    the server's first message) is imported only to name the ImageNet weights' file.
     """
-    path = imagenet_weights_path()
-    if init == "imagenet" and not path.is_file():
+    if init == "imagenet" and not (path := imagenet_weights_path()).is_file():
         raise ClassifierInitError(
             f'classifier.init = "imagenet" needs the ResNet-18 ImageNet weights at {path} '
             f"(torch's hub cache, $TORCH_HOME/hub/checkpoints), which is missing: download "

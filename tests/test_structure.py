@@ -261,3 +261,17 @@ def _relative(path) -> set[str]:
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
     }
+
+
+def test_a_clientapp_imports_nothing_only_the_server_uses():
+    """Every simulated client imports its app on its own core before it computes: matplotlib
+    (the server's report, about 0.4 s) must not be among what it loads (a fresh process)."""
+    import subprocess
+    import sys
+
+    audit = "import sys, client_app.app; print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
+    done = subprocess.run(
+        [sys.executable, "-c", audit], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
