@@ -1,7 +1,8 @@
 """The README's first command, run as a newcomer runs it: N times, each from a fresh FLWR_HOME.
 
-Each run is the exact command (``flwr run . --stream --federation-config "num-supernodes=3
-client-resources-num-cpus=1"``, the project's defaults, no run config), timed from the outside. Recorded per run: accuracy per
+Each run is the exact command (``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 RAY_DEDUP_LOGS=0
+flwr run . --stream --federation-config "num-supernodes=3 client-resources-num-cpus=1"``, the
+project's defaults, no run config), timed from the outside. Recorded per run: accuracy per
 domain and their mean, the server's phase seconds, the wall time and the load average before
 it started; once: the provenance (commit, machine kind, library versions, date). The README's
 first row quotes ``benchmarks/default_run.json``.
@@ -82,7 +83,12 @@ def one_run(
     """The README's first command from a fresh FLWR_HOME; what it wrote and how long it took."""
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
-        env = {**os.environ, "FLWR_HOME": home, "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+        env = {
+            **os.environ,
+            "FLWR_HOME": home,
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "RAY_DEDUP_LOGS": "0",
+        }
         started = time.monotonic()
         try:
             done = subprocess.run(
