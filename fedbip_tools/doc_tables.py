@@ -344,13 +344,14 @@ def phase_medians(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-REPLAY = re.compile(r"\bseed=(\d+)|\bfederation\.replayable-client-noise=true")
+SEED = re.compile(r"\bseed=(\d+)")
+REPLAY = re.compile(rf"{SEED.pattern}|\bfederation\.replayable-client-noise=true")
 
 
 def seeds_of(record: Mapping[str, Any]) -> list[int]:
     """The seeds a record's runs replayed (``default_runs.py --seeds``), in run order; none for
     runs that drew their clients' noise from the OS."""
-    found = [re.search(r"\bseed=(\d+)", r["run_config"]) for r in record["runs"]]
+    found = [SEED.search(r["run_config"]) for r in record["runs"]]
     return [int(m.group(1)) for m in found if m]
 
 

@@ -239,3 +239,35 @@ def test_the_readme_and_the_benchmark_index_stay_short_and_every_topic_page_too(
     }
     assert any(path.parent.name == "docs" for path in DOCS), "no page under docs/ is checked"
     assert not too_long, f"over their limit (README and BENCHMARKS.md 150, pages 400): {too_long}"
+
+
+def test_a_lever_is_compared_paired_only_against_the_unchanged_command_on_its_seeds():
+    """The levers table's paired line: a change minus the unchanged command over the seeds both
+    replayed, accuracy in points and wall seconds, 95% t; a record on other seeds gets none."""
+    from fedbip_tools import doc_tables
+
+    def record(change: str, seeds: list[int], means: list[float], walls: list[float]) -> dict:
+        runs = [
+            {"run_config": f"seed={s} federation.replayable-client-noise=true {change}".strip()}
+            | {"mean": m, "wall_seconds": w}
+            for s, m, w in zip(seeds, means, walls)
+        ]
+        machine = {"kind": "AVX2", "cpu": "x"}
+        return {
+            "readme_command": 'flwr run . --federation-config "num-supernodes=3"',
+            "runs": runs,
+            "provenance": {"machine": machine},
+        }
+
+    base = record("", [0, 1, 2], [0.90, 0.92, 0.94], [80.0, 82.0, 84.0])
+    lever = record("classifier.epochs=4", [0, 1, 2], [0.91, 0.93, 0.95], [70.0, 71.0, 72.0])
+    other = record("classifier.epochs=2", [3, 4, 5], [0.5, 0.5, 0.5], [1.0, 1.0, 1.0])
+    assert doc_tables.change_of(lever) == "classifier.epochs=4"
+    assert doc_tables.seeds_of(lever) == [0, 1, 2]
+    lines = doc_tables.paired_levers({"base": base, "lever": lever, "other": other})
+    # differences +1, +1, +1 points (no spread) and -10, -11, -12 s (half-width 4.303 * 1 / 3**0.5)
+    assert lines == [
+        "- Paired on seeds 0, 1, 2, `lever` minus `base`: accuracy +1.0 [+1.0, +1.0] points, "
+        "wall -11.0 [-13.5, -8.5] s (95% t).",
+        "",
+    ]
