@@ -19,6 +19,7 @@ from .config import FedBiPConfig, NodeConfig
 from .ldm import select_device
 from .logs import setup_logging
 from .methods import Method, MultiRound
+from .report import write_report
 from .results import RunResults
 from .server import RunFolder
 
@@ -78,8 +79,6 @@ def serve(grid: Grid, context: Context) -> RunResults:
     dataset.verify(cfg.data_description)
     check_classifier_init(cfg.classifier.init, cfg.ldm.model)  # fails now, not after synthesis
     record = _path(cfg).serve(grid, cfg, folder, select_device(cfg.ldm.device))
-    from .report import write_report  # matplotlib: the server's alone, never a ClientApp's
-
     report = write_report(folder.root)
     log.info(
         "done in %.0f s: %s; report: %s", time.perf_counter() - started, record.headline(), report

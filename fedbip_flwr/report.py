@@ -18,9 +18,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-
 from . import results
 from .results import (
     SENT_CONCEPT_LOSSES,
@@ -264,6 +261,10 @@ def _classifier_curves(run_dir: Path, record: RunResults) -> list[str]:
 
 def _plot(path: Path, panels: Sequence[tuple[str, str, Sequence[float]]]) -> Path:
     """One PNG, one panel per ``(title, y label, values per epoch)``, side by side."""
+    # imported here: every ClientApp imports this module's callers, only the server draws
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
     figure = Figure(figsize=(4.5 * len(panels), 3.2), layout="constrained")
     axes_row = figure.subplots(1, len(panels), squeeze=False)[0]
     for axes, (title, ylabel, values) in zip(axes_row, panels, strict=True):

@@ -32,6 +32,7 @@ from .distributed import RunSynthesis, SynthesisTimeout, wait_for_shards
 from .ldm import LDM, load_for_run
 from .methods import Method, MultiRound, ServerJob, Upload
 from .paths import resolve
+from .report import write_report
 from .results import (
     Accuracy,
     ClassifierCurves,
@@ -193,8 +194,6 @@ def _require_enough(
 
 def _stop(folder: RunFolder, stopped: RunResults, reason: str) -> None:
     """metrics.json and report.md of a run that stops here, with the reason."""
-    from .report import write_report  # matplotlib: the server's alone, never a ClientApp's
-
     results.write(stopped.model_copy(update={"reason": reason}), folder.root)
     write_report(folder.root)
 
