@@ -352,9 +352,12 @@ def test_each_row_takes_the_stand_in_of_its_own_upload_kind(tmp_path):
         assert setting(name) is None, name
 
 
-def attack_record(seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/likelihood-ratio"):
+def attack_record(
+    seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/likelihood-ratio", model="abc"
+):
     return {
         "command": f"python scripts/server_attacks.py --large-size 256 --seed {seed}",
+        "provenance": {"model": model},
         "results": {
             d: {key: {"attacks": {attack: {"auc": a, "auc_stderr": 0.01, "tpr_at_max_fpr": a / 4}}}}
             for d, a in per_domain_auc.items()
@@ -364,18 +367,26 @@ def attack_record(seed, per_domain_auc, key="256px/T=961/K=2", attack="rows/like
 
 def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path):
     bench = Bench(Settings(), work=tmp_path, results=tmp_path)
-    write_json(tmp_path / "server_attacks.json", attack_record(0, {"sketch": 0.9}))
-    write_json(tmp_path / "server_attacks_seed1.json", attack_record(1, {"sketch": 0.8}))
+    write_json(tmp_path / "server_attacks_latents_seed0.json", attack_record(0, {"sketch": 0.9}))
+    write_json(tmp_path / "server_attacks_latents_seed1.json", attack_record(1, {"sketch": 0.8}))
+    # another model's world (or a record without a digest): other members, never a stand-in
+    other = attack_record(2, {"sketch": 0.1}, model="old")
+    write_json(tmp_path / "server_attacks_latents_seed2.json", other)
     small = attack_record(2, {"sketch": 0.6}, key="64px/T=961/K=2")
     write_json(tmp_path / "server_attacks_t961_seed2.json", small)
     names = ["FedBiP-S", "FedBiP-S, 2 passes of one z(T)", "FedLD"]
-    large = benchmark.stand_in_attacks(bench, 961, 256, names)
+    models = dict.fromkeys(names, "abc")
+    large = benchmark.stand_in_attacks(bench, 961, 256, models)
     assert list(large) == ["FedBiP-S"], "no record of K = 1 or of FedLD"
     found = large["FedBiP-S"]
     assert found["seeds"] == [0, 1]
     sketch = found["per_domain"]["sketch"]
     assert sketch["auc"] == pytest.approx(0.85) and sketch["auc_std"] == pytest.approx(0.0707, 1e-3)
-    stand_in = benchmark.stand_in_attacks(bench, 961, 64, names)["FedBiP-S"]
+    assert benchmark.stand_in_attacks(bench, 961, 256, {"FedBiP-S": "old"})["FedBiP-S"][
+        "seeds"
+    ] == [2]
+    assert not benchmark.stand_in_attacks(bench, 961, 256, {"FedBiP-S": "new"})
+    stand_in = benchmark.stand_in_attacks(bench, 961, 64, models)["FedBiP-S"]
     assert stand_in["seeds"] == [2]
     entry = {
         "seeds": [0, 1, 2],
@@ -403,8 +414,12 @@ def test_the_stand_in_columns_are_their_kinds_records_over_their_seeds(tmp_path)
     assert "No test (class counts only): Prompts-only." in table
 
 
-def conditioning_record(seed, per_key_auc, *, large_model=None, device="cpu"):
-    made = {"machine": {"kind": "AVX2"}, **({"large_model": large_model} if large_model else {})}
+def conditioning_record(seed, per_key_auc, *, large_model=None, device="cpu", model="m1"):
+    made = {
+        "machine": {"kind": "AVX2"},
+        "model": model,
+        **({"large_model": large_model} if large_model else {}),
+    }
     return {
         **attack_record(seed, {}),
         "device": device,
@@ -435,10 +450,13 @@ def test_the_conditioning_table_takes_sd_size_only_from_the_unet_trained_there(t
     assert found[run_budget]["sketch"].auc == {0: 0.6, 1: 0.7}
     cell = found[run_budget._replace(px=256)]["sketch"]
     assert cell.auc == {0: 0.8} and cell.kinds == {"AVX2"}
+    # the UNet continued at 256 px names the model of a 4x64x64 cell, the record's any other
+    assert cell.models == {"abc"} and found[run_budget]["sketch"].models == {"m1"}
     assert found[run_budget]["sketch"].text() == "0.650 ± 0.071 / 0.16 (0, 1)"
     assert run_budget._replace(px=256) not in benchmark.conditioning_attacks(bench, "other")
     table = benchmark.conditioning_table(bench, ["painting", "sketch"])
     assert "| FedBiP's concepts | 16 shots, 10 epochs | 4x16x16 | – | 0.650 ± 0.071" in table
+    assert " (0, 1) | m1 | AVX2, NVIDIA H200 |" in table
 
 
 def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(tmp_path):
@@ -473,21 +491,22 @@ def test_the_conditioning_table_reads_the_dp_concepts_among_a_dp_uploads_tests(t
 
 
 def test_the_shipped_records_fill_the_headline_rows_at_three_seeds():
-    """The server's test on each headline row's upload kind from the records at T = 999 (the
-    benchmark's sampler): at the run's size every row but the DP mixture and Espresso (whose
-    records are at T = 961) and Central (images: no latent), at SD's latent size the latent
-    rows FedBiP-S, -L, the mixture mode and FedLD; each from three seeds of the clients'
-    randomness. Without DP the server's test finds members (AUC above 0.55 at the run's size,
-    0.75 at SD's); OSCAR's caption states carry the class only."""
+    """The server's test on each headline row's upload kind from the shipped model's records
+    at T = 999 (the benchmark's sampler): at the run's size the latent rows FedBiP-S, -L, the
+    mixture mode and FedLD, and the class means of FedPFT and OSCAR, at SD's latent size the
+    latent rows; each from three seeds of the clients' randomness (the DP mixture, Espresso,
+    FedLMG-FT: their run folders only). Without DP the server's test finds members (AUC above
+    0.55 at the run's size, 0.75 at SD's); OSCAR's caption states carry the class only."""
     bench = Bench(Settings(), work=project_dir(), results=project_dir() / "benchmarks")
-    names = list(benchmark.HEADLINE)
+    shipped = provenance.model_digest(project_dir() / "models" / "miniature-ldm")
+    models = dict.fromkeys(benchmark.HEADLINE, shipped)
     latent = {"FedBiP-S", "FedBiP-L", "FedBiP-mixture", "FedLD"}
     expected = {
-        64: latent | {"OSCAR", "FedPFT", "FedLMG-FT"},
+        64: latent | {"OSCAR", "FedPFT"},
         256: latent,
     }
     for size, floor in ((64, 0.55), (256, 0.75)):
-        found = benchmark.stand_in_attacks(bench, 999, size, names)
+        found = benchmark.stand_in_attacks(bench, 999, size, models)
         assert set(found) == expected[size], (size, sorted(found))
         for name, row in found.items():
             assert row["seeds"] == [0, 1, 2], (name, size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,17 +22,16 @@ from .variants import Variant, variant
 
 # The server's tests on each row's upload kind made by ``scripts/server_attacks.py`` (one record
 # per seed of the clients' randomness): at the run's latent size (4x16x16) and at Stable
-# Diffusion's (the world rendered at 256 px through the miniature's encoder, frozen since the first
-# model, so both LDMs' latents are bit for bit the same, and noised with SD v1-4's schedule). A
-# latent upload depends on the encoder, the schedule, T, the z(T) per image (and a DP release on
-# its epsilon), not on what a run learned: a row takes its kind's figures where its run folders are
-# gone (4x16x16) or never had that size (4x64x64).
+# Diffusion's (the world rendered at 256 px through the miniature's encoder and noised with SD
+# v1-4's schedule). A latent upload depends on the encoder, the schedule, T, the z(T) per image
+# (and a DP release on its epsilon), not on what a run learned, so a row takes its kind's figures
+# where its run folders are gone (4x16x16) or never had that size (4x64x64); but the images are
+# the world's, so only from records made with the row's own model (``provenance.model``): a
+# rebuilt world is another set of members.
 ATTACK_RECORDS = (
-    "server_attacks.json",
-    "server_attacks_seed1.json",
-    "server_attacks_seed2.json",
-    "server_attacks_mixtures.json",
-    "server_attacks_means.json",
+    "server_attacks_latents_seed0.json",
+    "server_attacks_latents_seed1.json",
+    "server_attacks_latents_seed2.json",
     "server_attacks_t961_seed0.json",
     "server_attacks_t961_seed1.json",
     "server_attacks_t961_seed2.json",
@@ -125,23 +124,26 @@ def record_seed(record: Mapping[str, Any]) -> int:
 
 
 def stand_in_attacks(
-    bench: Bench, timestep: int, size: int, names: Sequence[str]
+    bench: Bench, timestep: int, size: int, models: Mapping[str, str]
 ) -> dict[str, dict]:
-    """Per row with a stand-in at ``size`` px: its kind's AUC over the records' seeds (the
-    first record of a seed that holds it), summarized as :func:`server_attack_summary` does."""
+    """Per row (name -> its model's digest) with a stand-in at ``size`` px: its kind's AUC over
+    the seeds of the records made with that model (the first record of a seed that holds it),
+    summarized as :func:`server_attack_summary` does."""
     records = [
         json.loads(path.read_text())
         for path in (bench.results / name for name in ATTACK_RECORDS)
         if path.exists()
     ]
     out = {}
-    for name in names:
+    for name, model in models.items():
         setting = stand_in_setting(bench, variant(name), timestep, size)
         if setting is None:
             continue
         key, attack = setting
         per_seed: dict[int, dict[str, dict[str, float]]] = {}
         for record in records:
+            if record.get("provenance", {}).get("model") != model:
+                continue
             found = {
                 domain: {
                     "auc": a["auc"],
@@ -203,6 +205,7 @@ CONDITIONING_RECORDS = (
     "server_attacks_dp_seed2.json",
 )
 CONDITIONING_LARGE_MODEL = Path("models") / "miniature-ldm-256px"
+NO_DIGEST = "not recorded"  # a record made before provenance named the model
 # the DP mixture mode's concepts (DP-SGD under the rest of the upload's epsilon): its records key
 # an upload by its epsilon, the concepts' test one of the upload's attacks
 DP_MIXTURE = "fedbip-mixture-dp"
@@ -247,6 +250,7 @@ class ConditioningCell:
     auc: dict[int, float]
     tpr_at_low_fpr: dict[int, float]
     kinds: set[str]  # the machine kinds (a GPU by name) the seeds ran on
+    models: set[str]  # the LDMs' digests the seeds ran (records before the field: none named)
 
     def text(self) -> str:
         """AUC (± sample std over seeds, where more than one) / mean TPR at 1% FPR (seeds)."""
@@ -291,10 +295,12 @@ def conditioning_attacks(
                 if setting.px >= LARGE_SIZE and made.get("large_model") != large_model:
                     continue
                 cell = out.setdefault(setting, {}).setdefault(
-                    domain, ConditioningCell({}, {}, set())
+                    domain, ConditioningCell({}, {}, set(), set())
                 )
                 if seed not in cell.auc:
                     cell.auc[seed] = found["auc"]
                     cell.tpr_at_low_fpr[seed] = found["tpr_at_max_fpr"]
                     cell.kinds.add(kind)
+                    model = large_model if setting.px >= LARGE_SIZE else made.get("model")
+                    cell.models.add(model or NO_DIGEST)
     return out

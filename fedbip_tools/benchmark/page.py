@@ -173,7 +173,8 @@ reply's loss, one client a domain and seed. 4x64x64, Stable Diffusion's
 latent size: the same from the world rendered at {LARGE_SIZE} px through the miniature's encoder
 and noised with SD v1-4's schedule, the last column naming the records' seeds of the clients'
 randomness: it stands in for SD's latent size and schedule, not for SD's VAE on photographs.
-Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
+A record counts only for rows of the model it was made with (its world's images are the
+members). Records: {", ".join(f"`{r}`" for r in ATTACK_RECORDS)}. A dash: at 4x64x64 not a latent upload
 (images, a classifier, FedAvg's replies, features and caption states: no latent size to scale),
 or no record. Each row takes its latent upload's test; the learned conditioning beside it,
 FedBiP's concepts and Espresso's conditions, is tested apart by the loss-ratio test (the table
@@ -190,7 +191,9 @@ the control fails on the previous model's UNet, trained at 4x16x16, so the figur
 continued at {LARGE_SIZE} px (`{CONDITIONING_LARGE_MODEL}`), where the conditions' control
 passes on every domain and the concepts' on painting only: it fails on quickdraw and is weak on
 sketch (within 1.5 standard errors, about 0.08 at 24 a side, of chance), so the concepts'
-default-budget figures there bound little. A dash: not measured. Records: {", ".join(f"`{r}`" for r in CONDITIONING_RECORDS)}.
+default-budget figures there bound little. The models column names the LDMs the records ran
+(at 4x64x64 the UNet continued at {LARGE_SIZE} px): where it is not this table's model, the
+figures are that world's, not remade on this one. A dash: not measured. Records: {", ".join(f"`{r}`" for r in CONDITIONING_RECORDS)}.
 
 {conditioning_table(bench, sorted(s.domains))}
 Pictures: `benchmarks/pictures/methods-<domain>.png`, one row per method (first seed).
@@ -249,10 +252,9 @@ def report(
     summary = summarize(runs, mix_machine_kinds=mix_machine_kinds)
     found, sampled = differences(runs), sampling(bench)
     run_size = FedBiPConfig.from_flat(base_values(bench, 0)).data.image_size
+    models = {name: e["made_with"]["models"][0] for name, e in summary.items()}
     for key, size in ((SERVER_ATTACK_STAND_IN, run_size), (SERVER_ATTACK_LARGE, LARGE_SIZE)):
-        for name, attacked in stand_in_attacks(
-            bench, sampled.timestep, size, list(summary)
-        ).items():
+        for name, attacked in stand_in_attacks(bench, sampled.timestep, size, models).items():
             summary[name][key] = attacked
     judged = json.loads(judges_record(bench).read_text())
     write_json(

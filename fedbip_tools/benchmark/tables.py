@@ -296,12 +296,13 @@ def reconstruction_cells(per_domain: Mapping[str, Mapping[str, float]] | None) -
 
 
 def conditioning_table(bench: Bench, domains: Sequence[str]) -> str:
-    """One line per conditioning kind, budget and latent size the records hold."""
+    """One line per conditioning kind, budget and latent size the records hold, with the
+    models (digests) and machine kinds its seeds ran on."""
     large_model = provenance.model_digest(project_dir() / CONDITIONING_LARGE_MODEL)
     found = conditioning_attacks(bench, large_model)
     lines = [
-        "| upload | budget | latents | " + " | ".join(domains) + " | machine kinds |",
-        "|---" * (len(domains) + 4) + "|",
+        "| upload | budget | latents | " + " | ".join(domains) + " | models | machine kinds |",
+        "|---" * (len(domains) + 5) + "|",
     ]
     tests = list(CONDITIONING_TESTS)
     for (test, shots, epochs, px, epsilon), cells in sorted(
@@ -310,9 +311,10 @@ def conditioning_table(bench: Bench, domains: Sequence[str]) -> str:
         latents = "4x16x16" if px < LARGE_SIZE else f"4x64x64, UNet continued at {LARGE_SIZE} px"
         texts = [cells[d].text() if d in cells else "–" for d in domains]
         kinds = ", ".join(sorted(set().union(*(c.kinds for c in cells.values()))))
+        models = ", ".join(sorted(set().union(*(c.models for c in cells.values()))))
         dp = f", DP-SGD, upload epsilon {epsilon:g}" if epsilon is not None else ""
         budget = f"{shots} shots, {epochs} epochs{dp}"
         lines.append(
-            f"| {CONDITIONING_TESTS[test]} | {budget} | {latents} | {' | '.join(texts)} | {kinds} |"
+            f"| {CONDITIONING_TESTS[test]} | {budget} | {latents} | {' | '.join(texts)} | {models} | {kinds} |"
         )
     return "\n".join(lines) + "\n"
